@@ -1,0 +1,347 @@
+"""Value types of the LoRA version registry: keys, states, receipts, results, and their codec.
+
+Everything here is an immutable value (frozen dataclass, NamedTuple or enum) so it can be
+returned to callers, stored as an op result, pickled across a Ray actor boundary and written to
+the SQLite journal without any chance of a caller mutating registry state through a reference.
+
+The JSON codec at the bottom is tagged (``{"$t": "VersionKey", ...}``) so that a journal row
+decodes back to exactly the typed value that was passed in; the store relies on that to replay
+the journal and to compare recomputed results with the stored ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from enum import Enum, StrEnum
+from typing import Any, NamedTuple
+
+# --------------------------------------------------------------------------------------- keys
+
+
+class VersionKey(NamedTuple):
+    """``(deployment_epoch, version_id)``: the logical identity of one managed LoRA version."""
+
+    epoch: str
+    version_id: str
+
+    def __str__(self) -> str:
+        return f"{self.epoch}/{self.version_id}"
+
+
+class SessionKey(NamedTuple):
+    """``(deployment_epoch, nonce)``: one session lifecycle; a reused name gets a fresh nonce."""
+
+    epoch: str
+    nonce: str
+
+    def __str__(self) -> str:
+        return f"{self.epoch}/{self.nonce}"
+
+
+# ------------------------------------------------------------------------------------- states
+
+
+class VersionState(StrEnum):
+    LOADING = "LOADING"  # reserved, attempt live, engines preparing / loading
+    PUBLISHED = "PUBLISHED"  # the default; new sessions bind it
+    RETIRED = "RETIRED"  # replaced as default; bound sessions keep using it
+    RECLAIMING = "RECLAIMING"  # no session can ask for it any more; engines unloading
+    RECLAIMED = "RECLAIMED"  # every engine confirmed UNLOADED (terminal)
+    ABORTED = "ABORTED"  # attempt failed; waiting for cleanup on every engine
+    FAILED_CLEAN = "FAILED_CLEAN"  # every engine confirmed cleanup (terminal)
+
+
+class SessionState(StrEnum):
+    OPEN = "OPEN"  # may bind (once) and dispatch
+    CLOSING = "CLOSING"  # begin_close seen: no later open/bind; ref still held
+    CLOSED = "CLOSED"  # ref released (or never held); a tombstone, never reopens
+
+
+class AttemptPhase(StrEnum):
+    """What the registry knows about one engine's part of one publication attempt."""
+
+    NONE = "NONE"  # nothing confirmed (or invalidated by an engine restart)
+    PREPARED = "PREPARED"  # begin accepted by the current incarnation
+    READY = "READY"  # READY_LOCAL from the current incarnation
+    UNKNOWN = "UNKNOWN"  # the publisher could not learn an outcome: never treat as clean
+    CLEANED = "CLEANED"  # cleanup confirmed (only after abort)
+
+
+class ReclaimPhase(StrEnum):
+    PENDING = "PENDING"  # reclaim claimed, no receipt yet
+    UNKNOWN = "UNKNOWN"  # reclaim call outcome unknown: the slot stays held
+    UNLOADED = "UNLOADED"  # UNLOADED receipt for this reclaim id
+
+
+# ----------------------------------------------------------------------------------- receipts
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedReceipt:
+    """An engine accepted ``begin`` for this attempt (PREPARED)."""
+
+    version_key: VersionKey
+    attempt_token: str
+    incarnation: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadyReceipt:
+    """An engine finished ``end``: manifest verified, adapter loaded pinned, probe passed."""
+
+    version_key: VersionKey
+    digest: str
+    attempt_token: str
+    incarnation: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CleanupReceipt:
+    """An engine confirmed that nothing of this attempt is left (and tombstoned its token)."""
+
+    attempt_token: str
+    incarnation: str
+
+
+@dataclasses.dataclass(frozen=True)
+class UnloadedReceipt:
+    """An engine confirmed the physical unload for this reclaim id."""
+
+    reclaim_id: str
+    incarnation: str
+
+
+# ------------------------------------------------------------------------------------ results
+
+
+@dataclasses.dataclass(frozen=True)
+class ReserveResult:
+    version_key: VersionKey
+    digest: str
+    lora_name: str
+    attempt_token: str
+    state: VersionState  # state when this answer was first given
+    created: bool  # True only for the call that created the candidate
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineAck:
+    """Answer to a PREPARED / READY / cleanup receipt or an unknown-outcome mark."""
+
+    version_key: VersionKey
+    engine_id: str
+    ref: str  # attempt token or reclaim id the receipt was about
+    phase: str  # AttemptPhase / ReclaimPhase value recorded for this engine
+    state: VersionState  # version state right after this receipt
+    confirmed: tuple[str, ...]  # engines that have confirmed this phase so far (sorted)
+    complete: bool  # every engine of the cohort confirmed
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitReceipt:
+    version_key: VersionKey
+    attempt_token: str
+    digest: str
+    lora_name: str
+    default_revision: int  # revision after this commit
+    previous_default: VersionKey | None  # now RETIRED
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortResult:
+    version_key: VersionKey
+    attempt_token: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class IncarnationResult:
+    engine_id: str
+    incarnation: str
+    previous: str | None
+    invalidated: tuple[str, ...]  # attempt tokens whose PREPARED/READY on this engine were dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    session_key: SessionKey
+    version_key: VersionKey
+    lora_name: str
+    digest: str
+    default_revision: int  # the revision that was current at bind time
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionView:
+    session_key: SessionKey
+    state: SessionState
+    binding: Binding | None
+    released: bool  # the session ref was given back (exactly once)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReclaimClaim:
+    version_key: VersionKey
+    reclaim_id: str
+    lora_name: str
+    digest: str
+
+
+@dataclasses.dataclass(frozen=True)
+class UnknownOutcome:
+    engine_id: str
+    ref: str  # attempt token or reclaim id
+    version_key: VersionKey
+    op: str  # what the publisher was doing (begin, end, cleanup, reclaim, ...)
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionView:
+    version_key: VersionKey
+    digest: str
+    lora_name: str
+    state: VersionState
+    session_refs: int
+    holds_slot: bool
+    attempt_token: str
+    attempt_phases: Mapping[str, AttemptPhase]
+    reclaim_id: str | None
+    reclaim_phases: Mapping[str, ReclaimPhase]
+    abort_reason: str | None
+    commit_revision: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusView:
+    epoch: str
+    capacity: int
+    slots_used: int
+    default: VersionKey | None
+    default_lora_name: str | None
+    default_revision: int
+    pending_attempt: str | None  # token of the LOADING / ABORTED attempt, if any
+    engines: Mapping[str, str | None]  # engine -> current incarnation
+    versions: tuple[VersionView, ...]
+    unknown_outcomes: tuple[UnknownOutcome, ...]
+    sessions: Mapping[str, int]  # count per SessionState
+    seq: int  # accepted transitions so far
+
+
+# ---------------------------------------------------------------------- internal state records
+# Frozen so that an op can build the new records first and swap them in only after every check
+# passed (a half-updated record can not exist). The dict fields are never mutated in place:
+# every change builds a new dict (copy on write).
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionRecord:
+    key: VersionKey
+    digest: str
+    lora_name: str
+    attempt_token: str
+    state: VersionState
+    attempt_phases: dict[str, AttemptPhase]
+    session_refs: int = 0
+    abort_reason: str | None = None
+    commit: CommitReceipt | None = None
+    reclaim_id: str | None = None
+    reclaim_phases: dict[str, ReclaimPhase] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionRecord:
+    key: SessionKey
+    state: SessionState
+    binding: Binding | None = None
+    released: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRecord:
+    engine_id: str
+    incarnation: str | None = None
+    history: tuple[str, ...] = ()  # every incarnation ever registered, oldest first
+
+
+# -------------------------------------------------------------------------------------- codec
+
+_TYPES: dict[str, type] = {
+    t.__name__: t
+    for t in (
+        VersionKey,
+        SessionKey,
+        VersionState,
+        SessionState,
+        AttemptPhase,
+        ReclaimPhase,
+        PreparedReceipt,
+        ReadyReceipt,
+        CleanupReceipt,
+        UnloadedReceipt,
+        ReserveResult,
+        EngineAck,
+        CommitReceipt,
+        AbortResult,
+        IncarnationResult,
+        Binding,
+        SessionView,
+        ReclaimClaim,
+        UnknownOutcome,
+        VersionView,
+        StatusView,
+        VersionRecord,
+        SessionRecord,
+        EngineRecord,
+    )
+}
+
+
+def encode(obj: Any) -> Any:
+    """Typed value -> JSON-able value that :func:`decode` turns back into an equal value."""
+    if obj is None or isinstance(obj, bool | int | float):
+        return obj
+    if isinstance(obj, Enum):
+        return {"$e": type(obj).__name__, "v": obj.value}
+    if isinstance(obj, str):
+        return obj
+    if isinstance(obj, VersionKey | SessionKey):
+        return {"$t": type(obj).__name__, "f": [encode(v) for v in obj]}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {"$t": type(obj).__name__, "d": fields}
+    if isinstance(obj, tuple):
+        return {"$tuple": [encode(v) for v in obj]}
+    if isinstance(obj, list):
+        return [encode(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {"$map": [[encode(k), encode(v)] for k, v in obj.items()]}
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def decode(data: Any) -> Any:
+    if data is None or isinstance(data, bool | int | float | str):
+        return data
+    if isinstance(data, list):
+        return [decode(v) for v in data]
+    if "$e" in data:
+        return _TYPES[data["$e"]](data["v"])
+    if "$tuple" in data:
+        return tuple(decode(v) for v in data["$tuple"])
+    if "$map" in data:
+        return {decode(k): decode(v) for k, v in data["$map"]}
+    cls = _TYPES[data["$t"]]
+    if "f" in data:
+        return cls(*(decode(v) for v in data["f"]))
+    return cls(**{k: decode(v) for k, v in data["d"].items()})
+
+
+def dumps(obj: Any) -> str:
+    """Canonical JSON text of a typed value (stable across runs: used to compare replays)."""
+    return json.dumps(encode(obj), sort_keys=True, separators=(",", ":"))
+
+
+def loads(text: str) -> Any:
+    return decode(json.loads(text))

@@ -1,0 +1,431 @@
+"""Durability for the LoRA version registry: a journal of accepted calls in SQLite (stdlib, WAL).
+
+Why a journal and not a state snapshot
+--------------------------------------
+The registry is deterministic (no clocks, no randomness, derived ids), so its state is a pure
+function of the accepted calls. We therefore store each accepted call (op name, arguments and the
+answer it got) as one row and rebuild the state on open by replaying the rows through the very
+same pure code:
+
+* one small INSERT + COMMIT per accepted transition, whatever the size of the state (a snapshot
+  would rewrite every session tombstone on every bind);
+* there is no second write path that could drift from the state machine: the registry is the
+  only code that computes transitions, on the live path and on replay;
+* replay recomputes every answer and compares it with the stored one, so a code change that
+  would alter history is detected at open (``JournalDivergenceError``) instead of silently
+  producing another state; the journal is also the audit log of the epoch.
+
+The price is open time linear in the history. :meth:`DurableRegistry.checkpoint` stores a full
+state dump at the current sequence number; open then loads the newest checkpoint and replays only
+the rows after it (the journal itself is kept as the audit log).
+
+Guarantees
+----------
+* Every accepted transition is committed (``synchronous=FULL`` by default) before its result is
+  returned. A refused call raises before anything is written; a replay (idempotent repeat)
+  changes no state and writes nothing. Reopening restores the identical state, including the
+  stored op results, so a retry after a coordinator restart gets the same answer.
+* Single writer: an exclusive ``flock`` on ``<db>.lock`` is held for the registry's lifetime.
+  The OS drops it when the process dies (also on SIGKILL), so crash recovery needs no cleanup,
+  while a second live writer is refused with :class:`StoreLockedError` (no split brain).
+* A database of another epoch / cohort / capacity, of a newer schema, or not written by this
+  module is refused with a clear error; nothing is migrated silently.
+* If a commit itself fails (disk full, I/O error) the in-memory state is ahead of the disk: the
+  instance refuses every further call (:class:`StoreBrokenError`) until it is reopened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from relax_glue.registry import MUTATING_OPS, LoRAVersionRegistry
+from relax_glue.registry_types import (
+    AbortResult,
+    Binding,
+    CleanupReceipt,
+    CommitReceipt,
+    EngineAck,
+    IncarnationResult,
+    PreparedReceipt,
+    ReadyReceipt,
+    ReclaimClaim,
+    ReserveResult,
+    SessionKey,
+    SessionView,
+    StatusView,
+    UnloadedReceipt,
+    VersionKey,
+    VersionView,
+    dumps,
+    loads,
+)
+from sglang_ext.errors import LoraVersionError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "DurableRegistry",
+    "JournalDivergenceError",
+    "SchemaVersionError",
+    "StoreBrokenError",
+    "StoreError",
+    "StoreLockedError",
+    "StoreMismatchError",
+]
+
+SCHEMA_VERSION = 1
+# PRAGMA application_id: marks a file as ours, so a foreign SQLite file is refused, not adopted.
+APPLICATION_ID = 0x4C525631  # "LRV1"
+_SYNC_MODES = ("FULL", "NORMAL", "OFF")
+
+T = TypeVar("T")
+
+
+class StoreError(RuntimeError):
+    """The store cannot be used as asked (an operational error, not a registry refusal)."""
+
+
+class StoreLockedError(StoreError):
+    """Another live writer holds the database."""
+
+
+class StoreMismatchError(StoreError):
+    """The database belongs to another epoch, cohort or capacity, or is not a registry DB."""
+
+
+class SchemaVersionError(StoreError):
+    """The database was written by another (newer) schema version."""
+
+
+class JournalDivergenceError(StoreError):
+    """Replaying the journal does not reproduce the recorded answers (code drift or corruption)."""
+
+
+class StoreBrokenError(StoreError):
+    """A commit failed after the in-memory state moved: reopen the store."""
+
+
+class DurableRegistry:
+    """A :class:`LoRAVersionRegistry` whose every accepted transition is journaled in SQLite.
+
+    Same method names, arguments, results and errors as the registry; open with :meth:`open`
+    and close with :meth:`close` (or use it as a context manager).
+    """
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        raise TypeError("use DurableRegistry.open(path, epoch, engines, capacity)")
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        epoch: str | int,
+        engines: Sequence[str],
+        capacity: int = 2,
+        *,
+        synchronous: str = "FULL",
+        debug_checks: bool = __debug__,
+    ) -> DurableRegistry:
+        """Open (or create) the registry database at ``path`` and take the writer lock."""
+        if synchronous not in _SYNC_MODES:
+            raise ValueError(f"synchronous must be one of {_SYNC_MODES}")
+        self = object.__new__(cls)
+        self.path = Path(path)
+        self._mutex = threading.RLock()
+        self._broken = False
+        self._closed = True
+        self._lock_fd = _take_writer_lock(self.path)
+        try:
+            self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            try:
+                self._registry = _open_db(self._conn, self.path, epoch, engines, capacity, synchronous)
+            except BaseException:
+                self._conn.close()
+                raise
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._registry.debug_checks = debug_checks
+        self._closed = False
+        return self
+
+    # ------------------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._conn.close()
+            finally:
+                os.close(self._lock_fd)  # releases the flock
+
+    def __enter__(self) -> DurableRegistry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def registry(self) -> LoRAVersionRegistry:
+        """The in-memory state machine (read it; mutate only through this store)."""
+        return self._registry
+
+    @property
+    def epoch(self) -> str:
+        return self._registry.epoch
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        return self._registry.engines
+
+    @property
+    def capacity(self) -> int:
+        return self._registry.capacity
+
+    @property
+    def seq(self) -> int:
+        return self._registry.seq
+
+    def checkpoint(self) -> int:
+        """Store a full state dump at the current sequence number; later opens replay only the
+        journal rows after it. Returns that sequence number."""
+        with self._mutex:
+            self._check_usable()
+            seq, text = self._registry.seq, self._registry.dump()
+            self._write("INSERT OR REPLACE INTO checkpoint(seq, state) VALUES (?, ?)", (seq, text))
+            return seq
+
+    # --------------------------------------------------------------------- mutating ops
+
+    def reserve(
+        self, version_key: VersionKey | Sequence[str], digest: str, lora_name: str, request_id: str
+    ) -> ReserveResult:
+        return self._apply(
+            "reserve", version_key=version_key, digest=digest, lora_name=lora_name, request_id=request_id
+        )
+
+    def record_prepared(self, engine_id: str, receipt: PreparedReceipt) -> EngineAck:
+        return self._apply("record_prepared", engine_id=engine_id, receipt=receipt)
+
+    def record_ready(self, engine_id: str, receipt: ReadyReceipt) -> EngineAck:
+        return self._apply("record_ready", engine_id=engine_id, receipt=receipt)
+
+    def commit(
+        self, version_key: VersionKey | Sequence[str], attempt_token: str, expected_default_revision: int
+    ) -> CommitReceipt:
+        return self._apply(
+            "commit",
+            version_key=version_key,
+            attempt_token=attempt_token,
+            expected_default_revision=expected_default_revision,
+        )
+
+    def abort(self, attempt_token: str, reason: str) -> AbortResult:
+        return self._apply("abort", attempt_token=attempt_token, reason=reason)
+
+    def record_cleanup(self, engine_id: str, attempt_token: str, receipt: CleanupReceipt) -> EngineAck:
+        return self._apply(
+            "record_cleanup", engine_id=engine_id, attempt_token=attempt_token, receipt=receipt
+        )
+
+    def register_engine_incarnation(self, engine_id: str, incarnation: str) -> IncarnationResult:
+        return self._apply("register_engine_incarnation", engine_id=engine_id, incarnation=incarnation)
+
+    def mark_engine_unknown(self, engine_id: str, ref: str, op: str, reason: str) -> EngineAck:
+        return self._apply("mark_engine_unknown", engine_id=engine_id, ref=ref, op=op, reason=reason)
+
+    def open_session(self, session_key: SessionKey | Sequence[str]) -> SessionView:
+        return self._apply("open_session", session_key=session_key)
+
+    def bind_first(self, session_key: SessionKey | Sequence[str]) -> Binding:
+        return self._apply("bind_first", session_key=session_key)
+
+    def begin_close(self, session_key: SessionKey | Sequence[str]) -> SessionView:
+        return self._apply("begin_close", session_key=session_key)
+
+    def close_and_release(self, session_key: SessionKey | Sequence[str]) -> SessionView:
+        return self._apply("close_and_release", session_key=session_key)
+
+    def claim_reclaim(self, version_key: VersionKey | Sequence[str]) -> ReclaimClaim:
+        return self._apply("claim_reclaim", version_key=version_key)
+
+    def confirm_reclaim(
+        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadedReceipt
+    ) -> EngineAck:
+        return self._apply("confirm_reclaim", version_key=version_key, engine_id=engine_id, receipt=receipt)
+
+    # -------------------------------------------------------------------------- queries
+
+    def status(self) -> StatusView:
+        return self._query(self._registry.status)
+
+    def version(self, version_key: VersionKey | Sequence[str]) -> VersionView | None:
+        return self._query(lambda: self._registry.version(version_key))
+
+    def binding_of(self, session_key: SessionKey | Sequence[str]) -> Binding | None:
+        return self._query(lambda: self._registry.binding_of(session_key))
+
+    def session(self, session_key: SessionKey | Sequence[str]) -> SessionView | None:
+        return self._query(lambda: self._registry.session(session_key))
+
+    def dump(self) -> str:
+        return self._query(self._registry.dump)
+
+    def check_invariants(self, full: bool = True) -> None:
+        self._query(lambda: self._registry.check_invariants(full))
+
+    # -------------------------------------------------------------------------- helpers
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise StoreError(f"registry store {self.path} is closed")
+        if self._broken:
+            raise StoreBrokenError(f"a commit to {self.path} failed earlier; reopen the store")
+
+    def _query(self, fn: Callable[[], T]) -> T:
+        with self._mutex:
+            self._check_usable()
+            return fn()
+
+    def _apply(self, op: str, **kwargs: Any) -> Any:
+        with self._mutex:
+            self._check_usable()
+            before = self._registry.seq
+            result = getattr(self._registry, op)(**kwargs)  # a refusal raises here: nothing written
+            if self._registry.seq == before:
+                return result  # an idempotent repeat: no transition, nothing to write
+            assert self._registry.seq == before + 1
+            row = (self._registry.seq, op, dumps(kwargs), dumps(result))
+            self._write("INSERT INTO journal(seq, op, args, result) VALUES (?, ?, ?, ?)", row)
+            return result
+
+    def _write(self, sql: str, params: tuple[Any, ...]) -> None:
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+            self._conn.execute(sql, params)
+            self._conn.execute("COMMIT")
+        except BaseException as exc:
+            # The in-memory registry may be ahead of the disk now: refuse to go on, so no answer
+            # is ever returned for a transition that is not durable.
+            self._broken = True
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
+            raise StoreBrokenError(f"commit to {self.path} failed: {exc!r}; reopen the store") from exc
+
+
+def _take_writer_lock(path: Path) -> int:
+    lock_path = path.with_name(path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StoreLockedError(
+            f"{path} is already open by another registry writer (pid {holder}); "
+            "only one writer per registry database is allowed"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _open_db(
+    conn: sqlite3.Connection,
+    path: Path,
+    epoch: str | int,
+    engines: Sequence[str],
+    capacity: int,
+    synchronous: str,
+) -> LoRAVersionRegistry:
+    # Constructing the registry first validates the arguments before the file is touched.
+    fresh = LoRAVersionRegistry(epoch, engines, capacity, debug_checks=False)
+    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if str(mode).lower() != "wal":
+        raise StoreError(f"could not switch {path} to WAL mode (got {mode})")
+    conn.execute(f"PRAGMA synchronous={synchronous}")
+    conn.execute("PRAGMA busy_timeout=1000")
+
+    app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if app_id == 0 and not tables:
+        _create_schema(conn, fresh)
+        return fresh
+    if app_id != APPLICATION_ID or "meta" not in tables:
+        raise StoreMismatchError(f"{path} is not a LoRA version registry database")
+    meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+    schema = int(meta.get("schema_version", "0"))
+    if schema != SCHEMA_VERSION:
+        newer = schema > SCHEMA_VERSION
+        raise SchemaVersionError(
+            f"{path} has registry schema {schema}, this code reads {SCHEMA_VERSION}"
+            + ("; upgrade the code" if newer else "; no migration is defined")
+        )
+    expected = _meta_of(fresh)
+    for field in ("epoch", "engines", "capacity"):
+        if meta.get(field) != expected[field]:
+            raise StoreMismatchError(
+                f"{path} belongs to {field}={meta.get(field)}, not {expected[field]}: "
+                "a new deployment epoch needs a new registry database"
+            )
+    return _replay(conn, path, fresh)
+
+
+def _meta_of(reg: LoRAVersionRegistry) -> dict[str, str]:
+    return {
+        "schema_version": str(SCHEMA_VERSION),
+        "epoch": reg.epoch,
+        "engines": dumps(list(reg.engines)),
+        "capacity": str(reg.capacity),
+    }
+
+
+def _create_schema(conn: sqlite3.Connection, reg: LoRAVersionRegistry) -> None:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+        conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        conn.execute(
+            "CREATE TABLE journal (seq INTEGER PRIMARY KEY, op TEXT NOT NULL, "
+            "args TEXT NOT NULL, result TEXT NOT NULL)"
+        )
+        conn.execute("CREATE TABLE checkpoint (seq INTEGER PRIMARY KEY, state TEXT NOT NULL)")
+        conn.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", sorted(_meta_of(reg).items()))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _replay(conn: sqlite3.Connection, path: Path, reg: LoRAVersionRegistry) -> LoRAVersionRegistry:
+    row = conn.execute("SELECT seq, state FROM checkpoint ORDER BY seq DESC LIMIT 1").fetchone()
+    if row is not None:
+        reg = LoRAVersionRegistry.load(row[1], debug_checks=False)
+        if reg.seq != row[0]:
+            raise JournalDivergenceError(f"{path}: checkpoint {row[0]} holds state of seq {reg.seq}")
+    rows = conn.execute("SELECT seq, op, args, result FROM journal WHERE seq > ? ORDER BY seq", (reg.seq,))
+    for seq, op, args, stored in rows:
+        where = f"{path}: journal row {seq} ({op})"
+        if op not in MUTATING_OPS:
+            raise JournalDivergenceError(f"{where}: not a registry operation")
+        try:
+            result = getattr(reg, op)(**loads(args))
+        except LoraVersionError as exc:
+            raise JournalDivergenceError(f"{where} is refused on replay: {exc}") from exc
+        if reg.seq != seq:
+            raise JournalDivergenceError(f"{where} replays to sequence {reg.seq}")
+        if dumps(result) != stored:
+            raise JournalDivergenceError(f"{where} replays to another answer than the one recorded")
+    reg.check_invariants(full=True)
+    return reg

@@ -1,0 +1,151 @@
+"""Shared helpers for the relax_glue registry tests (not a test module).
+
+The ``Checked`` wrapper enforces, on every call, the two rules the registry promises: after an
+accepted transition every invariant holds (full walk), and a refused call leaves the complete
+state byte-for-byte unchanged (check before you mutate).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+from relax_glue.registry import MUTATING_OPS, LoRAVersionRegistry
+from relax_glue.registry_types import (
+    CleanupReceipt,
+    CommitReceipt,
+    PreparedReceipt,
+    ReadyReceipt,
+    ReclaimClaim,
+    ReserveResult,
+    SessionKey,
+    UnloadedReceipt,
+    VersionKey,
+)
+from sglang_ext.errors import ErrorCode, LoraVersionError
+
+EPOCH = "7"
+ENGINES = ("E0", "E1")
+
+
+def digest(content: str) -> str:
+    return hashlib.sha256(content.encode()).hexdigest()
+
+
+def lora_name(version_id: str, dig: str) -> str:
+    return f"relax_policy_lora@{EPOCH}-{version_id}-{dig[:12]}"
+
+
+def vk(version_id: str) -> VersionKey:
+    return VersionKey(EPOCH, version_id)
+
+
+def sk(nonce: str) -> SessionKey:
+    return SessionKey(EPOCH, nonce)
+
+
+class Checked:
+    """Proxy over a registry (or durable store) that checks invariants and no-side-effect."""
+
+    def __init__(self, reg: Any) -> None:
+        self.inner = reg
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name not in MUTATING_OPS:
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            before = self.inner.dump()
+            try:
+                result = attr(*args, **kwargs)
+            except LoraVersionError:
+                assert self.inner.dump() == before, f"refused {name} changed the state"
+                raise
+            self.inner.check_invariants(full=True)
+            return result
+
+        return call
+
+
+def new_registry(capacity: int = 2, engines: tuple[str, ...] = ENGINES) -> Any:
+    return Checked(LoRAVersionRegistry(EPOCH, engines, capacity))
+
+
+def refused(code: ErrorCode, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> LoraVersionError:
+    """Call ``fn`` and assert it is refused with ``code``; return the error."""
+    try:
+        fn(*args, **kwargs)
+    except LoraVersionError as exc:
+        assert exc.code is code, f"expected {code.value}, got {exc.code.value}: {exc.message}"
+        return exc
+    raise AssertionError(f"expected {code.value}, call was accepted")
+
+
+class Publisher:
+    """The publisher's bookkeeping in tests: incarnations, receipts, the happy paths."""
+
+    def __init__(self, reg: Any) -> None:
+        self.reg = reg
+        self.incarnation: dict[str, str] = {}
+        self.results: dict[str, ReserveResult] = {}
+        for engine in reg.engines:
+            self.restart(engine)
+
+    def restart(self, engine: str) -> str:
+        n = int(self.incarnation.get(engine, f"{engine}-i0").rsplit("i", 1)[1]) + 1
+        self.incarnation[engine] = f"{engine}-i{n}"
+        self.reg.register_engine_incarnation(engine, self.incarnation[engine])
+        return self.incarnation[engine]
+
+    def reserve(self, vid: str, content: str | None = None, request_id: str | None = None) -> ReserveResult:
+        dig = digest(content or vid)
+        res = self.reg.reserve(vk(vid), dig, lora_name(vid, dig), request_id or f"req-{vid}-{content or vid}")
+        self.results[vid] = res
+        return res
+
+    def token(self, vid: str) -> str:
+        return self.results[vid].attempt_token
+
+    def prepared(self, vid: str, engine: str) -> Any:
+        return self.reg.record_prepared(
+            engine, PreparedReceipt(vk(vid), self.token(vid), self.incarnation[engine])
+        )
+
+    def ready(self, vid: str, engine: str, incarnation: str | None = None) -> Any:
+        res = self.results[vid]
+        inc = incarnation or self.incarnation[engine]
+        return self.reg.record_ready(engine, ReadyReceipt(vk(vid), res.digest, res.attempt_token, inc))
+
+    def commit(self, vid: str, revision: int | None = None) -> CommitReceipt:
+        rev = self.reg.status().default_revision if revision is None else revision
+        return self.reg.commit(vk(vid), self.token(vid), rev)
+
+    def publish(self, vid: str) -> CommitReceipt:
+        self.reserve(vid)
+        for engine in self.reg.engines:
+            self.prepared(vid, engine)
+            self.ready(vid, engine)
+        return self.commit(vid)
+
+    def cleanup(self, vid: str, engine: str) -> Any:
+        tok = self.token(vid)
+        return self.reg.record_cleanup(engine, tok, CleanupReceipt(tok, self.incarnation[engine]))
+
+    def fail(self, vid: str) -> None:
+        self.reserve(vid)
+        self.reg.abort(self.token(vid), "test failure")
+        for engine in self.reg.engines:
+            self.cleanup(vid, engine)
+
+    def unloaded(self, vid: str, engine: str, claim: ReclaimClaim) -> Any:
+        return self.reg.confirm_reclaim(
+            vk(vid), engine, UnloadedReceipt(claim.reclaim_id, self.incarnation[engine])
+        )
+
+    def reclaim(self, vid: str) -> ReclaimClaim:
+        claim = self.reg.claim_reclaim(vk(vid))
+        for engine in self.reg.engines:
+            self.unloaded(vid, engine, claim)
+        return claim
