@@ -299,26 +299,33 @@ _TYPES: dict[str, type] = {
 }
 
 
+_SCALARS = (type(None), bool, int, float, str)
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def encode(obj: Any) -> Any:
     """Typed value -> JSON-able value that :func:`decode` turns back into an equal value."""
-    if obj is None or isinstance(obj, bool | int | float):
+    cls = type(obj)
+    if cls in _SCALARS:  # exact types first: this runs for every field of every journal row
         return obj
     if isinstance(obj, Enum):
-        return {"$e": type(obj).__name__, "v": obj.value}
-    if isinstance(obj, str):
+        return {"$e": cls.__name__, "v": obj.value}
+    if cls is VersionKey or cls is SessionKey:
+        return {"$t": cls.__name__, "f": [encode(v) for v in obj]}
+    names = _FIELD_NAMES.get(cls)
+    if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(obj))
+    if names is not None:
+        return {"$t": cls.__name__, "d": {n: encode(getattr(obj, n)) for n in names}}
+    if isinstance(obj, bool | int | float | str):  # subclasses of scalars
         return obj
-    if isinstance(obj, VersionKey | SessionKey):
-        return {"$t": type(obj).__name__, "f": [encode(v) for v in obj]}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        return {"$t": type(obj).__name__, "d": fields}
     if isinstance(obj, tuple):
         return {"$tuple": [encode(v) for v in obj]}
     if isinstance(obj, list):
         return [encode(v) for v in obj]
     if isinstance(obj, Mapping):
         return {"$map": [[encode(k), encode(v)] for k, v in obj.items()]}
-    raise TypeError(f"cannot encode {type(obj).__name__}")
+    raise TypeError(f"cannot encode {cls.__name__}")
 
 
 def decode(data: Any) -> Any:

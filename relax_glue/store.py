@@ -295,7 +295,7 @@ class DurableRegistry:
             self._check_usable()
             return fn()
 
-    def _apply(self, op: str, **kwargs: Any) -> Any:
+    def _apply(self, op: str, /, **kwargs: Any) -> Any:
         with self._mutex:
             self._check_usable()
             before = self._registry.seq
