@@ -22,6 +22,7 @@ from relax_glue.registry_types import (
     SessionKey,
     UnloadedReceipt,
     VersionKey,
+    VersionState,
 )
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
@@ -160,3 +161,100 @@ class Publisher:
         for engine in self.reg.engines:
             self.unloaded(vid, engine, claim)
         return claim
+
+
+def random_ops(reg: Any, rng: Any, limit: int = 100_000) -> Any:
+    """A deterministic stream of mostly-useful calls ``(op, kwargs)`` driven by ``reg.status()``.
+
+    Given the same seed and the same (deterministic) registry answers, two runs yield the same
+    stream: the crash test replays it in memory to know what the killed child had done.
+    """
+    engines = list(reg.engines)
+    incarnation = {e: 1 for e in engines}
+    for e in engines:
+        yield "register_engine_incarnation", {"engine_id": e, "incarnation": f"{e}-i1"}
+    sessions: list[str] = []
+    live: list[str] = []
+    n_versions = 0
+    for _ in range(limit):
+        status = reg.status()
+        views = {v.version_key.version_id: v for v in status.versions}
+        pending = next((v for v in status.versions if v.attempt_token == status.pending_attempt), None)
+        roll = rng.random()
+        engine = rng.choice(engines)
+        inc = f"{engine}-i{incarnation[engine]}"
+        if roll < 0.2:
+            s = f"s{len(sessions)}"
+            sessions.append(s)
+            live.append(s)
+            yield "bind_first", {"session_key": sk(s)}
+        elif roll < 0.42 and live:
+            s = live[0] if rng.random() < 0.7 else rng.choice(live)  # sessions mostly end in order
+            if rng.random() < 0.3:
+                yield "begin_close", {"session_key": sk(s)}
+            else:
+                live.remove(s)
+                yield "close_and_release", {"session_key": sk(s)}
+        elif roll < 0.62 and pending is not None and pending.state is VersionState.LOADING:
+            vid = pending.version_key.version_id
+            if rng.random() < 0.04:
+                yield "abort", {"attempt_token": pending.attempt_token, "reason": "random"}
+            elif rng.random() < 0.03:
+                yield (
+                    "mark_engine_unknown",
+                    {"engine_id": engine, "ref": pending.attempt_token, "op": "end", "reason": "t"},
+                )
+            elif all(p.value == "READY" for p in pending.attempt_phases.values()):
+                rev = status.default_revision + (1 if rng.random() < 0.1 else 0)
+                yield (
+                    "commit",
+                    {
+                        "version_key": vk(vid),
+                        "attempt_token": pending.attempt_token,
+                        "expected_default_revision": rev,
+                    },
+                )
+            else:
+                receipt = ReadyReceipt(vk(vid), pending.digest, pending.attempt_token, inc)
+                yield "record_ready", {"engine_id": engine, "receipt": receipt}
+        elif roll < 0.68 and pending is not None:  # ABORTED: clean up
+            tok = pending.attempt_token
+            yield (
+                "record_cleanup",
+                {"engine_id": engine, "attempt_token": tok, "receipt": CleanupReceipt(tok, inc)},
+            )
+        elif roll < 0.76:
+            retired = [v for v in views.values() if v.state.value in ("RETIRED", "RECLAIMING")]
+            if retired:
+                v = rng.choice(retired)
+                if v.reclaim_id is None:
+                    yield "claim_reclaim", {"version_key": v.version_key}
+                else:
+                    receipt = UnloadedReceipt(v.reclaim_id, inc)
+                    yield (
+                        "confirm_reclaim",
+                        {"version_key": v.version_key, "engine_id": engine, "receipt": receipt},
+                    )
+        elif roll < 0.90:
+            replay = rng.random() < 0.2 and n_versions > 0
+            vid = f"v{rng.randrange(n_versions) if replay else n_versions}"
+            n_versions += 0 if replay else 1
+            content = vid + ("x" if rng.random() < 0.05 else "")
+            dig = digest(content)
+            yield (
+                "reserve",
+                {
+                    "version_key": vk(vid),
+                    "digest": dig,
+                    "lora_name": lora_name(vid, dig),
+                    "request_id": f"q{rng.randrange(10**6)}",
+                },
+            )
+        elif roll < 0.92:
+            incarnation[engine] += 1
+            yield (
+                "register_engine_incarnation",
+                {"engine_id": engine, "incarnation": f"{engine}-i{incarnation[engine]}"},
+            )
+        else:
+            yield "open_session", {"session_key": sk(f"s{rng.randrange(len(sessions) + 1)}")}

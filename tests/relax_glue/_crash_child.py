@@ -1,0 +1,36 @@
+"""Child process of test_store_crash: applies a seeded op stream to a durable registry forever.
+
+After every call returns (accepted or refused) it appends ``<index> <ok|CODE>`` to the ack file
+and flushes it to the OS before the next call: a line in that file is an acknowledged answer.
+The parent SIGKILLs this process at a random point. Usage: _crash_child.py DB SEED ACKFILE
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+from _rg_helpers import ENGINES, EPOCH, random_ops
+
+from relax_glue.store import DurableRegistry
+from sglang_ext.errors import LoraVersionError
+
+
+def main() -> None:
+    db, seed, ack_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    store = DurableRegistry.open(db, EPOCH, ENGINES, 2, synchronous="FULL")
+    with open(ack_path, "w", buffering=1) as ack:
+        ack.write("open\n")
+        ack.flush()
+        for index, (op, kwargs) in enumerate(random_ops(store, random.Random(seed))):
+            try:
+                getattr(store, op)(**kwargs)
+                outcome = "ok"
+            except LoraVersionError as exc:
+                outcome = exc.code.value
+            ack.write(f"{index} {outcome}\n")
+            ack.flush()
+
+
+if __name__ == "__main__":
+    main()
