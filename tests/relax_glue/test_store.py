@@ -1,0 +1,205 @@
+"""The durable store: commit-before-return, identical reopen, single writer, refusals."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _rg_helpers import ENGINES, EPOCH, Publisher, refused, sk, vk
+
+from relax_glue.registry_types import UnloadedReceipt
+from relax_glue.store import (
+    DurableRegistry,
+    JournalDivergenceError,
+    SchemaVersionError,
+    StoreBrokenError,
+    StoreError,
+    StoreLockedError,
+    StoreMismatchError,
+)
+from sglang_ext.errors import ErrorCode
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _open(path: Path, **kw: object) -> DurableRegistry:
+    return DurableRegistry.open(path, EPOCH, ENGINES, 2, **kw)
+
+
+def _rows(path: Path) -> int:
+    with sqlite3.connect(path) as conn:  # a separate reader: sees only committed data
+        return conn.execute("SELECT COUNT(*) FROM journal").fetchone()[0]
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "registry.db"
+
+
+def test_every_accepted_call_is_committed_before_it_returns(db: Path) -> None:
+    with _open(db) as store:
+        pub = Publisher(store)
+        assert _rows(db) == 2  # two incarnations registered
+        pub.reserve("A")
+        assert _rows(db) == 3
+        for engine in ENGINES:
+            pub.ready("A", engine)
+            assert _rows(db) == store.seq
+        pub.commit("A")
+        store.bind_first(sk("s"))
+        assert _rows(db) == store.seq == 7
+        mode = sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0]
+        assert mode == "wal"
+
+
+def test_refused_and_replayed_calls_write_nothing(db: Path) -> None:
+    with _open(db) as store:
+        pub = Publisher(store)
+        pub.publish("A")
+        store.bind_first(sk("s"))
+        rows = _rows(db)
+        refused(ErrorCode.VERSION_CONFLICT, pub.reserve, "A", "other content")
+        refused(ErrorCode.STALE_ATTEMPT, store.commit, vk("A"), "att-x", 1)
+        refused(ErrorCode.VERSION_IN_USE, store.claim_reclaim, vk("A"))
+        pub.commit("A", 0)  # replay
+        store.bind_first(sk("s"))  # replay
+        pub.ready("A", "E0")  # duplicate receipt
+        assert _rows(db) == rows
+
+
+def test_reopen_restores_identical_state_and_identical_answers(db: Path) -> None:
+    with _open(db) as store:
+        pub = Publisher(store)
+        receipt_a = pub.publish("A")
+        binding = store.bind_first(sk("s1"))
+        pub.publish("B")
+        store.close_and_release(sk("s1"))
+        claim = store.claim_reclaim(vk("A"))
+        ack = store.confirm_reclaim(vk("A"), "E0", UnloadedReceipt(claim.reclaim_id, pub.incarnation["E0"]))
+        refused(ErrorCode.CAPACITY_ERROR, pub.reserve, "C")  # A is still RECLAIMING on E1
+        store.begin_close(sk("early"))
+        before, seq = store.dump(), store.seq
+        results = dict(pub.results)
+
+    with _open(db) as again:
+        assert again.dump() == before and again.seq == seq
+        pub2 = Publisher.__new__(Publisher)
+        pub2.reg, pub2.incarnation, pub2.results = again, {"E0": "E0-i1", "E1": "E1-i1"}, results
+        # retries after a coordinator restart get the first answers and change nothing
+        assert pub2.reserve("A") == results["A"]
+        assert again.commit(vk("A"), results["A"].attempt_token, 0) == receipt_a
+        assert again.claim_reclaim(vk("A")) == claim
+        assert again.confirm_reclaim(vk("A"), "E0", UnloadedReceipt(claim.reclaim_id, "E0-i1")) == ack
+        assert again.binding_of(sk("s1")) == binding
+        refused(ErrorCode.SESSION_CLOSED, again.bind_first, sk("early"))
+        assert again.seq == seq
+        # and the state machine goes on where it stopped
+        again.confirm_reclaim(vk("A"), "E1", UnloadedReceipt(claim.reclaim_id, "E1-i1"))
+        assert pub2.reserve("C").created
+
+
+def test_second_writer_is_refused_in_process_and_across_processes(db: Path) -> None:
+    store = _open(db)
+    with pytest.raises(StoreLockedError, match="another registry writer"):
+        _open(db)
+    code = (
+        "import sys; from relax_glue.store import DurableRegistry, StoreLockedError\n"
+        f"try: DurableRegistry.open({str(db)!r}, {EPOCH!r}, {list(ENGINES)!r}, 2)\n"
+        "except StoreLockedError: sys.exit(3)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={"PYTHONPATH": str(ROOT)}, check=False)
+    assert proc.returncode == 3
+    store.close()
+    store.close()  # idempotent
+    with _open(db) as again:  # the lock is released on close
+        assert again.seq == 0
+    with pytest.raises(StoreError, match="closed"):
+        store.status()
+
+
+@pytest.mark.parametrize(
+    ("epoch", "engines", "capacity", "field"),
+    [("8", ENGINES, 2, "epoch"), (EPOCH, ("E0",), 2, "engines"), (EPOCH, ENGINES, 3, "capacity")],
+)
+def test_database_of_another_epoch_cohort_or_capacity_is_refused(
+    db: Path, epoch: str, engines: tuple[str, ...], capacity: int, field: str
+) -> None:
+    with _open(db) as store:
+        Publisher(store).publish("A")
+    with pytest.raises(StoreMismatchError, match=f"belongs to {field}="):
+        DurableRegistry.open(db, epoch, engines, capacity)
+    with _open(db) as store:  # a refused open leaves the database and the lock intact
+        assert store.status().default == vk("A")
+
+
+def test_newer_schema_is_refused_not_migrated(db: Path) -> None:
+    _open(db).close()
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
+    with pytest.raises(SchemaVersionError, match=r"schema 2.*upgrade the code"):
+        _open(db)
+
+
+def test_foreign_sqlite_file_is_refused(db: Path) -> None:
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE something (x)")
+    with pytest.raises(StoreMismatchError, match="not a LoRA version registry"):
+        _open(db)
+
+
+def test_tampered_or_gapped_journal_is_refused_on_open(db: Path, tmp_path: Path) -> None:
+    with _open(db) as store:
+        Publisher(store).publish("A")
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE journal SET result=replace(result, 'LOADING', 'PUBLISHED') WHERE op='reserve'")
+    with pytest.raises(JournalDivergenceError, match="another answer"):
+        _open(db)
+
+    other = tmp_path / "gap.db"
+    with _open(other) as store:
+        Publisher(store).publish("A")
+    with sqlite3.connect(other) as conn:
+        conn.execute("DELETE FROM journal WHERE seq=3")
+    with pytest.raises(JournalDivergenceError):
+        _open(other)
+
+
+def test_checkpoint_then_only_the_tail_is_replayed(db: Path) -> None:
+    with _open(db) as store:
+        pub = Publisher(store)
+        pub.publish("A")
+        store.bind_first(sk("s"))
+        at = store.checkpoint()
+        pub.publish("B")
+        store.close_and_release(sk("s"))
+        before = store.dump()
+    # rows before the checkpoint are no longer read: garbling them does not matter
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE journal SET args='garbage' WHERE seq <= ?", (at,))
+    with _open(db) as again:
+        assert again.dump() == before
+
+
+def test_failed_commit_breaks_the_store_until_reopen(db: Path) -> None:
+    store = _open(db)
+    pub = Publisher(store)
+    pub.publish("A")
+    seq = store.seq
+    store._conn.close()  # simulate an I/O failure under the next commit
+    with pytest.raises(StoreBrokenError, match="reopen"):
+        store.bind_first(sk("s"))
+    with pytest.raises(StoreBrokenError):
+        store.status()
+    store.close()
+    with _open(db) as again:  # the transition that was not committed never happened
+        assert again.seq == seq and again.binding_of(sk("s")) is None
+
+
+def test_constructor_is_not_the_way_in_and_bad_sync_mode(db: Path) -> None:
+    with pytest.raises(TypeError):
+        DurableRegistry()
+    with pytest.raises(ValueError):
+        _open(db, synchronous="EXTRA")
