@@ -1,0 +1,135 @@
+"""CPU development mode for SGLang 0.5.23: run real engines on machines without a GPU.
+
+Four workarounds (``shared/docs/cpu-engine.md``), none of which edits SGLang's files:
+
+1. ``SGLANG_USE_CPU_ENGINE=1`` (set by :func:`engine_env`).
+2. An import-only stand-in for ``sgl_kernel`` (``shim/sgl_kernel``) placed first on the engine's
+   ``PYTHONPATH``; every placeholder raises if it is ever called.
+3. ``pin_memory`` neutralised (``shim/sitecustomize.py`` -> :func:`activate`), because SGLang's
+   LoRA code hard-codes ``pin_memory=True``.
+4. ``--lora-backend torch_native --attention-backend torch_native`` (see :data:`ENGINE_FLAGS`).
+
+It is a development and test mode only: it activates only when ``SGLANG_EXT_CPU_DEV=1`` is set
+explicitly, logs loudly, and refuses to activate when a GPU is visible.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+SWITCH_ENV = "SGLANG_EXT_CPU_DEV"
+SHIM_DIR = Path(__file__).resolve().parent / "shim"
+
+# Flags every CPU engine needs (workaround 4 plus the settings cpu-engine.md found necessary).
+ENGINE_FLAGS: tuple[str, ...] = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--lora-backend",
+    "torch_native",
+    "--mem-fraction-static",
+    "0.1",
+    "--max-total-tokens",
+    "4096",
+)
+
+
+class CpuDevModeRefused(RuntimeError):
+    pass
+
+
+def is_requested(env: Mapping[str, str] | None = None) -> bool:
+    return (env if env is not None else os.environ).get(SWITCH_ENV, "") == "1"
+
+
+def engine_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for an engine process in CPU development mode."""
+    env = dict(base if base is not None else os.environ)
+    env[SWITCH_ENV] = "1"
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    parts = [str(SHIM_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
+
+
+def gpu_visible() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def activate() -> None:
+    """Install the process-local workarounds. Called from the shim's ``sitecustomize``."""
+    if not is_requested():
+        return
+    if gpu_visible():
+        raise CpuDevModeRefused(
+            f"{SWITCH_ENV}=1 but a GPU is visible: the CPU development shims (sgl_kernel stand-in, "
+            "pin_memory neutraliser) must never run on a GPU deployment. Unset "
+            f"{SWITCH_ENV} and remove {SHIM_DIR} from PYTHONPATH."
+        )
+    neutralise_pin_memory()
+    print(
+        f"[lora-versions] WARNING: CPU DEVELOPMENT MODE ACTIVE in pid {os.getpid()} "
+        "(sgl_kernel stand-in, pin_memory neutralised). Not for production.",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+_FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "as_tensor",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "empty_strided",
+    "arange",
+    "randn",
+    "rand",
+    "frombuffer",
+)
+
+
+def neutralise_pin_memory() -> None:
+    """Make pinned-memory requests no-ops: there is no CUDA host allocator on these machines."""
+    import functools
+
+    import torch
+
+    if getattr(torch, "_lora_versions_pin_memory_neutralised", False):
+        return
+
+    def pin_memory(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        return self
+
+    def is_pinned(self: torch.Tensor, *args: object, **kwargs: object) -> bool:
+        return False
+
+    torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
+    torch.Tensor.is_pinned = is_pinned  # type: ignore[method-assign]
+
+    for name in _FACTORIES:
+        original = getattr(torch, name, None)
+        if original is None:
+            continue
+
+        def make(orig):  # bind per factory
+            @functools.wraps(orig)
+            def factory(*args, **kwargs):
+                kwargs.pop("pin_memory", None)
+                return orig(*args, **kwargs)
+
+            return factory
+
+        setattr(torch, name, make(original))
+    torch._lora_versions_pin_memory_neutralised = True  # type: ignore[attr-defined]

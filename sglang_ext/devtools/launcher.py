@@ -1,0 +1,279 @@
+"""Start and stop real ``sglang.launch_server`` processes (tests, demo, benchmarks).
+
+Each engine runs in its own process group on a free loopback port, with its log in a file. Stop
+kills exactly that process group (never a broad ``pkill``). A start that fails raises
+:class:`EngineStartError` with the tail of the engine log and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from sglang_ext.devtools import cpu
+
+PLUGIN_SWITCH_ENV = "SGLANG_LORA_VERSIONS"
+
+# LoRA serving flags the managed lifecycle needs (see setup_checks.MIN_LORAS_PER_BATCH).
+LORA_FLAGS: tuple[str, ...] = (
+    "--enable-lora",
+    "--max-loras-per-batch",
+    "3",
+    "--max-loaded-loras",
+    "3",
+    "--max-lora-rank",
+    "8",
+    "--lora-target-modules",
+    "all",
+)
+COMMON_FLAGS: tuple[str, ...] = ("--dtype", "float32", "--skip-server-warmup", "--log-level", "info")
+
+LOG_TAIL_LINES = 40
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineSpec:
+    name: str
+    model_path: Path
+    log_path: Path
+    plugin: bool = True
+    cpu_dev: bool = True
+    lora_flags: Sequence[str] = LORA_FLAGS
+    extra_args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    port: int | None = None
+    startup_timeout_s: float = 240.0
+    # The overlap scheduler needs a GPU and the plugin refuses it; True only to test that refusal.
+    overlap_schedule: bool = False
+    # Replaces ``python -m sglang.launch_server`` (e.g. a wrapper script used by a test).
+    command_prefix: Sequence[str] | None = None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log written)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class Engine:
+    """One running engine. Use :func:`start_engine` or :func:`start_engines`."""
+
+    def __init__(self, spec: EngineSpec, port: int, proc: subprocess.Popen[bytes]) -> None:
+        self.spec = spec
+        self.port = port
+        self.proc = proc
+        self.started_s: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.spec.log_path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        return tail(self.spec.log_path, lines)
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    raise EngineStartError(
+                        f"engine {self.name} exited with code {self.proc.returncode} during start-up; "
+                        f"last lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                time.sleep(0.5)
+        raise EngineStartError(
+            f"engine {self.name} not healthy after {timeout_s:.0f}s; last lines of {self.log_path}:\n"
+            f"{self.log_tail()}"
+        )
+
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        """Stop this engine's own process group; returns the exit code of the launcher process."""
+        if self.proc.poll() is None or _group_alive(self.proc.pid):
+            _kill_group(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace_s)
+            deadline = time.monotonic() + grace_s
+            while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if _group_alive(self.proc.pid):
+                _kill_group(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace_s)
+        return self.proc.returncode
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def build_command(spec: EngineSpec, port: int) -> list[str]:
+    prefix = list(spec.command_prefix or (sys.executable, "-m", "sglang.launch_server"))
+    cmd = [*prefix, "--model-path", str(spec.model_path)]
+    if spec.cpu_dev:
+        cmd += cpu.ENGINE_FLAGS
+    cmd += COMMON_FLAGS
+    if not spec.overlap_schedule:
+        cmd.append("--disable-overlap-schedule")
+    cmd += spec.lora_flags
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    cmd += spec.extra_args
+    return cmd
+
+
+def build_env(spec: EngineSpec) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop(PLUGIN_SWITCH_ENV, None)
+    if spec.cpu_dev:
+        env = cpu.engine_env(env)
+    if spec.plugin:
+        env[PLUGIN_SWITCH_ENV] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(spec.env)
+    return env
+
+
+def spawn_engine(spec: EngineSpec) -> Engine:
+    """Start the process and return at once (not yet healthy)."""
+    port = spec.port or free_port()
+    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(spec.log_path, "wb") as log:
+        proc = subprocess.Popen(
+            build_command(spec, port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=build_env(spec),
+            start_new_session=True,  # own process group: stop() kills exactly this engine
+        )
+    engine = Engine(spec, port, proc)
+    _LIVE.add(engine)
+    return engine
+
+
+def start_engine(spec: EngineSpec) -> Engine:
+    t0 = time.monotonic()
+    engine = spawn_engine(spec)
+    try:
+        engine.wait_healthy(spec.startup_timeout_s)
+    except BaseException:
+        engine.stop()
+        _LIVE.discard(engine)
+        raise
+    engine.started_s = time.monotonic() - t0
+    return engine
+
+
+def start_engines(specs: Sequence[EngineSpec]) -> list[Engine]:
+    """Start several engines in parallel; all or nothing."""
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        futures = [pool.submit(start_engine, s) for s in specs]
+        engines, errors = [], []
+        for f in futures:
+            try:
+                engines.append(f.result())
+            except Exception as e:
+                errors.append(e)
+    if errors:
+        for e in engines:
+            stop_engine(e)
+        raise errors[0]
+    return engines
+
+
+def stop_engine(engine: Engine) -> int | None:
+    code = engine.stop()
+    _LIVE.discard(engine)
+    return code
+
+
+@contextlib.contextmanager
+def running_engines(specs: Sequence[EngineSpec]) -> Iterator[list[Engine]]:
+    engines = start_engines(specs)
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            stop_engine(e)
+
+
+class _LiveEngines:
+    """Engines started by this process, stopped at interpreter exit if the caller forgot."""
+
+    def __init__(self) -> None:
+        self._engines: set[Engine] = set()
+        self._lock = threading.Lock()
+
+    def add(self, e: Engine) -> None:
+        with self._lock:
+            self._engines.add(e)
+
+    def discard(self, e: Engine) -> None:
+        with self._lock:
+            self._engines.discard(e)
+
+    def stop_all(self) -> None:
+        with self._lock:
+            engines = list(self._engines)
+        for e in engines:
+            e.stop(grace_s=5.0)
+
+
+_LIVE = _LiveEngines()
+
+atexit.register(_LIVE.stop_all)

@@ -1,0 +1,114 @@
+"""The one error vocabulary of the project, shared by the engine plugin and the trainer side.
+
+Every refusal anywhere (registry, engine endpoint, session layer) is one of these codes, carries
+one HTTP status, and travels as ``{"error": {"code", "message", ...details}}``. This module imports
+nothing from SGLang so that ``relax_glue`` can use it without pulling the engine in.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+
+class ErrorCode(StrEnum):
+    # identity and publication
+    VERSION_CONFLICT = "VERSION_CONFLICT"
+    CAPACITY_ERROR = "CAPACITY_ERROR"
+    PUBLICATION_IN_PROGRESS = "PUBLICATION_IN_PROGRESS"
+    DEFAULT_REVISION_CONFLICT = "DEFAULT_REVISION_CONFLICT"
+    STALE_ATTEMPT = "STALE_ATTEMPT"
+    STALE_INCARNATION = "STALE_INCARNATION"
+    NOT_ALL_READY = "NOT_ALL_READY"
+    OUTCOME_UNKNOWN = "OUTCOME_UNKNOWN"
+    UNKNOWN_ENGINE = "UNKNOWN_ENGINE"
+    # data plane (staging, manifests)
+    MANIFEST_MISMATCH = "MANIFEST_MISMATCH"
+    CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
+    BUCKET_OUT_OF_ORDER = "BUCKET_OUT_OF_ORDER"
+    INCOMPATIBLE_ADAPTER = "INCOMPATIBLE_ADAPTER"
+    PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+    LOAD_FAILED = "LOAD_FAILED"
+    # serving and sessions
+    NO_PUBLISHED_VERSION = "NO_PUBLISHED_VERSION"
+    VERSION_NOT_READY = "VERSION_NOT_READY"
+    VERSION_RECLAIMED = "VERSION_RECLAIMED"
+    UNKNOWN_VERSION = "UNKNOWN_VERSION"
+    VERSION_IN_USE = "VERSION_IN_USE"  # reclaim refused: still the default or session refs > 0
+    SESSION_CLOSED = "SESSION_CLOSED"
+    # guards
+    MANAGED_ADAPTER = "MANAGED_ADAPTER"
+    FORBIDDEN_FIELD = "FORBIDDEN_FIELD"
+    UNAUTHORIZED = "UNAUTHORIZED"
+    INVALID_REQUEST = "INVALID_REQUEST"
+
+
+# One status per code. Every refusal is a 4xx on purpose: the publisher reads 4xx as "clean,
+# nothing changed" and anything else (5xx, timeout, lost reply) as "outcome unknown".
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.VERSION_CONFLICT: 409,
+    ErrorCode.CAPACITY_ERROR: 409,
+    ErrorCode.PUBLICATION_IN_PROGRESS: 409,
+    ErrorCode.DEFAULT_REVISION_CONFLICT: 409,
+    ErrorCode.STALE_ATTEMPT: 409,
+    ErrorCode.STALE_INCARNATION: 409,
+    ErrorCode.NOT_ALL_READY: 409,
+    ErrorCode.OUTCOME_UNKNOWN: 409,
+    ErrorCode.UNKNOWN_ENGINE: 400,
+    ErrorCode.MANIFEST_MISMATCH: 422,
+    ErrorCode.CHECKSUM_MISMATCH: 422,
+    ErrorCode.BUCKET_OUT_OF_ORDER: 409,
+    ErrorCode.INCOMPATIBLE_ADAPTER: 422,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.LOAD_FAILED: 422,
+    ErrorCode.NO_PUBLISHED_VERSION: 409,
+    ErrorCode.VERSION_NOT_READY: 409,
+    ErrorCode.VERSION_RECLAIMED: 410,
+    ErrorCode.UNKNOWN_VERSION: 404,
+    ErrorCode.VERSION_IN_USE: 409,
+    ErrorCode.SESSION_CLOSED: 409,
+    ErrorCode.MANAGED_ADAPTER: 409,
+    ErrorCode.FORBIDDEN_FIELD: 400,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.INVALID_REQUEST: 400,
+}
+
+assert set(HTTP_STATUS) == set(ErrorCode), "every error code needs exactly one HTTP status"
+
+
+class LoraVersionError(Exception):
+    """A typed refusal. Raising one means: nothing was changed by the refused call."""
+
+    def __init__(self, code: ErrorCode, message: str, **details: Any) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = ErrorCode(code)
+        self.message = message
+        self.details = details
+
+    # Exceptions cross process boundaries (Ray actor, multiprocessing): keep them picklable.
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_error, (self.code.value, self.message, self.details))
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS[self.code]
+
+    def to_body(self) -> dict[str, Any]:
+        return {"error": {"code": self.code.value, "message": self.message, **self.details}}
+
+    @classmethod
+    def from_body(cls, body: Any) -> LoraVersionError | None:
+        """Rebuild the typed error from a JSON body; None when the body is not one of ours."""
+        if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
+            return None
+        err = dict(body["error"])
+        try:
+            code = ErrorCode(err.pop("code"))
+        except (KeyError, ValueError):
+            return None
+        message = str(err.pop("message", ""))
+        return cls(code, message, **err)
+
+
+def _rebuild_error(code: str, message: str, details: dict[str, Any]) -> LoraVersionError:
+    return LoraVersionError(ErrorCode(code), message, **details)

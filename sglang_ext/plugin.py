@@ -1,0 +1,84 @@
+"""SGLang plugin entry point (``[project.entry-points."sglang.srt.plugins"] lora_versions``).
+
+SGLang calls :func:`register` in its main, scheduler and detokenizer processes (``load_plugins``).
+The plugin is **off unless** ``SGLANG_LORA_VERSIONS=1`` is set in the engine's environment: off, it
+registers nothing and SGLang behaves exactly as stock. On, it
+
+- refuses an SGLang version other than the pinned one (the hooks depend on 0.5.23 internals);
+- refuses setups the lifecycle cannot make safe (see :mod:`sglang_ext.setup_checks`);
+- logs one line per process, and mounts the ``/lora_versions`` routes in the main process.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+from importlib.metadata import version as dist_version
+
+from sglang_ext import PINNED_SGLANG_VERSION
+
+SWITCH_ENV = "SGLANG_LORA_VERSIONS"
+
+logger = logging.getLogger("sglang_ext")
+
+
+def is_enabled() -> bool:
+    return os.environ.get(SWITCH_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _log(message: str) -> None:
+    # SGLang configures its logging only after load_plugins; stderr lands in the engine log.
+    print(f"[lora-versions] {message}", file=sys.stderr, flush=True)
+
+
+def process_role() -> str:
+    """Which SGLang process is loading us: main, scheduler, detokenizer (or another child)."""
+    if multiprocessing.parent_process() is None:
+        return "main"
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_name
+        if name == "run_scheduler_process":
+            return "scheduler"
+        if name == "run_detokenizer_process":
+            return "detokenizer"
+        if name == "run_data_parallel_controller_process":
+            return "dp-controller"
+        frame = frame.f_back
+    return "subprocess"
+
+
+class RefusedToStart(SystemExit):
+    """Raised to stop the engine at start. A SystemExit passes through SGLang's plugin loader
+    (which logs and swallows ordinary exceptions) so the process really exits non-zero."""
+
+    def __init__(self, message: str) -> None:
+        _log(f"REFUSED TO START: {message}")
+        super().__init__(f"[lora-versions] refused to start: {message}")
+
+
+def check_sglang_version() -> None:
+    installed = dist_version("sglang")
+    if installed != PINNED_SGLANG_VERSION:
+        raise RefusedToStart(
+            f"sglang=={installed} is installed but the lora-versions plugin is pinned to "
+            f"sglang=={PINNED_SGLANG_VERSION} (its hooks depend on that version's internals). "
+            f"Install sglang=={PINNED_SGLANG_VERSION} or unset {SWITCH_ENV}."
+        )
+
+
+def register() -> None:
+    if not is_enabled():
+        return
+    check_sglang_version()
+    role = process_role()
+    from sglang_ext.engine_state import engine_state
+
+    incarnation = engine_state().incarnation if role == "main" else "-"
+    _log(f"plugin active in {role} process (pid {os.getpid()}, incarnation {incarnation})")
+
+    from sglang_ext import hooks
+
+    hooks.register_all(role)

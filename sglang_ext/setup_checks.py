@@ -1,0 +1,48 @@
+"""Setups the managed-version lifecycle cannot make safe, refused at engine start.
+
+Pure function of the resolved server arguments, so each rule is unit-testable without an engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Two managed versions stay pinned, and SGLang refuses a pin that would leave no free slot
+# (``LoRAManager.validate_new_adapter``: num_pinned >= max_loras_per_batch - 1), so 2 + 1.
+MANAGED_CAPACITY = 2
+MIN_LORAS_PER_BATCH = MANAGED_CAPACITY + 1
+
+
+def setup_problems(cfg: Any) -> list[str]:
+    """Every reason this configuration is refused; empty when it is supported."""
+    problems: list[str] = []
+    if not getattr(cfg, "enable_lora", False):
+        problems.append("--enable-lora is off: managed LoRA versions need LoRA serving enabled")
+    if (getattr(cfg, "tokenizer_worker_num", 1) or 1) > 1:
+        problems.append(
+            f"tokenizer_worker_num={cfg.tokenizer_worker_num} > 1: each tokenizer worker keeps its own "
+            "LoRA registry and does not run plugins, so versions could not be tracked exactly"
+        )
+    if (getattr(cfg, "dp_size", 1) or 1) > 1:
+        problems.append(
+            f"dp_size={cfg.dp_size} > 1: run one engine per data-parallel replica instead "
+            "(the publisher treats each engine as one cohort member)"
+        )
+    mlpb = getattr(cfg, "max_loras_per_batch", 0) or 0
+    if mlpb < MIN_LORAS_PER_BATCH:
+        problems.append(
+            f"max_loras_per_batch={mlpb} < {MIN_LORAS_PER_BATCH}: {MANAGED_CAPACITY} pinned managed versions "
+            "need one more free slot (set --max-loras-per-batch 3 or more)"
+        )
+    spec = getattr(cfg, "speculative_algorithm", None)
+    if spec not in (None, "", "NONE", "none"):
+        problems.append(f"speculative decoding ({spec}) is enabled: not supported with managed versions")
+    disagg = getattr(cfg, "disaggregation_mode", "null")
+    if disagg not in (None, "", "null"):
+        problems.append(f"PD disaggregation (disaggregation_mode={disagg}) is enabled: not supported")
+    if not getattr(cfg, "disable_overlap_schedule", False):
+        problems.append(
+            "the overlap scheduler is enabled: pass --disable-overlap-schedule (release ordering of "
+            "LoRA references is only proven without it)"
+        )
+    return problems

@@ -1,0 +1,61 @@
+"""Shared fixtures. Engines are real SGLang 0.5.23 processes on CPU, started once per session."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.devtools.fixtures import Fixtures, ensure_fixtures
+
+REPO = Path(__file__).resolve().parents[1]
+RUNS = REPO / ".runs" / "tests"
+
+
+@pytest.fixture(scope="session")
+def fixtures() -> Fixtures:
+    return ensure_fixtures()
+
+
+@pytest.fixture(scope="session")
+def run_dir() -> Path:
+    path = RUNS / time.strftime("%Y%m%d-%H%M%S")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def engine_farm(fixtures: Fixtures, run_dir: Path) -> Iterator[dict]:
+    """E0 and E1 with the plugin on, and ``stock`` with it off, started together in parallel."""
+    from sglang_ext.devtools.launcher import EngineSpec, running_engines
+
+    specs = [
+        EngineSpec(name="E0", model_path=fixtures.model_dir, log_path=run_dir / "E0.log"),
+        EngineSpec(name="E1", model_path=fixtures.model_dir, log_path=run_dir / "E1.log"),
+        EngineSpec(name="stock", model_path=fixtures.model_dir, log_path=run_dir / "stock.log", plugin=False),
+    ]
+    t0 = time.monotonic()
+    with running_engines(specs) as engines:
+        timing = {e.name: round(e.started_s or 0.0, 1) for e in engines}
+        timing["all_parallel_s"] = round(time.monotonic() - t0, 1)
+        (run_dir / "engine_start.json").write_text(json.dumps(timing, indent=2))
+        print(f"\n[engines] started in parallel: {timing}")
+        yield {e.name: e for e in engines}
+
+
+@pytest.fixture(scope="session")
+def engines(engine_farm: dict) -> tuple:
+    return engine_farm["E0"], engine_farm["E1"]
+
+
+@pytest.fixture(scope="session")
+def stock_engine(engine_farm: dict):
+    return engine_farm["stock"]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"lora-versions: fixtures root {os.environ.get('LORA_VERSIONS_FIXTURES', REPO / '.fixtures')}"

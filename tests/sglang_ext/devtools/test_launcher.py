@@ -1,0 +1,46 @@
+"""The launcher fails loudly and leaves no process behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_ext.devtools import launcher
+from sglang_ext.devtools.launcher import EngineSpec, EngineStartError
+
+
+def test_engine_that_cannot_start_raises_with_log_tail_and_leaves_nothing(tmp_path):
+    spec = EngineSpec(
+        name="broken",
+        model_path=tmp_path / "no-such-model",
+        log_path=tmp_path / "broken.log",
+        startup_timeout_s=180,
+    )
+    started: list[launcher.Engine] = []
+    real_spawn = launcher.spawn_engine
+
+    def spawn(s: EngineSpec) -> launcher.Engine:
+        started.append(real_spawn(s))
+        return started[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launcher, "spawn_engine", spawn)
+        with pytest.raises(EngineStartError) as info:
+            launcher.start_engine(spec)
+    message = str(info.value)
+    assert "exited with code" in message
+    assert "no-such-model" in message  # the log tail names the cause
+    assert len(message.splitlines()) <= launcher.LOG_TAIL_LINES + 2
+    assert not launcher._group_alive(started[0].proc.pid)
+
+
+def test_start_timeout_stops_the_whole_process_group(fixtures, tmp_path):
+    spec = EngineSpec(
+        name="slow", model_path=fixtures.model_dir, log_path=tmp_path / "slow.log", startup_timeout_s=4
+    )
+    engine = launcher.spawn_engine(spec)
+    with pytest.raises(EngineStartError, match="not healthy after 4s"):
+        try:
+            engine.wait_healthy(spec.startup_timeout_s)
+        finally:
+            launcher.stop_engine(engine)
+    assert not launcher._group_alive(engine.proc.pid)

@@ -1,0 +1,41 @@
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_ext.setup_checks import setup_problems
+
+GOOD = dict(
+    enable_lora=True,
+    tokenizer_worker_num=1,
+    dp_size=1,
+    max_loras_per_batch=3,
+    speculative_algorithm=None,
+    disaggregation_mode="null",
+    disable_overlap_schedule=True,
+)
+
+
+def test_supported_setup_has_no_problem():
+    assert setup_problems(SimpleNamespace(**GOOD)) == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("enable_lora", False, "--enable-lora is off"),
+        ("tokenizer_worker_num", 4, "tokenizer_worker_num=4 > 1"),
+        ("dp_size", 2, "dp_size=2 > 1"),
+        ("max_loras_per_batch", 2, "max_loras_per_batch=2 < 3"),
+        ("speculative_algorithm", "EAGLE", "speculative decoding (EAGLE)"),
+        ("disaggregation_mode", "decode", "disaggregation_mode=decode"),
+        ("disable_overlap_schedule", False, "overlap scheduler is enabled"),
+    ],
+)
+def test_each_unsupported_setting_is_named(field, value, needle):
+    problems = setup_problems(SimpleNamespace(**{**GOOD, field: value}))
+    assert len(problems) == 1 and needle in problems[0]
+
+
+def test_all_problems_are_reported_together():
+    bad = SimpleNamespace(**{**GOOD, "dp_size": 2, "max_loras_per_batch": 1})
+    assert len(setup_problems(bad)) == 2
