@@ -7,6 +7,7 @@ state byte-for-byte unchanged (check before you mutate).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Callable
 from typing import Any
@@ -258,3 +259,39 @@ def random_ops(reg: Any, rng: Any, limit: int = 100_000) -> Any:
             )
         else:
             yield "open_session", {"session_key": sk(f"s{rng.randrange(len(sessions) + 1)}")}
+
+
+async def async_scenario(client: Any) -> str:
+    """Publish A, race 20 first-binds of one session and 5 closes, publish B, reclaim A.
+
+    Works on any async client; returns the final dump so callers can compare backends.
+    """
+    await client.connect()
+    engines = client.engines
+
+    async def publish(vid: str, revision: int) -> None:
+        dig = digest(vid)
+        res = await client.reserve(vk(vid), dig, lora_name(vid, dig), f"req-{vid}")
+        receipts = [ReadyReceipt(vk(vid), dig, res.attempt_token, f"{e}-i1") for e in engines]
+        await asyncio.gather(*(client.record_ready(e, r) for e, r in zip(engines, receipts, strict=True)))
+        await client.commit(vk(vid), res.attempt_token, revision)
+
+    await asyncio.gather(*(client.register_engine_incarnation(e, f"{e}-i1") for e in engines))
+    await publish("A", 0)
+    bindings = await asyncio.gather(*(client.bind_first(sk("s")) for _ in range(20)))
+    assert len(set(bindings)) == 1 and bindings[0].version_key == vk("A")
+    assert (await client.version(vk("A"))).session_refs == 1
+    await publish("B", 1)
+    try:
+        await client.claim_reclaim(vk("A"))
+        raise AssertionError("A is still bound")
+    except LoraVersionError as exc:
+        assert exc.code is ErrorCode.VERSION_IN_USE and exc.details["session_refs"] == 1
+    closes = await asyncio.gather(*(client.close_and_release(sk("s")) for _ in range(5)))
+    assert len(set(closes)) == 1 and (await client.version(vk("A"))).session_refs == 0
+    claim = await client.claim_reclaim(vk("A"))
+    await asyncio.gather(
+        *(client.confirm_reclaim(vk("A"), e, UnloadedReceipt(claim.reclaim_id, f"{e}-i1")) for e in engines)
+    )
+    assert (await client.version(vk("A"))).state is VersionState.RECLAIMED
+    return await client.dump()

@@ -1,0 +1,485 @@
+"""The registry as a named, single-writer Ray actor, and clients that hide where it runs.
+
+Ray is an optional extra (``pip install 'sglang-lora-versions[ray]'``): it is imported lazily, so
+``relax_glue`` works without it and the in-process clients never touch it.
+
+Single writer, three ways:
+
+* the actor is **named** and created with ``get_if_exists=True``: every process asking for the
+  registry of an epoch gets the same actor, never a second one;
+* Ray runs its calls **one at a time** (``max_concurrency=1``), so the pure registry needs no lock;
+* a durable actor holds the store's **flock** on the database, so even a stray second actor or
+  process pointed at the same file is refused (``StoreLockedError``).
+
+A durable actor is restarted by Ray if its process dies (``max_restarts=-1``): the new process
+reopens the database (the OS released the lock with the dead process) and replays the journal,
+so every acknowledged transition is still there. Calls are never retried by Ray
+(``max_task_retries=0``): a caller whose call died with the process does not know the outcome and
+retries it itself; every registry op is idempotent by request id or natural key, so the retry gets
+the original answer. An in-memory actor is never restarted: a silently empty registry would hand
+out a second "first" binding.
+
+Clients: :class:`RegistryClient` (sync) and :class:`AsyncRegistryClient` (async) have the
+registry's method names, arguments and results, and raise the same :class:`LoraVersionError`
+(the actor returns refusals as data, so the typed error is rebuilt exactly on the caller side).
+Build them with ``.in_process(registry_or_store)`` or ``.for_actor(handle)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
+from relax_glue.registry_types import (
+    AbortResult,
+    Binding,
+    CleanupReceipt,
+    CommitReceipt,
+    EngineAck,
+    IncarnationResult,
+    PreparedReceipt,
+    ReadyReceipt,
+    ReclaimClaim,
+    ReserveResult,
+    SessionKey,
+    SessionView,
+    StatusView,
+    UnloadedReceipt,
+    VersionKey,
+    VersionView,
+)
+from relax_glue.store import DurableRegistry, StoreError
+from sglang_ext.errors import ErrorCode, LoraVersionError
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "AsyncRegistryClient",
+    "RegistryActor",
+    "RegistryClient",
+    "actor_name",
+    "get_registry_actor",
+    "start_registry_actor",
+]
+
+DEFAULT_NAMESPACE = "relax_lora_versions"
+_ALLOWED = frozenset(MUTATING_OPS) | frozenset(QUERY_OPS)
+Envelope = tuple[Any, ...]
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise RuntimeError("the registry actor needs Ray: pip install 'sglang-lora-versions[ray]'") from exc
+    return ray
+
+
+def actor_name(epoch: str | int) -> str:
+    """The well-known actor name of an epoch's registry."""
+    return f"lora_version_registry@{epoch}"
+
+
+# ------------------------------------------------------------------------------- the actor
+
+
+def _call_envelope(registry: Any, op: str, kwargs: dict[str, Any]) -> Envelope:
+    """Run one registry call; a refusal travels back as data, not as a Ray task error."""
+    if op not in _ALLOWED:
+        return ("err", ErrorCode.INVALID_REQUEST.value, f"{op!r} is not a registry operation", {})
+    try:
+        return ("ok", getattr(registry, op)(**kwargs))
+    except LoraVersionError as exc:
+        return ("err", exc.code.value, exc.message, exc.details)
+
+
+def _unwrap(envelope: Envelope) -> Any:
+    if envelope[0] == "ok":
+        return envelope[1]
+    _, code, message, details = envelope
+    raise LoraVersionError(ErrorCode(code), message, **details)
+
+
+class RegistryActor:
+    """Actor body (wrapped by ``ray.remote`` lazily). Holds a durable or in-memory registry."""
+
+    def __init__(
+        self,
+        epoch: str | int,
+        engines: Sequence[str],
+        capacity: int,
+        db_path: str | None,
+        synchronous: str,
+    ) -> None:
+        self._db_path = db_path
+        self._registry: LoRAVersionRegistry | DurableRegistry
+        if db_path is None:
+            self._registry = LoRAVersionRegistry(epoch, engines, capacity)
+        else:
+            self._registry = DurableRegistry.open(db_path, epoch, engines, capacity, synchronous=synchronous)
+
+    def call(self, op: str, kwargs: dict[str, Any]) -> Envelope:
+        return _call_envelope(self._registry, op, kwargs)
+
+    def describe(self) -> dict[str, Any]:
+        reg = self._registry
+        return {
+            "epoch": reg.epoch,
+            "engines": tuple(reg.engines),
+            "capacity": reg.capacity,
+            "db_path": self._db_path,
+            "pid": os.getpid(),
+        }
+
+    def close(self) -> None:
+        if isinstance(self._registry, DurableRegistry):
+            self._registry.close()
+
+
+_REMOTE_CLASS: Any = None
+
+
+def _remote_class() -> Any:
+    global _REMOTE_CLASS
+    if _REMOTE_CLASS is None:
+        _REMOTE_CLASS = _ray().remote(RegistryActor)
+    return _REMOTE_CLASS
+
+
+def start_registry_actor(
+    epoch: str | int,
+    engines: Sequence[str],
+    capacity: int = 2,
+    *,
+    db_path: str | os.PathLike[str] | None = None,
+    name: str | None = None,
+    namespace: str = DEFAULT_NAMESPACE,
+    synchronous: str = "FULL",
+    detached: bool = False,
+) -> ActorHandle:
+    """Get the epoch's registry actor, creating it if nobody has yet (``ray.init`` first).
+
+    An existing actor of that name must serve the same epoch, cohort, capacity and database,
+    or this raises :class:`StoreError` instead of quietly handing out another registry.
+    """
+    ray = _ray()
+    name = name or actor_name(epoch)
+    path = os.fspath(db_path) if db_path is not None else None
+    durable = path is not None
+    handle = (
+        _remote_class()
+        .options(
+            name=name,
+            namespace=namespace,
+            get_if_exists=True,
+            lifetime="detached" if detached else None,
+            max_concurrency=1,  # one call at a time: the single writer
+            num_cpus=0,  # bookkeeping only; never takes a CPU slot from engines or trainers
+            max_restarts=-1 if durable else 0,
+            max_task_retries=0,
+        )
+        .remote(epoch, list(engines), capacity, path, synchronous)
+    )
+    try:
+        desc = ray.get(handle.describe.remote())
+    except ray.exceptions.RayActorError as exc:
+        raise StoreError(f"registry actor {name!r} failed to start: {exc}") from exc
+    expected = LoRAVersionRegistry(epoch, engines, capacity)
+    got = (desc["epoch"], tuple(desc["engines"]), desc["capacity"], desc["db_path"])
+    if got != (expected.epoch, expected.engines, expected.capacity, path):
+        raise StoreError(
+            f"actor {name!r} already serves epoch/engines/capacity/db {got}, not the ones asked for"
+        )
+    return handle
+
+
+def get_registry_actor(
+    epoch: str | int, *, name: str | None = None, namespace: str = DEFAULT_NAMESPACE
+) -> Any:
+    """The running registry actor of an epoch (raises ValueError if there is none)."""
+    return _ray().get_actor(name or actor_name(epoch), namespace=namespace)
+
+
+# ------------------------------------------------------------------------------- clients
+
+
+class _Backend:
+    """Runs ``op(**kwargs)`` somewhere and returns its envelope (sync)."""
+
+    def call(self, op: str, kwargs: dict[str, Any]) -> Envelope:
+        raise NotImplementedError
+
+
+class _LocalBackend(_Backend):
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+        self._lock = threading.Lock()  # the registry is single-threaded; clients may not be
+
+    def call(self, op: str, kwargs: dict[str, Any]) -> Envelope:
+        with self._lock:
+            return _call_envelope(self.registry, op, kwargs)
+
+
+class _RayBackend(_Backend):
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def call(self, op: str, kwargs: dict[str, Any]) -> Envelope:
+        return _ray().get(self.handle.call.remote(op, kwargs))
+
+
+class _Describe:
+    _describe: Callable[[], dict[str, Any]]
+    _info: dict[str, Any] | None = None
+
+    def _desc(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = self._describe()
+        return self._info
+
+    @property
+    def epoch(self) -> str:
+        return str(self._desc()["epoch"])
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        return tuple(self._desc()["engines"])
+
+    @property
+    def capacity(self) -> int:
+        return int(self._desc()["capacity"])
+
+
+def _local_describe(registry: Any) -> Callable[[], dict[str, Any]]:
+    return lambda: {
+        "epoch": registry.epoch,
+        "engines": tuple(registry.engines),
+        "capacity": registry.capacity,
+    }
+
+
+class RegistryClient(_Describe):
+    """Synchronous client with the registry's API, in-process or through the actor."""
+
+    def __init__(self, backend: _Backend, describe: Callable[[], dict[str, Any]]) -> None:
+        self._backend = backend
+        self._describe = describe
+
+    @classmethod
+    def in_process(cls, registry: LoRAVersionRegistry | DurableRegistry) -> RegistryClient:
+        return cls(_LocalBackend(registry), _local_describe(registry))
+
+    @classmethod
+    def for_actor(cls, handle: Any) -> RegistryClient:
+        return cls(_RayBackend(handle), lambda: _ray().get(handle.describe.remote()))
+
+    def _call(self, op: str, /, **kwargs: Any) -> Any:
+        return _unwrap(self._backend.call(op, kwargs))
+
+    def reserve(
+        self, version_key: VersionKey | Sequence[str], digest: str, lora_name: str, request_id: str
+    ) -> ReserveResult:
+        return self._call(
+            "reserve", version_key=version_key, digest=digest, lora_name=lora_name, request_id=request_id
+        )
+
+    def record_prepared(self, engine_id: str, receipt: PreparedReceipt) -> EngineAck:
+        return self._call("record_prepared", engine_id=engine_id, receipt=receipt)
+
+    def record_ready(self, engine_id: str, receipt: ReadyReceipt) -> EngineAck:
+        return self._call("record_ready", engine_id=engine_id, receipt=receipt)
+
+    def commit(
+        self, version_key: VersionKey | Sequence[str], attempt_token: str, expected_default_revision: int
+    ) -> CommitReceipt:
+        return self._call(
+            "commit",
+            version_key=version_key,
+            attempt_token=attempt_token,
+            expected_default_revision=expected_default_revision,
+        )
+
+    def abort(self, attempt_token: str, reason: str) -> AbortResult:
+        return self._call("abort", attempt_token=attempt_token, reason=reason)
+
+    def record_cleanup(self, engine_id: str, attempt_token: str, receipt: CleanupReceipt) -> EngineAck:
+        return self._call("record_cleanup", engine_id=engine_id, attempt_token=attempt_token, receipt=receipt)
+
+    def register_engine_incarnation(self, engine_id: str, incarnation: str) -> IncarnationResult:
+        return self._call("register_engine_incarnation", engine_id=engine_id, incarnation=incarnation)
+
+    def mark_engine_unknown(self, engine_id: str, ref: str, op: str, reason: str) -> EngineAck:
+        return self._call("mark_engine_unknown", engine_id=engine_id, ref=ref, op=op, reason=reason)
+
+    def open_session(self, session_key: SessionKey | Sequence[str]) -> SessionView:
+        return self._call("open_session", session_key=session_key)
+
+    def bind_first(self, session_key: SessionKey | Sequence[str]) -> Binding:
+        return self._call("bind_first", session_key=session_key)
+
+    def begin_close(self, session_key: SessionKey | Sequence[str]) -> SessionView:
+        return self._call("begin_close", session_key=session_key)
+
+    def close_and_release(self, session_key: SessionKey | Sequence[str]) -> SessionView:
+        return self._call("close_and_release", session_key=session_key)
+
+    def claim_reclaim(self, version_key: VersionKey | Sequence[str]) -> ReclaimClaim:
+        return self._call("claim_reclaim", version_key=version_key)
+
+    def confirm_reclaim(
+        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadedReceipt
+    ) -> EngineAck:
+        return self._call("confirm_reclaim", version_key=version_key, engine_id=engine_id, receipt=receipt)
+
+    def status(self) -> StatusView:
+        return self._call("status")
+
+    def version(self, version_key: VersionKey | Sequence[str]) -> VersionView | None:
+        return self._call("version", version_key=version_key)
+
+    def binding_of(self, session_key: SessionKey | Sequence[str]) -> Binding | None:
+        return self._call("binding_of", session_key=session_key)
+
+    def session(self, session_key: SessionKey | Sequence[str]) -> SessionView | None:
+        return self._call("session", session_key=session_key)
+
+    def dump(self) -> str:
+        return self._call("dump")
+
+
+class AsyncRegistryClient(_Describe):
+    """Async client with the registry's API, in-process or through the actor.
+
+    In process, calls run on one dedicated worker thread: they are serialised (single writer)
+    and a durable store's fsync never blocks the event loop. Through Ray, the ObjectRef is
+    awaited directly. ``epoch`` / ``engines`` / ``capacity`` are fetched by :meth:`connect`.
+    """
+
+    def __init__(
+        self,
+        call: Callable[[str, dict[str, Any]], Any],
+        describe: Callable[[], Any],
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
+        self._acall = call
+        self._adescribe = describe
+        self._executor = executor
+        self._describe = self._cached_only
+
+    def _cached_only(self) -> dict[str, Any]:
+        raise RuntimeError("await client.connect() before reading epoch / engines / capacity")
+
+    @classmethod
+    def in_process(cls, registry: LoRAVersionRegistry | DurableRegistry) -> AsyncRegistryClient:
+        backend = _LocalBackend(registry)
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-registry")
+
+        async def call(op: str, kwargs: dict[str, Any]) -> Envelope:
+            return await asyncio.get_running_loop().run_in_executor(executor, backend.call, op, kwargs)
+
+        async def describe() -> dict[str, Any]:
+            return _local_describe(registry)()
+
+        return cls(call, describe, executor)
+
+    @classmethod
+    def for_actor(cls, handle: Any) -> AsyncRegistryClient:
+        async def call(op: str, kwargs: dict[str, Any]) -> Envelope:
+            return await handle.call.remote(op, kwargs)
+
+        async def describe() -> dict[str, Any]:
+            return await handle.describe.remote()
+
+        return cls(call, describe)
+
+    async def connect(self) -> AsyncRegistryClient:
+        self._info = await self._adescribe()
+        return self
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    async def _call(self, op: str, /, **kwargs: Any) -> Any:
+        return _unwrap(await self._acall(op, kwargs))
+
+    async def reserve(
+        self, version_key: VersionKey | Sequence[str], digest: str, lora_name: str, request_id: str
+    ) -> ReserveResult:
+        return await self._call(
+            "reserve", version_key=version_key, digest=digest, lora_name=lora_name, request_id=request_id
+        )
+
+    async def record_prepared(self, engine_id: str, receipt: PreparedReceipt) -> EngineAck:
+        return await self._call("record_prepared", engine_id=engine_id, receipt=receipt)
+
+    async def record_ready(self, engine_id: str, receipt: ReadyReceipt) -> EngineAck:
+        return await self._call("record_ready", engine_id=engine_id, receipt=receipt)
+
+    async def commit(
+        self, version_key: VersionKey | Sequence[str], attempt_token: str, expected_default_revision: int
+    ) -> CommitReceipt:
+        return await self._call(
+            "commit",
+            version_key=version_key,
+            attempt_token=attempt_token,
+            expected_default_revision=expected_default_revision,
+        )
+
+    async def abort(self, attempt_token: str, reason: str) -> AbortResult:
+        return await self._call("abort", attempt_token=attempt_token, reason=reason)
+
+    async def record_cleanup(self, engine_id: str, attempt_token: str, receipt: CleanupReceipt) -> EngineAck:
+        return await self._call(
+            "record_cleanup", engine_id=engine_id, attempt_token=attempt_token, receipt=receipt
+        )
+
+    async def register_engine_incarnation(self, engine_id: str, incarnation: str) -> IncarnationResult:
+        return await self._call("register_engine_incarnation", engine_id=engine_id, incarnation=incarnation)
+
+    async def mark_engine_unknown(self, engine_id: str, ref: str, op: str, reason: str) -> EngineAck:
+        return await self._call("mark_engine_unknown", engine_id=engine_id, ref=ref, op=op, reason=reason)
+
+    async def open_session(self, session_key: SessionKey | Sequence[str]) -> SessionView:
+        return await self._call("open_session", session_key=session_key)
+
+    async def bind_first(self, session_key: SessionKey | Sequence[str]) -> Binding:
+        return await self._call("bind_first", session_key=session_key)
+
+    async def begin_close(self, session_key: SessionKey | Sequence[str]) -> SessionView:
+        return await self._call("begin_close", session_key=session_key)
+
+    async def close_and_release(self, session_key: SessionKey | Sequence[str]) -> SessionView:
+        return await self._call("close_and_release", session_key=session_key)
+
+    async def claim_reclaim(self, version_key: VersionKey | Sequence[str]) -> ReclaimClaim:
+        return await self._call("claim_reclaim", version_key=version_key)
+
+    async def confirm_reclaim(
+        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadedReceipt
+    ) -> EngineAck:
+        return await self._call(
+            "confirm_reclaim", version_key=version_key, engine_id=engine_id, receipt=receipt
+        )
+
+    async def status(self) -> StatusView:
+        return await self._call("status")
+
+    async def version(self, version_key: VersionKey | Sequence[str]) -> VersionView | None:
+        return await self._call("version", version_key=version_key)
+
+    async def binding_of(self, session_key: SessionKey | Sequence[str]) -> Binding | None:
+        return await self._call("binding_of", session_key=session_key)
+
+    async def session(self, session_key: SessionKey | Sequence[str]) -> SessionView | None:
+        return await self._call("session", session_key=session_key)
+
+    async def dump(self) -> str:
+        return await self._call("dump")

@@ -1,0 +1,132 @@
+"""The registry as a named single-writer Ray actor, against a real local Ray (num_cpus=1).
+
+Skipped only when Ray is not importable (it is the optional ``ray`` extra; CI installs it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is the optional 'ray' extra: pip install '.[ray]'")
+
+from _rg_helpers import ENGINES, EPOCH, Publisher, async_scenario, refused, sk, vk  # noqa: E402
+
+from relax_glue.actor import (  # noqa: E402
+    AsyncRegistryClient,
+    RegistryClient,
+    actor_name,
+    get_registry_actor,
+    start_registry_actor,
+)
+from relax_glue.registry import LoRAVersionRegistry  # noqa: E402
+from relax_glue.registry_types import VersionState  # noqa: E402
+from relax_glue.store import DurableRegistry, StoreError, StoreLockedError  # noqa: E402
+from sglang_ext.errors import ErrorCode, LoraVersionError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    # Workers must import relax_glue / sglang_ext even when the project is not pip-installed.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _kill(handle: Any) -> None:
+    ray.kill(handle, no_restart=True)
+
+
+def test_named_in_memory_actor_serves_the_registry_api_sync_and_async(ray_cluster: None) -> None:
+    """One actor (worker processes are slow to start on a loaded box): typed errors, one named
+    actor per epoch, config mismatch refused, the async client, the sync client."""
+    handle = start_registry_actor(EPOCH, ENGINES)
+    local = AsyncRegistryClient.in_process(LoRAVersionRegistry(EPOCH, ENGINES))
+    try:
+        client = RegistryClient.for_actor(handle)
+        assert (client.epoch, client.engines, client.capacity) == (EPOCH, ENGINES, 2)
+        err = refused(ErrorCode.NO_PUBLISHED_VERSION, client.bind_first, sk("early"))
+        assert isinstance(err, LoraVersionError) and err.http_status == 409
+        refused(ErrorCode.INVALID_REQUEST, client._call, "check_invariants")  # not remotely callable
+
+        # one actor per epoch: asking again (any process) gets the same one; another config is refused
+        assert start_registry_actor(EPOCH, ENGINES)._actor_id == handle._actor_id
+        assert get_registry_actor(EPOCH)._actor_id == handle._actor_id
+        assert actor_name(EPOCH) == f"lora_version_registry@{EPOCH}"
+        with pytest.raises(StoreError, match="already serves"):
+            start_registry_actor(EPOCH, ENGINES, capacity=3)
+
+        # the async client through the actor answers exactly like the in-process one
+        remote_dump = asyncio.run(async_scenario(AsyncRegistryClient.for_actor(handle)))
+        local_dump = asyncio.run(async_scenario(local))
+        assert remote_dump == local_dump
+        assert client.version(vk("A")).state is VersionState.RECLAIMED
+
+        # and the sync client goes on with the same state: B is the default, C fills capacity
+        pub = Publisher.__new__(Publisher)
+        pub.reg, pub.incarnation, pub.results = client, {e: f"{e}-i1" for e in ENGINES}, {}
+        binding = client.bind_first(sk("s2"))
+        assert binding.version_key == vk("B") and client.binding_of(sk("s2")) == binding
+        pub.publish("C")
+        err = refused(ErrorCode.VERSION_IN_USE, client.claim_reclaim, vk("B"))
+        assert err.details == {"state": "RETIRED", "session_refs": 1}
+        refused(ErrorCode.CAPACITY_ERROR, pub.reserve, "D")
+        assert client.status().default == vk("C")
+    finally:
+        local.close()
+        _kill(handle)
+
+
+def test_durable_actor_restarts_after_its_process_dies_with_every_transition(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    db = tmp_path / "registry.db"
+    handle = start_registry_actor(EPOCH, ENGINES, db_path=db, name="durable-test")
+    try:
+        client = RegistryClient.for_actor(handle)
+        pub = Publisher(client)
+        receipt = pub.publish("A")
+        binding = client.bind_first(sk("s"))
+        before, pid = client.dump(), ray.get(handle.describe.remote())["pid"]
+
+        ray.kill(handle, no_restart=False)  # the process dies; Ray restarts the actor
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                desc = ray.get(handle.describe.remote(), timeout=5)
+                break
+            except (
+                ray.exceptions.RayActorError,
+                ray.exceptions.ActorUnavailableError,
+                ray.exceptions.GetTimeoutError,
+            ):
+                assert time.monotonic() < deadline, "actor did not come back"
+                time.sleep(0.2)
+        assert desc["pid"] != pid
+        assert client.dump() == before
+        # retries of calls whose replies were lost in the crash get the original answers
+        assert pub.commit("A", 0) == receipt
+        assert client.bind_first(sk("s")) == binding
+
+        # a second writer on the same database (here: this driver process) is refused
+        with pytest.raises(StoreLockedError, match="another registry writer"):
+            DurableRegistry.open(db, EPOCH, ENGINES, 2)
+    finally:
+        ray.get(handle.close.remote())
+        _kill(handle)
