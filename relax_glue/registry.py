@@ -23,7 +23,6 @@ Decisions where the issue is silent are marked "Decision:" next to the code that
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import re
@@ -57,6 +56,7 @@ from relax_glue.registry_types import (
     VersionView,
     decode,
     encode,
+    evolve,
 )
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
@@ -116,6 +116,7 @@ _COMMITTED_STATES = frozenset(
 _NAME_PART_RE = re.compile(r"[A-Za-z0-9_.]{1,64}")
 _TOKEN_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+_SPACE_RE = re.compile(r"\s")
 
 # The public operations, used by the durable store (journal) and the actor (dispatch allow-list).
 MUTATING_OPS: tuple[str, ...] = (
@@ -219,7 +220,7 @@ class LoRAVersionRegistry:
         key = self._key(version_key)
         _text("digest", digest, _DIGEST_RE)
         _text("lora_name", lora_name)
-        if ":" in lora_name or any(c.isspace() for c in lora_name):
+        if ":" in lora_name or _SPACE_RE.search(lora_name):
             # OpenAI model="base:adapter" splits on ':'; whitespace never survives a header.
             _fail(
                 ErrorCode.INVALID_REQUEST, "lora_name must not contain ':' or whitespace", lora_name=lora_name
@@ -507,7 +508,7 @@ class LoRAVersionRegistry:
             rphase = rec.reclaim_phases[engine_id]
             if rphase is not ReclaimPhase.PENDING:  # UNLOADED is final; UNKNOWN already marked
                 return self._reclaim_ack(rec, engine_id, rphase)
-            new = dataclasses.replace(
+            new = evolve(
                 rec, reclaim_phases={**rec.reclaim_phases, engine_id: ReclaimPhase.UNKNOWN}
             )
             ack = self._reclaim_ack(new, engine_id, ReclaimPhase.UNKNOWN)
@@ -553,7 +554,7 @@ class LoRAVersionRegistry:
             _fail(ErrorCode.NO_PUBLISHED_VERSION, "no version has been published yet")
         rec = self._versions[self._default]
         binding = Binding(sk, rec.key, rec.lora_name, rec.digest, self._revision)
-        self._versions[rec.key] = dataclasses.replace(rec, session_refs=rec.session_refs + 1)
+        self._versions[rec.key] = evolve(rec, session_refs=rec.session_refs + 1)
         self._sessions[sk] = SessionRecord(sk, SessionState.OPEN, binding)
         self._accepted()
         return binding
@@ -567,7 +568,7 @@ class LoRAVersionRegistry:
         new = (
             SessionRecord(sk, SessionState.CLOSED)
             if s is None
-            else dataclasses.replace(s, state=SessionState.CLOSING)
+            else evolve(s, state=SessionState.CLOSING)
         )
         self._sessions[sk] = new
         self._accepted()
@@ -585,11 +586,11 @@ class LoRAVersionRegistry:
             self._accepted()
             return self._session_view(new)
         release = s.binding is not None and not s.released
-        new = dataclasses.replace(s, state=SessionState.CLOSED, released=release or s.released)
+        new = evolve(s, state=SessionState.CLOSED, released=release or s.released)
         if release:
             assert s.binding is not None
             rec = self._versions[s.binding.version_key]
-            self._versions[rec.key] = dataclasses.replace(rec, session_refs=rec.session_refs - 1)
+            self._versions[rec.key] = evolve(rec, session_refs=rec.session_refs - 1)
         self._sessions[sk] = new
         self._accepted()
         return self._session_view(new)
@@ -647,7 +648,7 @@ class LoRAVersionRegistry:
         nk = ("unloaded", engine_id, rec.reclaim_id)
         if rec.reclaim_phases[engine_id] is ReclaimPhase.UNLOADED:
             return self._results[nk]
-        new = dataclasses.replace(
+        new = evolve(
             rec, reclaim_phases={**rec.reclaim_phases, engine_id: ReclaimPhase.UNLOADED}
         )
         if all(p is ReclaimPhase.UNLOADED for p in new.reclaim_phases.values()):
@@ -711,7 +712,7 @@ class LoRAVersionRegistry:
         slots, default, pending attempt. ``full=True`` (tests) also walks every version and
         session and recounts the session refs.
         """
-        live = {k for k in self._live}
+        live = self._live
         assert len(live) <= self.capacity, f"{len(live)} slots in use > capacity {self.capacity}"
         for k in live:
             assert holds_slot(self._versions[k].state), f"{k} in live set but {self._versions[k].state}"
@@ -846,7 +847,7 @@ class LoRAVersionRegistry:
         if not isinstance(receipt, cls):
             _fail(ErrorCode.INVALID_REQUEST, f"expected a {cls.__name__}, got {type(receipt).__name__}")
         if hasattr(receipt, "version_key"):
-            receipt = dataclasses.replace(receipt, version_key=self._key(receipt.version_key))
+            receipt = evolve(receipt, version_key=self._key(receipt.version_key))
         return receipt
 
     def _engine(self, engine_id: Any) -> EngineRecord:
@@ -902,11 +903,11 @@ class LoRAVersionRegistry:
     def _transition(rec: VersionRecord, state: VersionState, **changes: Any) -> VersionRecord:
         if state not in _TRANSITIONS[rec.state]:
             raise AssertionError(f"illegal transition {rec.state.value} -> {state.value} for {rec.key}")
-        return dataclasses.replace(rec, state=state, **changes)
+        return evolve(rec, state=state, **changes)
 
     @staticmethod
     def _with_phase(rec: VersionRecord, engine_id: str, phase: AttemptPhase) -> VersionRecord:
-        return dataclasses.replace(rec, attempt_phases={**rec.attempt_phases, engine_id: phase})
+        return evolve(rec, attempt_phases={**rec.attempt_phases, engine_id: phase})
 
     @staticmethod
     def _confirmed(phases: Iterable[tuple[str, Any]], accepted: Iterable[Any]) -> tuple[str, ...]:

@@ -266,6 +266,18 @@ class EngineRecord:
     history: tuple[str, ...] = ()  # every incarnation ever registered, oldest first
 
 
+def evolve(record: Any, **changes: Any) -> Any:
+    """``dataclasses.replace`` for the frozen records, without its per-call field introspection
+    (it dominated the in-memory op cost). The records have no ``__post_init__`` to skip."""
+    if __debug__:
+        unknown = set(changes) - set(record.__dict__)
+        assert not unknown, f"{type(record).__name__} has no field(s) {unknown}"
+    new = object.__new__(type(record))
+    new.__dict__.update(record.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 # -------------------------------------------------------------------------------------- codec
 
 _TYPES: dict[str, type] = {

@@ -1,0 +1,265 @@
+"""Registry throughput: in memory, durable (SQLite journal), and through the Ray actor.
+
+Measures, in one run and on the same disk:
+
+* ``pairs``  - bind_first + close_and_release of a fresh session (2 accepted transitions);
+* ``cycles`` - a full publication and reclaim: reserve, READY x2, commit, claim_reclaim,
+  UNLOADED x2 (7 accepted transitions), keeping capacity 2 busy the whole time;
+* a bare SQLite ``INSERT + COMMIT`` loop with the same pragmas and a similar row size, the floor
+  a durable registry can not beat (one commit per accepted transition);
+* journal replay (reopen) speed, the price of the journal-replay design.
+
+Prints a table and writes ``bench/results/registry_ops.json``. Every measurement is bounded by
+``--seconds``; the whole run stays under a minute (Ray start-up included) unless told otherwise.
+
+    python bench/registry_ops.py [--seconds 1.0] [--no-ray]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import sqlite3
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from relax_glue.registry import LoRAVersionRegistry  # noqa: E402
+from relax_glue.registry_types import (  # noqa: E402
+    ReadyReceipt,
+    SessionKey,
+    UnloadedReceipt,
+    VersionKey,
+)
+from relax_glue.store import DurableRegistry  # noqa: E402
+
+EPOCH = "1"
+ENGINES = ("E0", "E1")
+RESULTS = ROOT / "bench" / "results" / "registry_ops.json"
+
+
+def _digest(vid: str) -> str:
+    return hashlib.sha256(vid.encode()).hexdigest()
+
+
+class Workload:
+    """Drives any registry-shaped object (registry, durable store, actor client)."""
+
+    def __init__(self, reg: Any) -> None:
+        self.reg = reg
+        self.n_versions = 0
+        self.n_sessions = 0
+        for engine in ENGINES:
+            reg.register_engine_incarnation(engine, f"{engine}-i1")
+        self.publish()
+
+    def publish(self) -> VersionKey:
+        vid = f"v{self.n_versions}"
+        self.n_versions += 1
+        key, dig = VersionKey(EPOCH, vid), _digest(vid)
+        res = self.reg.reserve(key, dig, f"relax_policy_lora@{EPOCH}-{vid}-{dig[:12]}", f"req-{vid}")
+        for engine in ENGINES:
+            self.reg.record_ready(engine, ReadyReceipt(key, dig, res.attempt_token, f"{engine}-i1"))
+        self.reg.commit(key, res.attempt_token, self.n_versions - 1)
+        return key
+
+    def pair(self) -> None:
+        sk = SessionKey(EPOCH, f"s{self.n_sessions}")
+        self.n_sessions += 1
+        self.reg.bind_first(sk)
+        self.reg.close_and_release(sk)
+
+    def cycle(self) -> None:
+        retired = VersionKey(EPOCH, f"v{self.n_versions - 1}")
+        self.publish()
+        claim = self.reg.claim_reclaim(retired)
+        for engine in ENGINES:
+            self.reg.confirm_reclaim(retired, engine, UnloadedReceipt(claim.reclaim_id, f"{engine}-i1"))
+
+
+def _timed(step: Callable[[], None], seconds: float, max_iters: int = 10**7) -> tuple[int, float]:
+    n, start = 0, time.perf_counter()
+    deadline = start + seconds
+    while n < max_iters:
+        step()
+        n += 1
+        if n % 8 == 0 and time.perf_counter() >= deadline:
+            break
+    return n, time.perf_counter() - start
+
+
+def _row(backend: str, op: str, n: int, elapsed: float, transitions: int, note: str = "") -> dict[str, Any]:
+    rate = n / elapsed
+    return {
+        "backend": backend,
+        "op": op,
+        "iterations": n,
+        "seconds": round(elapsed, 3),
+        "per_second": round(rate, 1),
+        "transitions_per_second": round(rate * transitions, 1),
+        "us_per_iteration": round(1e6 / rate, 1),
+        "note": note,
+    }
+
+
+class _Acc:
+    """Iterations and time summed over interleaved slices."""
+
+    def __init__(self) -> None:
+        self.n, self.t = 0, 0.0
+
+    def add(self, n_t: tuple[int, float]) -> None:
+        self.n += n_t[0]
+        self.t += n_t[1]
+
+
+def _bare_sqlite(tmp: Path, synchronous: str) -> Callable[[], None]:
+    conn = sqlite3.connect(tmp / f"bare-{synchronous}.db", isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute(f"PRAGMA synchronous={synchronous}")
+    conn.execute("CREATE TABLE journal (seq INTEGER PRIMARY KEY, op TEXT, args TEXT, result TEXT)")
+    payload = "x" * 300  # about the size of an encoded bind_first row
+    seq = iter(range(1, 10**9))
+
+    def step() -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("INSERT INTO journal VALUES (?, ?, ?, ?)", (next(seq), "op", payload, payload))
+        conn.execute("COMMIT")
+
+    return step
+
+
+def bench_durable(tmp: Path, seconds: float, synchronous: str, rounds: int = 3) -> list[dict[str, Any]]:
+    """Bare commits and durable registry ops in interleaved slices: fsync latency on a shared
+    disk drifts a lot within seconds, so only measurements taken side by side are comparable."""
+    bare_step = _bare_sqlite(tmp, synchronous)
+    path = tmp / f"registry-{synchronous}.db"
+    bare, pairs, cycles = _Acc(), _Acc(), _Acc()
+    with DurableRegistry.open(path, EPOCH, ENGINES, 2, synchronous=synchronous) as store:
+        work = Workload(store)
+        for _ in range(rounds):
+            bare.add(_timed(bare_step, seconds / rounds))
+            pairs.add(_timed(work.pair, seconds / rounds))
+            cycles.add(_timed(work.cycle, seconds / rounds))
+    name = f"durable ({synchronous})"
+    rows = [
+        _row(f"bare sqlite ({synchronous})", "INSERT+COMMIT", bare.n, bare.t, 1),
+        _row(name, "bind_first+close_and_release", pairs.n, pairs.t, 2),
+        _row(name, "publish/commit/reclaim cycle", cycles.n, cycles.t, 7),
+    ]
+    if synchronous == "FULL":
+        rows.append(bench_replay(path))
+    return rows
+
+
+def bench_backend(name: str, reg: Any, seconds: float) -> list[dict[str, Any]]:
+    work = Workload(reg)
+    rows = [_row(name, "bind_first+close_and_release", *_timed(work.pair, seconds), 2)]
+    rows.append(_row(name, "publish/commit/reclaim cycle", *_timed(work.cycle, seconds), 7))
+    return rows
+
+
+def bench_replay(path: Path) -> dict[str, Any]:
+    start = time.perf_counter()
+    with DurableRegistry.open(path, EPOCH, ENGINES, 2, debug_checks=False) as store:
+        n = store.seq
+    elapsed = time.perf_counter() - start
+    return _row("durable reopen", "journal replay", n, elapsed, 1, note=f"{n} journal rows")
+
+
+def bench_ray(tmp: Path, seconds: float) -> tuple[list[dict[str, Any]], str]:
+    try:
+        import ray
+    except ImportError:
+        return [], "ray not installed: actor rows skipped (pip install '.[ray]')"
+    from relax_glue.actor import RegistryClient, start_registry_actor
+
+    start = time.perf_counter()
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    init_s = time.perf_counter() - start
+    rows: list[dict[str, Any]] = []
+    try:
+        for label, db in (("ray actor (memory)", None), ("ray actor (durable FULL)", tmp / "actor.db")):
+            handle = start_registry_actor(EPOCH, ENGINES, db_path=db, name=f"bench-{label}")
+            rows += bench_backend(label, RegistryClient.for_actor(handle), seconds / 2)
+            ray.kill(handle)
+    finally:
+        ray.shutdown()
+    return rows, f"ray.init took {init_s:.1f}s (not counted)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=1.0, help="time budget per measurement")
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray actor rows")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    notes: list[str] = []
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="registry-bench-", dir=ROOT / "bench") as tmp_name:
+        tmp = Path(tmp_name)
+        rows += bench_backend("memory", LoRAVersionRegistry(EPOCH, ENGINES, 2), args.seconds)
+        no_checks = LoRAVersionRegistry(EPOCH, ENGINES, 2, debug_checks=False)
+        rows += bench_backend("memory (no debug checks)", no_checks, args.seconds)
+        for sync in ("FULL", "NORMAL"):
+            rows += bench_durable(tmp, 2 * args.seconds, sync)
+        if args.no_ray:
+            notes.append("Ray actor rows skipped (--no-ray)")
+        else:
+            ray_rows, note = bench_ray(tmp, args.seconds)
+            rows += ray_rows
+            notes.append(note)
+
+    # the durable/actor-durable rows next to the bare commit loop of the same synchronous mode
+    bare = {
+        r["backend"].split("(")[1].rstrip(")"): r["per_second"]
+        for r in rows
+        if r["backend"].startswith("bare")
+    }
+    for r in rows:
+        mode = "FULL" if "FULL" in r["backend"] else "NORMAL" if "NORMAL" in r["backend"] else None
+        if mode and not r["backend"].startswith("bare") and r["op"] != "journal replay":
+            r["vs_bare_commit"] = round(r["transitions_per_second"] / bare[mode], 2)
+
+    _print(rows, notes)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+        "cpus": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+        "seconds_per_measurement": args.seconds,
+    }
+    args.out.write_text(json.dumps({"meta": meta, "notes": notes, "rows": rows}, indent=2) + "\n")
+    print(f"\nwrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+
+
+def _print(rows: list[dict[str, Any]], notes: list[str]) -> None:
+    header = f"{'backend':<26} {'op':<30} {'ops/s':>10} {'trans/s':>10} {'us/op':>9} {'vs bare':>8}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        ratio = f"{r['vs_bare_commit']:.2f}" if "vs_bare_commit" in r else ""
+        print(
+            f"{r['backend']:<26} {r['op']:<30} {r['per_second']:>10.0f} {r['transitions_per_second']:>10.0f} "
+            f"{r['us_per_iteration']:>9.1f} {ratio:>8}"
+        )
+    for note in notes:
+        print(f"note: {note}")
+    print("vs bare = accepted transitions/s divided by bare INSERT+COMMIT/s of the same synchronous mode")
+
+
+if __name__ == "__main__":
+    main()
