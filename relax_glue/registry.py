@@ -107,6 +107,7 @@ _TRANSITIONS: dict[VersionState, frozenset[VersionState]] = {
     VersionState.FAILED_CLEAN: frozenset(),
 }
 
+_PENDING_STATES = frozenset({VersionState.LOADING, VersionState.ABORTED})  # the one attempt in flight
 _COMMITTED_STATES = frozenset(
     {VersionState.PUBLISHED, VersionState.RETIRED, VersionState.RECLAIMING, VersionState.RECLAIMED}
 )
@@ -296,11 +297,9 @@ class LoRAVersionRegistry:
             attempt_phases=dict.fromkeys(self.engines, AttemptPhase.NONE),
         )
         result = ReserveResult(key, digest, lora_name, token, VersionState.LOADING, created=True)
-        self._versions[key] = rec
+        self._put(rec)
         self._by_token[token] = key
         self._by_name[lora_name] = key
-        self._live.add(key)
-        self._pending = key
         self._reserve_requests[request_id] = (args, result)
         self._accepted()
         return result
@@ -323,7 +322,7 @@ class LoRAVersionRegistry:
             return self._attempt_ack(rec, engine_id, phase)
         new = self._with_phase(rec, engine_id, AttemptPhase.PREPARED)
         ack = self._attempt_ack(new, engine_id, AttemptPhase.PREPARED)
-        self._versions[rec.key] = new
+        self._put(new)
         self._results[nk] = ack
         self._accepted()
         return ack
@@ -350,7 +349,7 @@ class LoRAVersionRegistry:
             return self._results[nk]
         new = self._with_phase(rec, engine_id, AttemptPhase.READY)
         ack = self._attempt_ack(new, engine_id, AttemptPhase.READY)
-        self._versions[rec.key] = new
+        self._put(new)
         self._unknown.pop((engine_id, rec.attempt_token), None)
         self._results[nk] = ack
         self._accepted()
@@ -404,11 +403,10 @@ class LoRAVersionRegistry:
         new = self._transition(rec, VersionState.PUBLISHED, commit=receipt)
         retired = self._transition(self._versions[previous], VersionState.RETIRED) if previous else None
         if retired is not None:
-            self._versions[retired.key] = retired
-        self._versions[key] = new
+            self._put(retired)
+        self._put(new)
         self._default = key
         self._revision += 1
-        self._pending = None
         self._accepted()
         return receipt
 
@@ -426,7 +424,7 @@ class LoRAVersionRegistry:
         if rec.state is not VersionState.LOADING:
             return self._results[nk]  # ABORTED / FAILED_CLEAN: the first answer
         result = AbortResult(rec.key, rec.attempt_token, reason)
-        self._versions[rec.key] = self._transition(rec, VersionState.ABORTED, abort_reason=reason)
+        self._put(self._transition(rec, VersionState.ABORTED, abort_reason=reason))
         self._results[nk] = result
         self._accepted()
         return result
@@ -452,11 +450,8 @@ class LoRAVersionRegistry:
         if all(p is AttemptPhase.CLEANED for p in new.attempt_phases.values()):
             new = self._transition(new, VersionState.FAILED_CLEAN)
         ack = self._attempt_ack(new, engine_id, AttemptPhase.CLEANED)
-        self._versions[rec.key] = new
+        self._put(new)
         self._unknown.pop((engine_id, attempt_token), None)
-        if new.state is VersionState.FAILED_CLEAN:
-            self._live.discard(rec.key)
-            self._pending = None
         self._results[nk] = ack
         self._accepted()
         return ack
@@ -489,7 +484,7 @@ class LoRAVersionRegistry:
         result = IncarnationResult(engine_id, incarnation, eng.incarnation, tuple(invalidated))
         self._engines[engine_id] = EngineRecord(engine_id, incarnation, (*eng.history, incarnation))
         if new_rec is not None:
-            self._versions[new_rec.key] = new_rec
+            self._put(new_rec)
         self._results[nk] = result
         self._accepted()
         return result
@@ -508,9 +503,7 @@ class LoRAVersionRegistry:
             rphase = rec.reclaim_phases[engine_id]
             if rphase is not ReclaimPhase.PENDING:  # UNLOADED is final; UNKNOWN already marked
                 return self._reclaim_ack(rec, engine_id, rphase)
-            new = evolve(
-                rec, reclaim_phases={**rec.reclaim_phases, engine_id: ReclaimPhase.UNKNOWN}
-            )
+            new = evolve(rec, reclaim_phases={**rec.reclaim_phases, engine_id: ReclaimPhase.UNKNOWN})
             ack = self._reclaim_ack(new, engine_id, ReclaimPhase.UNKNOWN)
         else:
             rec = self._attempt(ref)
@@ -521,7 +514,7 @@ class LoRAVersionRegistry:
                 return self._attempt_ack(rec, engine_id, phase)
             new = self._with_phase(rec, engine_id, AttemptPhase.UNKNOWN)
             ack = self._attempt_ack(new, engine_id, AttemptPhase.UNKNOWN)
-        self._versions[rec.key] = new
+        self._put(new)
         self._unknown[(engine_id, ref)] = UnknownOutcome(engine_id, ref, rec.key, op, reason)
         self._accepted()
         return ack
@@ -554,7 +547,7 @@ class LoRAVersionRegistry:
             _fail(ErrorCode.NO_PUBLISHED_VERSION, "no version has been published yet")
         rec = self._versions[self._default]
         binding = Binding(sk, rec.key, rec.lora_name, rec.digest, self._revision)
-        self._versions[rec.key] = evolve(rec, session_refs=rec.session_refs + 1)
+        self._put(evolve(rec, session_refs=rec.session_refs + 1))
         self._sessions[sk] = SessionRecord(sk, SessionState.OPEN, binding)
         self._accepted()
         return binding
@@ -565,11 +558,7 @@ class LoRAVersionRegistry:
         s = self._sessions.get(sk)
         if s is not None and s.state is not SessionState.OPEN:
             return self._session_view(s)
-        new = (
-            SessionRecord(sk, SessionState.CLOSED)
-            if s is None
-            else evolve(s, state=SessionState.CLOSING)
-        )
+        new = SessionRecord(sk, SessionState.CLOSED) if s is None else evolve(s, state=SessionState.CLOSING)
         self._sessions[sk] = new
         self._accepted()
         return self._session_view(new)
@@ -590,7 +579,7 @@ class LoRAVersionRegistry:
         if release:
             assert s.binding is not None
             rec = self._versions[s.binding.version_key]
-            self._versions[rec.key] = evolve(rec, session_refs=rec.session_refs - 1)
+            self._put(evolve(rec, session_refs=rec.session_refs - 1))
         self._sessions[sk] = new
         self._accepted()
         return self._session_view(new)
@@ -624,7 +613,7 @@ class LoRAVersionRegistry:
             reclaim_id=rid,
             reclaim_phases=dict.fromkeys(self.engines, ReclaimPhase.PENDING),
         )
-        self._versions[key] = new
+        self._put(new)
         self._by_reclaim[rid] = key
         self._accepted()
         return self._claim(new)
@@ -648,16 +637,12 @@ class LoRAVersionRegistry:
         nk = ("unloaded", engine_id, rec.reclaim_id)
         if rec.reclaim_phases[engine_id] is ReclaimPhase.UNLOADED:
             return self._results[nk]
-        new = evolve(
-            rec, reclaim_phases={**rec.reclaim_phases, engine_id: ReclaimPhase.UNLOADED}
-        )
+        new = evolve(rec, reclaim_phases={**rec.reclaim_phases, engine_id: ReclaimPhase.UNLOADED})
         if all(p is ReclaimPhase.UNLOADED for p in new.reclaim_phases.values()):
             new = self._transition(new, VersionState.RECLAIMED)
         ack = self._reclaim_ack(new, engine_id, ReclaimPhase.UNLOADED)
-        self._versions[key] = new
+        self._put(new)
         self._unknown.pop((engine_id, rec.reclaim_id), None)
-        if new.state is VersionState.RECLAIMED:
-            self._live.discard(key)
         self._results[nk] = ack
         self._accepted()
         return ack
@@ -798,15 +783,11 @@ class LoRAVersionRegistry:
         state = decode(json.loads(text))
         reg = cls(state["epoch"], state["engines"], state["capacity"], debug_checks=debug_checks)
         for rec in state["versions"]:
-            reg._versions[rec.key] = rec
+            reg._put(rec)
             reg._by_token[rec.attempt_token] = rec.key
             reg._by_name[rec.lora_name] = rec.key
             if rec.reclaim_id is not None:
                 reg._by_reclaim[rec.reclaim_id] = rec.key
-            if holds_slot(rec.state):
-                reg._live.add(rec.key)
-            if rec.state in (VersionState.LOADING, VersionState.ABORTED):
-                reg._pending = rec.key
         reg._sessions = {s.key: s for s in state["sessions"]}
         reg._engines = {e.engine_id: e for e in state["engine_records"]}
         reg._default = state["default"]
@@ -819,6 +800,19 @@ class LoRAVersionRegistry:
         return reg
 
     # ============================================================================ helpers
+
+    def _put(self, rec: VersionRecord) -> None:
+        """Store a version record; the slot set and the pending attempt follow from its state
+        through :func:`holds_slot` alone, so they can not drift from the predicate."""
+        self._versions[rec.key] = rec
+        if holds_slot(rec.state):
+            self._live.add(rec.key)
+        else:
+            self._live.discard(rec.key)
+        if rec.state in _PENDING_STATES:
+            self._pending = rec.key
+        elif self._pending == rec.key:
+            self._pending = None
 
     def _accepted(self) -> None:
         self._seq += 1

@@ -52,7 +52,7 @@ def _memory_states(seed: int, n_ops: int) -> list[str]:
     return dumps
 
 
-@pytest.mark.parametrize("seed", [11, 23, 37, 41, 59])
+@pytest.mark.parametrize("seed", [11, 23, 37, 41])
 def test_sigkill_at_random_point_loses_no_acknowledged_op(tmp_path: Path, seed: int) -> None:
     db, ack_file = tmp_path / "reg.db", tmp_path / "acks.txt"
     env = {
