@@ -1,32 +1,83 @@
-"""This engine's managed-version state, held in the engine's main process.
+"""This engine's plugin state, held in the engine's main process.
 
 One instance per process (:func:`engine_state`). The incarnation is a fresh id at each plugin
-start: every receipt carries it, so a READY from before a restart can be told apart.
+start: every receipt carries it, so a READY from before a restart can be told apart. The version
+table and the publication service are attached once the HTTP server is being set up (only then
+do the tokenizer manager and the resolved server arguments exist).
 """
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from sglang_ext.protocol import EngineStatus, VersionStatus
+from sglang_ext.protocol import EngineStatus
 from sglang_ext.setup_checks import MANAGED_CAPACITY
+
+if TYPE_CHECKING:
+    from sglang_ext.native_lora import NativeLora
+    from sglang_ext.publication import PublicationService
+    from sglang_ext.version_table import StagingLimits, VersionTable
+
+MAX_VERSION_BYTES_ENV = "SGLANG_LORA_VERSIONS_MAX_VERSION_BYTES"
+MAX_BUCKET_BYTES_ENV = "SGLANG_LORA_VERSIONS_MAX_BUCKET_BYTES"
+DEFAULT_MAX_VERSION_BYTES = 2 * 1024**3
+DEFAULT_MAX_BUCKET_BYTES = 256 * 1024**2
 
 
 @dataclass
 class EngineState:
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = field(default_factory=time.time)
-    versions: dict[str, VersionStatus] = field(default_factory=dict)
+    table: VersionTable | None = None
+    native: NativeLora | None = None
+    publication: PublicationService | None = None
+
+    def attach(self, server_args: Any, tokenizer_manager: Any) -> None:
+        from sglang.srt.lora.utils import get_normalized_target_modules
+
+        from sglang_ext.native_lora import NativeLora
+        from sglang_ext.publication import PublicationService
+        from sglang_ext.version_table import VersionTable
+
+        self.native = NativeLora(tokenizer_manager)
+        self.table = VersionTable(
+            self.incarnation, staging_limits(server_args), normalize_targets=get_normalized_target_modules
+        )
+        self.publication = PublicationService(self.table, self.native)
 
     def status(self) -> EngineStatus:
+        versions = ()
+        if self.table is not None and self.native is not None:
+            versions = tuple(
+                self.table.status_of(v, self.native.in_flight(v.lora_id))
+                for _, v in sorted(self.table.versions.items())
+            )
         return EngineStatus(
             incarnation=self.incarnation,
-            versions=tuple(self.versions[name] for name in sorted(self.versions)),
-            managed_capacity=MANAGED_CAPACITY,
+            versions=versions,
+            managed_capacity=self.table.limits.managed_capacity if self.table else MANAGED_CAPACITY,
             server_time=time.time(),
         )
+
+
+def staging_limits(server_args: Any) -> StagingLimits:
+    from sglang.srt.lora.utils import get_normalized_target_modules
+
+    from sglang_ext.version_table import StagingLimits
+
+    targets = server_args.lora_target_modules
+    normalized = get_normalized_target_modules(targets) if targets else {"all"}
+    return StagingLimits(
+        managed_capacity=min(MANAGED_CAPACITY, int(server_args.max_loras_per_batch) - 1),
+        max_lora_rank=int(server_args.max_lora_rank),
+        target_modules=None if "all" in normalized else frozenset(normalized),
+        max_version_bytes=int(os.environ.get(MAX_VERSION_BYTES_ENV, DEFAULT_MAX_VERSION_BYTES)),
+        max_bucket_bytes=int(os.environ.get(MAX_BUCKET_BYTES_ENV, DEFAULT_MAX_BUCKET_BYTES)),
+    )
 
 
 _STATE: EngineState | None = None

@@ -1,50 +1,120 @@
-"""HTTP routes of the plugin, mounted on SGLang's FastAPI app in the engine's main process."""
+"""HTTP routes of the plugin, mounted on SGLang's FastAPI app in the engine's main process.
+
+Every control route is ``ADMIN_OPTIONAL``, exactly like SGLang's own LoRA control endpoints: with
+``--admin-api-key`` set only that key opens them; with only ``--api-key`` that key does. Every
+refusal is a :class:`LoraVersionError`, turned into ``{"error": {...}}`` with its one status by
+the exception handler registered here (also for errors raised by our hooks inside SGLang routes).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-# Upstream symbol: sglang.srt.utils.auth.auth_level / AuthLevel. ADMIN_OPTIONAL is what SGLang's
-# own LoRA control endpoints use: the admin key (or the API key) is required when one is set.
+# Upstream symbol: sglang.srt.utils.auth.auth_level / AuthLevel (0.5.23).
 from sglang.srt.utils.auth import AuthLevel, auth_level
 
-from sglang_ext.engine_state import engine_state
+from sglang_ext.engine_state import EngineState, engine_state
 from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.protocol import Routes
+from sglang_ext.protocol import (
+    BeginRequest,
+    CleanupRequest,
+    EndRequest,
+    ReceiveBucketMeta,
+    Routes,
+    parse_model,
+)
+from sglang_ext.publication import CleanupPending
 
 
 def error_response(err: LoraVersionError) -> JSONResponse:
     return JSONResponse(err.to_body(), status_code=err.http_status)
 
 
-def build_router() -> APIRouter:
+async def _lora_version_error_handler(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, LoraVersionError)
+    return error_response(exc)
+
+
+async def _cleanup_pending_handler(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, CleanupPending)
+    # 503 on purpose: the outcome is not final, so the publisher must treat it as unknown and ask again.
+    return JSONResponse(
+        {"state": "DRAINING", "lora_name": exc.lora_name, "in_flight": exc.in_flight, "detail": str(exc)},
+        status_code=503,
+    )
+
+
+def _ok(model: Any) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json"))
+
+
+async def _json(request: Request) -> bytes:
+    return await request.body()
+
+
+def _service(state: EngineState):
+    if state.publication is None:
+        raise LoraVersionError(ErrorCode.INVALID_REQUEST, "the engine is not serving yet")
+    return state.publication
+
+
+def build_router(state: EngineState) -> APIRouter:
     router = APIRouter()
 
     @router.get(Routes.STATUS)
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def lora_versions_status() -> Any:
-        return JSONResponse(engine_state().status().model_dump(mode="json"))
+        return _ok(state.status())
 
+    @router.post(Routes.BEGIN)
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def lora_versions_begin(request: Request) -> Any:
+        req = parse_model(BeginRequest, await _json(request))
+        return _ok(await _service(state).begin(req))
+
+    @router.post(Routes.RECEIVE_BUCKET)
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def lora_versions_receive_bucket(request: Request) -> Any:
+        meta = ReceiveBucketMeta.from_headers(request.headers)
+        length = request.headers.get("content-length")
+        content_length = int(length) if length and length.isdigit() else None
+        return _ok(await _service(state).receive_bucket(meta, content_length, request.stream()))
+
+    @router.post(Routes.END)
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def lora_versions_end(request: Request) -> Any:
+        req = parse_model(EndRequest, await _json(request))
+        return _ok(await _service(state).end(req))
+
+    @router.post(Routes.CLEANUP)
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def lora_versions_cleanup(request: Request) -> Any:
+        req = parse_model(CleanupRequest, await _json(request))
+        return _ok(await _service(state).cleanup(req))
+
+    # Declared last: "/lora_versions/{lora_name}" must not shadow the POST routes above.
     @router.get(Routes.VERSION_STATUS)
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def lora_version_status(lora_name: str) -> Any:
-        version = engine_state().versions.get(lora_name)
-        if version is None:
-            return error_response(
-                LoraVersionError(
-                    ErrorCode.UNKNOWN_VERSION, f"no managed version {lora_name!r}", lora_name=lora_name
-                )
-            )
-        return JSONResponse(version.model_dump(mode="json"))
+        for version in state.status().versions:
+            if version.lora_name == lora_name:
+                return _ok(version)
+        raise LoraVersionError(
+            ErrorCode.UNKNOWN_VERSION, f"no managed version {lora_name!r}", lora_name=lora_name
+        )
 
     return router
 
 
-def mount(app: Any) -> None:
+def mount(app: Any, server_args: Any, tokenizer_manager: Any) -> None:
     if getattr(app.state, "lora_versions_mounted", False):
         return
-    app.include_router(build_router())
+    state = engine_state()
+    state.attach(server_args, tokenizer_manager)
+    app.add_exception_handler(LoraVersionError, _lora_version_error_handler)
+    app.add_exception_handler(CleanupPending, _cleanup_pending_handler)
+    app.include_router(build_router(state))
     app.state.lora_versions_mounted = True

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import sys
 from importlib.metadata import version as dist_version
+from typing import NoReturn
 
 from sglang_ext import PINNED_SGLANG_VERSION
 
@@ -50,19 +51,27 @@ def process_role() -> str:
     return "subprocess"
 
 
-class RefusedToStart(SystemExit):
-    """Raised to stop the engine at start. A SystemExit passes through SGLang's plugin loader
-    (which logs and swallows ordinary exceptions) so the process really exits non-zero."""
+REFUSED_EXIT_CODE = 3
 
-    def __init__(self, message: str) -> None:
-        _log(f"REFUSED TO START: {message}")
-        super().__init__(f"[lora-versions] refused to start: {message}")
+
+def refuse_to_start(message: str) -> NoReturn:
+    """Stop the engine at start with a clear message and a non-zero exit code.
+
+    Called only before SGLang has spawned any child process (plugin load, argument checks), so
+    there is nothing to clean up. ``os._exit`` rather than ``SystemExit``: SGLang's plugin loader
+    would log and swallow an ordinary exception, and a SystemExit was seen to linger for minutes
+    in interpreter shutdown (atexit work of modules imported by then) before the process ended.
+    """
+    _log(f"REFUSED TO START: {message}")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(REFUSED_EXIT_CODE)
 
 
 def check_sglang_version() -> None:
     installed = dist_version("sglang")
     if installed != PINNED_SGLANG_VERSION:
-        raise RefusedToStart(
+        refuse_to_start(
             f"sglang=={installed} is installed but the lora-versions plugin is pinned to "
             f"sglang=={PINNED_SGLANG_VERSION} (its hooks depend on that version's internals). "
             f"Install sglang=={PINNED_SGLANG_VERSION} or unset {SWITCH_ENV}."

@@ -12,6 +12,7 @@ import pytest
 
 from sglang_ext.devtools.fixtures import Fixtures, ensure_fixtures
 
+ADMIN_KEY = "lora-versions-test-admin-key"  # same value as tests/sglang_ext/_engine_helpers.py
 REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / ".runs" / "tests"
 
@@ -33,9 +34,11 @@ def engine_farm(fixtures: Fixtures, run_dir: Path) -> Iterator[dict]:
     """E0 and E1 with the plugin on, and ``stock`` with it off, started together in parallel."""
     from sglang_ext.devtools.launcher import EngineSpec, running_engines
 
+    # E0/E1 run like a guarded deployment: control endpoints need the admin key.
+    admin = ["--admin-api-key", ADMIN_KEY]
     specs = [
-        EngineSpec(name="E0", model_path=fixtures.model_dir, log_path=run_dir / "E0.log"),
-        EngineSpec(name="E1", model_path=fixtures.model_dir, log_path=run_dir / "E1.log"),
+        EngineSpec(name="E0", model_path=fixtures.model_dir, log_path=run_dir / "E0.log", extra_args=admin),
+        EngineSpec(name="E1", model_path=fixtures.model_dir, log_path=run_dir / "E1.log", extra_args=admin),
         EngineSpec(name="stock", model_path=fixtures.model_dir, log_path=run_dir / "stock.log", plugin=False),
     ]
     t0 = time.monotonic()

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _engine_helpers import ADMIN
 
 from sglang_ext.devtools import reference
 from sglang_ext.devtools.launcher import LORA_FLAGS, EngineSpec, EngineStartError, start_engine
+from sglang_ext.plugin import REFUSED_EXIT_CODE
 
 pytestmark = pytest.mark.engine
 
@@ -31,12 +33,17 @@ def generate(url: str, input_ids: list[int], lora: str | None = None) -> list[in
 
 
 def load_adapter(url: str, name: str, path: Path) -> None:
-    r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=120)
+    r = httpx.post(
+        f"{url}/load_lora_adapter",
+        json={"lora_name": name, "lora_path": str(path)},
+        headers=ADMIN,
+        timeout=120,
+    )
     assert r.status_code == 200 and r.json()["success"], r.text
 
 
 def unload_adapter(url: str, name: str) -> httpx.Response:
-    return httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": name}, timeout=120)
+    return httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": name}, headers=ADMIN, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +109,16 @@ def test_reference_negative_control(served, fixtures):
 def test_status_route_lists_no_versions_and_an_incarnation(engines):
     incarnations = set()
     for e in engines:
-        r = httpx.get(f"{e.url}/lora_versions", timeout=10)
+        assert httpx.get(f"{e.url}/lora_versions", timeout=10).status_code == 401  # admin key required
+        r = httpx.get(f"{e.url}/lora_versions", headers=ADMIN, timeout=10)
         assert r.status_code == 200
         body = r.json()
         assert body["versions"] == []
         assert len(body["incarnation"]) == 32
         incarnations.add(body["incarnation"])
-        missing = httpx.get(f"{e.url}/lora_versions/relax_policy_lora@1-1-abcdefabcdef", timeout=10)
+        missing = httpx.get(
+            f"{e.url}/lora_versions/relax_policy_lora@1-1-abcdefabcdef", headers=ADMIN, timeout=10
+        )
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "UNKNOWN_VERSION"
     assert len(incarnations) == 2, "each engine has its own incarnation"
 
@@ -201,7 +211,7 @@ def refused_starts(fixtures, run_dir) -> dict:
 def test_refused_setup_exits_nonzero_with_clear_message(refused_starts, case):
     exc, spec = refused_starts[case]
     assert exc is not None, f"{case}: the engine started but must be refused"
-    assert "exited with code" in str(exc) and "exited with code 0" not in str(exc)
+    assert f"exited with code {REFUSED_EXIT_CODE}" in str(exc)
     log = spec.log_path.read_text()
     assert "[lora-versions] REFUSED TO START" in log
     assert REFUSED[case][1] in log

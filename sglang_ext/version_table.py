@@ -1,0 +1,425 @@
+"""The engine's managed versions: a pure, synchronous state machine (no IO, no SGLang import).
+
+The HTTP shell (:mod:`sglang_ext.publication`) asks this table what to do, performs the IO
+(staging, native load, probe, unload) and reports the outcome back. Every method validates fully
+before it mutates anything: a refused call (a raised :class:`LoraVersionError`) leaves no trace.
+
+Per managed version (design.md, "Engine side")::
+
+    PREPARED --end--> LOADING --load+probe ok--> READY_LOCAL --reclaim--> RECLAIMING --> UNLOADED
+        |               |--load failed--> PREPARED
+        +--cleanup------+----------------------------+--> CLEANED (attempt tombstoned)
+
+Attempt tokens that were cleaned up are remembered for the engine's lifetime, so a late begin,
+bucket or end of that attempt is ``STALE_ATTEMPT`` and never recreates anything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.protocol import (
+    BeginRequest,
+    BucketSpec,
+    CleanupReceipt,
+    EngineVersionState,
+    Manifest,
+    PreparedReceipt,
+    ReadyReceipt,
+    ReceiveBucketMeta,
+    VersionKey,
+    VersionStatus,
+    is_managed_name,
+)
+
+S = EngineVersionState
+
+
+def holds_engine_slot(state: EngineVersionState) -> bool:
+    """The one rule for engine capacity: a version holds a pinned slot from begin until it is
+    physically unloaded or cleaned (a PREPARED version will pin at end, so it counts already)."""
+    return state in (S.PREPARED, S.LOADING, S.READY_LOCAL, S.RECLAIMING)
+
+
+@dataclass(frozen=True)
+class StagingLimits:
+    managed_capacity: int  # pinned managed versions this engine accepts (max_loras_per_batch - 1)
+    max_lora_rank: int
+    target_modules: frozenset[str] | None  # None: the engine serves every standard module
+    max_version_bytes: int
+    max_bucket_bytes: int
+
+
+@dataclass
+class ManagedVersion:
+    lora_name: str
+    version_key: VersionKey
+    digest: str
+    attempt_token: str
+    manifest: Manifest
+    plan: tuple[BucketSpec, ...]
+    state: EngineVersionState
+    bucket_sha: dict[int, str] = field(default_factory=dict)
+    lora_id: str | None = None
+    reclaim_id: str | None = None
+    cleaning: bool = False  # cleanup has unregistered it natively; the unload may still be draining
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+
+    @property
+    def next_bucket(self) -> int:
+        return len(self.bucket_sha)
+
+    @property
+    def all_buckets_received(self) -> bool:
+        return self.next_bucket == len(self.plan)
+
+    def touch(self, state: EngineVersionState | None = None) -> None:
+        if state is not None:
+            self.state = state
+        self.updated_at = time.time()
+
+
+class BucketDecision(Enum):
+    ACCEPT = "accept"  # store it, then call accept_bucket
+    DUPLICATE = "duplicate"  # acknowledged without a second write
+
+
+class EndDecision(Enum):
+    LOAD = "load"  # state is now LOADING: load, probe, then finish_load / fail_load
+    JOIN = "join"  # a load for this attempt is already running: wait for it
+    READY = "ready"  # already READY_LOCAL: answer the stored receipt
+
+
+class CleanupDecision(Enum):
+    NOTHING = "nothing"  # already clean (or never seen): tombstone only
+    DROP_STASH = "drop_stash"  # staged but never loaded
+    UNLOAD = "unload"  # loaded (or loading) candidate: unload it natively
+    WAIT_FOR_LOAD = "wait_for_load"  # a load is running: wait for it, then ask again
+
+
+def _err(code: ErrorCode, message: str, **details: object) -> LoraVersionError:
+    return LoraVersionError(code, message, **details)
+
+
+class VersionTable:
+    def __init__(
+        self,
+        incarnation: str,
+        limits: StagingLimits,
+        clock: Callable[[], float] = time.time,
+        normalize_targets: Callable[[list[str]], set[str]] = set,
+    ) -> None:
+        self.incarnation = incarnation
+        self.limits = limits
+        # SGLang stacks q/k/v and gate/up; the shell passes its normaliser so both compare alike.
+        self._normalize_targets = normalize_targets
+        self._clock = clock
+        self.versions: dict[str, ManagedVersion] = {}
+        self.cleaned: dict[str, CleanupReceipt] = {}  # attempt token -> receipt (tombstones)
+
+    # ----------------------------------------------------------------------------- queries
+
+    def get(self, lora_name: str) -> ManagedVersion | None:
+        return self.versions.get(lora_name)
+
+    def slots_in_use(self) -> int:
+        return sum(1 for v in self.versions.values() if holds_engine_slot(v.state))
+
+    def status_of(self, v: ManagedVersion, in_flight: int | None) -> VersionStatus:
+        return VersionStatus(
+            lora_name=v.lora_name,
+            state=v.state,
+            version_key=v.version_key,
+            digest=v.digest,
+            attempt_token=v.attempt_token,
+            reclaim_id=v.reclaim_id,
+            pinned=v.state in (S.READY_LOCAL, S.RECLAIMING),
+            lora_id=v.lora_id,
+            in_flight=in_flight,
+            buckets_received=v.next_bucket,
+            buckets_total=len(v.plan),
+            incarnation=self.incarnation,
+            created_at=v.created_at,
+            updated_at=v.updated_at,
+        )
+
+    def ready_receipt(self, v: ManagedVersion) -> ReadyReceipt:
+        return ReadyReceipt(
+            lora_name=v.lora_name,
+            version_key=v.version_key,
+            digest=v.digest,
+            attempt_token=v.attempt_token,
+            incarnation=self.incarnation,
+        )
+
+    def prepared_receipt(self, v: ManagedVersion) -> PreparedReceipt:
+        return PreparedReceipt(
+            lora_name=v.lora_name,
+            digest=v.digest,
+            attempt_token=v.attempt_token,
+            incarnation=self.incarnation,
+        )
+
+    def request_gate(self, lora_name: str) -> LoraVersionError | None:
+        """Why a generation request naming ``lora_name`` must be refused (None: let it through).
+
+        Names that do not look managed are left to stock SGLang. A managed-looking name is served
+        only while READY_LOCAL: never a fallback to the base model, never an implicit reload."""
+        if not is_managed_name(lora_name):
+            return None
+        v = self.versions.get(lora_name)
+        if v is None or v.state is S.CLEANED or v.cleaning:
+            return _err(
+                ErrorCode.UNKNOWN_VERSION,
+                f"{lora_name!r} is not a version on this engine",
+                lora_name=lora_name,
+            )
+        if v.state in (S.PREPARED, S.LOADING):
+            return _err(ErrorCode.VERSION_NOT_READY, f"{lora_name!r} is still staging", lora_name=lora_name)
+        if v.state in (S.RECLAIMING, S.UNLOADED):
+            return _err(
+                ErrorCode.VERSION_RECLAIMED, f"{lora_name!r} is reclaimed on this engine", lora_name=lora_name
+            )
+        return None
+
+    # ----------------------------------------------------------------------------- begin
+
+    def _compat_problem(self, req: BeginRequest) -> LoraVersionError | None:
+        cfg = req.manifest.config
+        lim = self.limits
+        if cfg.get("use_dora"):
+            return _err(ErrorCode.INCOMPATIBLE_ADAPTER, "DoRA adapters are not served")
+        rank = int(cfg["r"])
+        ranks = [rank, *(int(r) for r in (cfg.get("rank_pattern") or {}).values())]
+        if max(ranks) > lim.max_lora_rank:
+            return _err(
+                ErrorCode.INCOMPATIBLE_ADAPTER,
+                f"adapter rank {max(ranks)} exceeds this engine's --max-lora-rank {lim.max_lora_rank}",
+                rank=max(ranks),
+                max_lora_rank=lim.max_lora_rank,
+            )
+        targets = cfg.get("target_modules")
+        if lim.target_modules is not None and isinstance(targets, list):
+            extra = sorted(self._normalize_targets(targets) - lim.target_modules)
+            if extra:
+                return _err(
+                    ErrorCode.INCOMPATIBLE_ADAPTER,
+                    f"target modules {extra} are not served by this engine (--lora-target-modules)",
+                    modules=extra,
+                )
+        if req.manifest.total_bytes > lim.max_version_bytes:
+            return _err(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"adapter is {req.manifest.total_bytes} bytes; this engine accepts at most "
+                f"{lim.max_version_bytes}",
+                limit=lim.max_version_bytes,
+            )
+        biggest = max(spec.total_bytes for spec in req.bucket_plan)
+        if biggest > lim.max_bucket_bytes:
+            return _err(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"bucket of {biggest} bytes exceeds this engine's bucket cap {lim.max_bucket_bytes}",
+                limit=lim.max_bucket_bytes,
+            )
+        return None
+
+    def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
+        if req.attempt_token in self.cleaned:
+            raise _err(
+                ErrorCode.STALE_ATTEMPT,
+                f"attempt {req.attempt_token} was cleaned up",
+                attempt_token=req.attempt_token,
+            )
+        existing = self.versions.get(req.lora_name)
+        if existing is not None and existing.digest != req.digest:
+            raise _err(
+                ErrorCode.VERSION_CONFLICT,
+                f"{req.lora_name!r} exists here with another digest",
+                lora_name=req.lora_name,
+                digest=existing.digest,
+            )
+        if existing is not None and existing.state in (S.RECLAIMING, S.UNLOADED):
+            raise _err(
+                ErrorCode.VERSION_RECLAIMED,
+                f"{req.lora_name!r} was reclaimed; versions never return",
+                lora_name=req.lora_name,
+            )
+        if existing is not None and existing.state is S.READY_LOCAL:
+            # Same name, same digest, already loaded: no second load. A new attempt adopts it.
+            if existing.attempt_token != req.attempt_token:
+                existing.attempt_token = req.attempt_token
+                existing.touch()
+            return self.ready_receipt(existing)
+        if existing is not None and existing.state in (S.PREPARED, S.LOADING):
+            if existing.attempt_token == req.attempt_token:
+                return self.prepared_receipt(existing)
+            raise _err(
+                ErrorCode.PUBLICATION_IN_PROGRESS,
+                f"attempt {existing.attempt_token} is staging {req.lora_name!r}; clean it up first",
+                attempt_token=existing.attempt_token,
+            )
+        problem = self._compat_problem(req)
+        if problem is not None:
+            raise problem
+        if self.slots_in_use() >= self.limits.managed_capacity:
+            raise _err(
+                ErrorCode.CAPACITY_ERROR,
+                f"{self.slots_in_use()} managed versions already hold this engine's "
+                f"{self.limits.managed_capacity} pinned slots",
+                capacity=self.limits.managed_capacity,
+            )
+        now = self._clock()
+        v = ManagedVersion(
+            lora_name=req.lora_name,
+            version_key=req.version_key,
+            digest=req.digest,
+            attempt_token=req.attempt_token,
+            manifest=req.manifest,
+            plan=tuple(req.bucket_plan),
+            state=S.PREPARED,
+            created_at=now,
+            updated_at=now,
+        )
+        self.versions[req.lora_name] = v  # replaces a CLEANED record of an earlier attempt
+        return self.prepared_receipt(v)
+
+    # ----------------------------------------------------------------------------- buckets
+
+    def _current_attempt(self, lora_name: str, attempt_token: str) -> ManagedVersion:
+        if attempt_token in self.cleaned:
+            raise _err(
+                ErrorCode.STALE_ATTEMPT,
+                f"attempt {attempt_token} was cleaned up",
+                attempt_token=attempt_token,
+            )
+        v = self.versions.get(lora_name)
+        if v is None:
+            raise _err(
+                ErrorCode.STALE_ATTEMPT,
+                f"no attempt is staging {lora_name!r} (begin first)",
+                lora_name=lora_name,
+            )
+        if v.attempt_token != attempt_token:
+            raise _err(
+                ErrorCode.STALE_ATTEMPT,
+                f"attempt {attempt_token} is not the current attempt for {lora_name!r}",
+                attempt_token=attempt_token,
+            )
+        return v
+
+    def check_bucket(self, meta: ReceiveBucketMeta) -> BucketDecision:
+        v = self._current_attempt(meta.lora_name, meta.attempt_token)
+        if meta.index >= len(v.plan):
+            raise _err(
+                ErrorCode.BUCKET_OUT_OF_ORDER,
+                f"bucket {meta.index} is outside the plan of {len(v.plan)}",
+                index=meta.index,
+                expected=v.next_bucket,
+            )
+        if meta.index < v.next_bucket:
+            if v.bucket_sha[meta.index] != meta.sha256:
+                raise _err(
+                    ErrorCode.CHECKSUM_MISMATCH,
+                    f"bucket {meta.index} was accepted with another sha256",
+                    index=meta.index,
+                )
+            return BucketDecision.DUPLICATE
+        if v.state is not S.PREPARED:
+            raise _err(
+                ErrorCode.STALE_ATTEMPT, f"{meta.lora_name!r} is {v.state.value}, not receiving buckets"
+            )
+        if meta.index > v.next_bucket:
+            raise _err(
+                ErrorCode.BUCKET_OUT_OF_ORDER,
+                f"bucket {meta.index} arrived before bucket {v.next_bucket}",
+                index=meta.index,
+                expected=v.next_bucket,
+            )
+        return BucketDecision.ACCEPT
+
+    def accept_bucket(self, meta: ReceiveBucketMeta) -> None:
+        v = self._current_attempt(meta.lora_name, meta.attempt_token)
+        assert v.state is S.PREPARED and meta.index == v.next_bucket, "check_bucket first"
+        v.bucket_sha[meta.index] = meta.sha256
+        v.touch()
+
+    def bucket_spec(self, meta: ReceiveBucketMeta) -> BucketSpec:
+        return self._current_attempt(meta.lora_name, meta.attempt_token).plan[meta.index]
+
+    # ----------------------------------------------------------------------------- end
+
+    def start_end(self, lora_name: str, attempt_token: str) -> EndDecision:
+        v = self._current_attempt(lora_name, attempt_token)
+        if v.state is S.READY_LOCAL:
+            return EndDecision.READY
+        if v.state is S.LOADING:
+            return EndDecision.JOIN
+        if v.state is not S.PREPARED:
+            raise _err(ErrorCode.STALE_ATTEMPT, f"{lora_name!r} is {v.state.value}")
+        if not v.all_buckets_received:
+            raise _err(
+                ErrorCode.MANIFEST_MISMATCH,
+                f"end before every bucket arrived ({v.next_bucket} of {len(v.plan)})",
+                buckets_received=v.next_bucket,
+                buckets_total=len(v.plan),
+            )
+        v.touch(S.LOADING)
+        return EndDecision.LOAD
+
+    def finish_load(self, lora_name: str, attempt_token: str, lora_id: str) -> ReadyReceipt:
+        v = self._current_attempt(lora_name, attempt_token)
+        assert v.state is S.LOADING
+        v.lora_id = lora_id
+        v.touch(S.READY_LOCAL)
+        return self.ready_receipt(v)
+
+    def fail_load(self, lora_name: str, attempt_token: str) -> None:
+        v = self.versions.get(lora_name)
+        if v is not None and v.attempt_token == attempt_token and v.state is S.LOADING:
+            v.touch(S.PREPARED)
+
+    # ----------------------------------------------------------------------------- cleanup
+
+    def plan_cleanup(self, lora_name: str, attempt_token: str) -> CleanupDecision:
+        if attempt_token in self.cleaned:
+            return CleanupDecision.NOTHING
+        v = self.versions.get(lora_name)
+        if v is None or v.attempt_token != attempt_token:
+            return CleanupDecision.NOTHING
+        if v.state is S.PREPARED:
+            return CleanupDecision.DROP_STASH
+        if v.state is S.LOADING:
+            return CleanupDecision.WAIT_FOR_LOAD
+        if v.state is S.READY_LOCAL:
+            return CleanupDecision.UNLOAD
+        if v.state in (S.RECLAIMING, S.UNLOADED):
+            # A committed version is reclaimed, never cleaned: refuse rather than guess.
+            raise _err(ErrorCode.VERSION_RECLAIMED, f"{lora_name!r} is under reclaim; cleanup does not apply")
+        return CleanupDecision.NOTHING
+
+    def mark_cleaning(self, lora_name: str, attempt_token: str) -> None:
+        v = self._current_attempt(lora_name, attempt_token)
+        assert v.state is S.READY_LOCAL
+        v.cleaning = True
+        v.touch()
+
+    def finish_cleanup(self, lora_name: str, attempt_token: str) -> CleanupReceipt:
+        """Tombstone the attempt (also one never seen: a late begin must not recreate it)."""
+        receipt = self.cleaned.get(attempt_token)
+        if receipt is not None:
+            return receipt
+        v = self.versions.get(lora_name)
+        if v is not None and v.attempt_token == attempt_token:
+            v.lora_id = None
+            v.cleaning = False
+            v.touch(S.CLEANED)
+        receipt = CleanupReceipt(
+            lora_name=lora_name, attempt_token=attempt_token, incarnation=self.incarnation
+        )
+        self.cleaned[attempt_token] = receipt
+        return receipt

@@ -1,0 +1,112 @@
+"""Helpers for tests that drive real engines over HTTP (plain httpx; no project client code,
+so the engine side is tested independently of the trainer side)."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from pathlib import Path
+
+import httpx
+
+from relax_glue.snapshot import Snapshot
+from sglang_ext.protocol import BeginRequest, ReceiveBucketMeta, Routes
+
+ADMIN_KEY = "lora-versions-test-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+EPOCH = "t1"
+PREFIX = "relax_policy_lora"
+_ids = itertools.count(1)
+
+
+def new_version_id() -> str:
+    return f"v{next(_ids)}x{uuid.uuid4().hex[:6]}"
+
+
+def snapshot_of(adapter_dir: Path, max_bucket_bytes: int = 16 * 1024) -> Snapshot:
+    # A small cap so the tiny fixture adapter travels in several ordered buckets.
+    return Snapshot.from_peft_dir(adapter_dir, max_bucket_bytes=max_bucket_bytes)
+
+
+class Staged:
+    """One publication attempt of one snapshot against one engine."""
+
+    def __init__(self, url: str, snap: Snapshot, version_id: str | None = None) -> None:
+        self.url = url
+        self.snap = snap
+        self.version_id = version_id or new_version_id()
+        self.attempt = uuid.uuid4().hex
+        self.begin_req: BeginRequest = snap.begin_request(PREFIX, EPOCH, self.version_id, self.attempt)
+        self.name = self.begin_req.lora_name
+
+    def begin(self) -> httpx.Response:
+        return post(self.url, Routes.BEGIN, self.begin_req.model_dump(mode="json"))
+
+    def buckets(self) -> list:
+        return list(self.snap.iter_buckets())
+
+    def send_bucket(
+        self, bucket, *, payload: bytes | None = None, sha: str | None = None, index: int | None = None
+    ) -> httpx.Response:
+        meta = ReceiveBucketMeta(
+            lora_name=self.name,
+            attempt_token=self.attempt,
+            index=bucket.spec.index if index is None else index,
+            sha256=sha or bucket.sha256,
+        )
+        return httpx.post(
+            f"{self.url}{Routes.RECEIVE_BUCKET}",
+            content=payload if payload is not None else bucket.payload,
+            headers={**meta.to_headers(), **ADMIN},
+            timeout=60,
+        )
+
+    def end(self) -> httpx.Response:
+        return post(self.url, Routes.END, {"lora_name": self.name, "attempt_token": self.attempt})
+
+    def cleanup(self) -> httpx.Response:
+        return post(self.url, Routes.CLEANUP, {"lora_name": self.name, "attempt_token": self.attempt})
+
+    def publish(self) -> dict:
+        r = self.begin()
+        assert r.status_code == 200, r.text
+        for b in self.buckets():
+            r = self.send_bucket(b)
+            assert r.status_code == 200, r.text
+        r = self.end()
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def post(url: str, route: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{url}{route}", json=body, headers=ADMIN if headers is None else headers, timeout=120)
+
+
+def status(url: str) -> dict:
+    r = httpx.get(f"{url}{Routes.STATUS}", headers=ADMIN, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def versions(url: str) -> dict[str, dict]:
+    return {v["lora_name"]: v for v in status(url)["versions"]}
+
+
+def error_code(r: httpx.Response) -> str | None:
+    try:
+        return r.json()["error"]["code"]
+    except Exception:
+        return None
+
+
+def generate(
+    url: str, input_ids: list[int], lora: str | None = None, max_new_tokens: int = 12, **extra
+) -> httpx.Response:
+    body: dict = {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
+    if lora is not None:
+        body["lora_path"] = lora
+    body.update(extra)
+    return httpx.post(f"{url}/generate", json=body, timeout=120)

@@ -1,0 +1,185 @@
+"""The engine's version table, pure: every refusal leaves the table exactly as it was."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+
+import pytest
+import torch
+
+from relax_glue.snapshot import Snapshot
+from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.protocol import ReceiveBucketMeta
+from sglang_ext.version_table import (
+    BucketDecision,
+    CleanupDecision,
+    EndDecision,
+    StagingLimits,
+    VersionTable,
+    holds_engine_slot,
+)
+
+LIMITS = StagingLimits(
+    managed_capacity=2, max_lora_rank=8, target_modules=None, max_version_bytes=10**9, max_bucket_bytes=10**8
+)
+CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
+
+
+def snap(seed: int, rank: int = 4) -> Snapshot:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {
+        f"base_model.model.layers.{i}.q_proj.lora_A.weight": torch.randn(rank, 16, generator=g)
+        for i in range(3)
+    }
+    return Snapshot.from_tensors({**CONFIG, "r": rank}, tensors, max_bucket_bytes=300)
+
+
+def begin_req(s: Snapshot, version_id: str = "1", attempt: str | None = None):
+    return s.begin_request("relax_policy_lora", "e1", version_id, attempt or uuid.uuid4().hex)
+
+
+def metas(req, s: Snapshot):
+    return [
+        ReceiveBucketMeta(
+            lora_name=req.lora_name, attempt_token=req.attempt_token, index=b.spec.index, sha256=b.sha256
+        )
+        for b in s.iter_buckets()
+    ]
+
+
+def staged_ready(table: VersionTable, s: Snapshot, version_id: str = "1"):
+    req = begin_req(s, version_id)
+    table.begin(req)
+    for m in metas(req, s):
+        assert table.check_bucket(m) is BucketDecision.ACCEPT
+        table.accept_bucket(m)
+    assert table.start_end(req.lora_name, req.attempt_token) is EndDecision.LOAD
+    table.finish_load(req.lora_name, req.attempt_token, lora_id=f"id-{version_id}")
+    return req
+
+
+def refused_without_trace(table: VersionTable, call, code: ErrorCode) -> None:
+    before = copy.deepcopy((table.versions, table.cleaned))
+    with pytest.raises(LoraVersionError) as info:
+        call()
+    assert info.value.code is code
+    assert (table.versions, table.cleaned) == before
+
+
+@pytest.fixture
+def table() -> VersionTable:
+    return VersionTable("inc-1", LIMITS)
+
+
+def test_begin_replays_and_ready_name_returns_ready_receipt(table):
+    s = snap(1)
+    req = begin_req(s)
+    first = table.begin(req)
+    assert table.begin(req) == first and first.state == "PREPARED"
+    ready_req = staged_ready(VersionTable("inc-1", LIMITS), s)
+    t2 = VersionTable("inc-1", LIMITS)
+    staged = staged_ready(t2, s)
+    receipt = t2.begin(staged)
+    assert receipt.state == "READY_LOCAL" and receipt.attempt_token == staged.attempt_token
+    assert ready_req.lora_name == staged.lora_name
+
+
+def test_buckets_in_order_duplicates_and_refusals(table):
+    s = snap(2)
+    req = begin_req(s)
+    table.begin(req)
+    ms = metas(req, s)
+    assert len(ms) >= 2
+    refused_without_trace(table, lambda: table.check_bucket(ms[1]), ErrorCode.BUCKET_OUT_OF_ORDER)
+    table.accept_bucket(ms[0])
+    assert table.check_bucket(ms[0]) is BucketDecision.DUPLICATE
+    other = ms[0].model_copy(update={"sha256": "0" * 64})
+    refused_without_trace(table, lambda: table.check_bucket(other), ErrorCode.CHECKSUM_MISMATCH)
+    refused_without_trace(
+        table, lambda: table.start_end(req.lora_name, req.attempt_token), ErrorCode.MANIFEST_MISMATCH
+    )
+    stale = ms[0].model_copy(update={"attempt_token": "f" * 32})
+    refused_without_trace(table, lambda: table.check_bucket(stale), ErrorCode.STALE_ATTEMPT)
+
+
+def test_capacity_is_one_predicate_and_refuses_before_any_change(table):
+    staged_ready(table, snap(1), "1")
+    table.begin(begin_req(snap(2), "2"))  # PREPARED holds a slot too
+    assert table.slots_in_use() == 2
+    refused_without_trace(table, lambda: table.begin(begin_req(snap(3), "3")), ErrorCode.CAPACITY_ERROR)
+    assert [s for s in ("PREPARED", "LOADING", "READY_LOCAL", "RECLAIMING") if holds_engine_slot(s)] == [
+        "PREPARED",
+        "LOADING",
+        "READY_LOCAL",
+        "RECLAIMING",
+    ]
+    assert not holds_engine_slot("CLEANED") and not holds_engine_slot("UNLOADED")
+
+
+def test_incompatible_rank_and_same_name_other_digest(table):
+    refused_without_trace(
+        table, lambda: table.begin(begin_req(snap(1, rank=16))), ErrorCode.INCOMPATIBLE_ADAPTER
+    )
+    a = begin_req(snap(1), "7")
+    table.begin(a)
+    b = begin_req(snap(2), "7")
+    forged = b.model_copy(update={"lora_name": a.lora_name})  # skip the request's own validation
+    refused_without_trace(table, lambda: table.begin(forged), ErrorCode.VERSION_CONFLICT)
+
+
+def test_cleanup_tombstones_and_late_calls_are_stale(table):
+    s = snap(4)
+    req = begin_req(s)
+    table.begin(req)
+    assert table.plan_cleanup(req.lora_name, req.attempt_token) is CleanupDecision.DROP_STASH
+    receipt = table.finish_cleanup(req.lora_name, req.attempt_token)
+    assert table.finish_cleanup(req.lora_name, req.attempt_token) == receipt
+    assert table.plan_cleanup(req.lora_name, req.attempt_token) is CleanupDecision.NOTHING
+    for call in (
+        lambda: table.begin(req),
+        lambda: table.check_bucket(metas(req, s)[0]),
+        lambda: table.start_end(req.lora_name, req.attempt_token),
+    ):
+        refused_without_trace(table, call, ErrorCode.STALE_ATTEMPT)
+    # a new attempt for the same name may start again
+    assert table.begin(begin_req(s, "1")).state == "PREPARED"
+
+
+def test_cleanup_of_a_never_seen_attempt_blocks_its_late_begin(table):
+    req = begin_req(snap(5))
+    table.finish_cleanup(req.lora_name, req.attempt_token)
+    refused_without_trace(table, lambda: table.begin(req), ErrorCode.STALE_ATTEMPT)
+    assert req.lora_name not in table.versions
+
+
+def test_request_gate_never_falls_back(table):
+    assert table.request_gate("my-plain-adapter") is None
+    missing = "relax_policy_lora@e1-9-abcdefabcdef"
+    assert table.request_gate(missing).code is ErrorCode.UNKNOWN_VERSION
+    s = snap(6)
+    req = begin_req(s)
+    table.begin(req)
+    assert table.request_gate(req.lora_name).code is ErrorCode.VERSION_NOT_READY
+    ready = staged_ready(table, snap(7), "2")
+    assert table.request_gate(ready.lora_name) is None
+    table.mark_cleaning(ready.lora_name, ready.attempt_token)
+    assert table.request_gate(ready.lora_name).code is ErrorCode.UNKNOWN_VERSION
+    table.finish_cleanup(ready.lora_name, ready.attempt_token)
+    assert table.request_gate(ready.lora_name).code is ErrorCode.UNKNOWN_VERSION
+
+
+def test_failed_load_returns_to_prepared_and_can_be_retried(table):
+    s = snap(8)
+    req = begin_req(s)
+    table.begin(req)
+    for m in metas(req, s):
+        table.accept_bucket(m)
+    assert table.start_end(req.lora_name, req.attempt_token) is EndDecision.LOAD
+    assert table.start_end(req.lora_name, req.attempt_token) is EndDecision.JOIN
+    assert table.plan_cleanup(req.lora_name, req.attempt_token) is CleanupDecision.WAIT_FOR_LOAD
+    table.fail_load(req.lora_name, req.attempt_token)
+    assert table.start_end(req.lora_name, req.attempt_token) is EndDecision.LOAD
+    table.finish_load(req.lora_name, req.attempt_token, "id-x")
+    assert table.start_end(req.lora_name, req.attempt_token) is EndDecision.READY
+    assert table.plan_cleanup(req.lora_name, req.attempt_token) is CleanupDecision.UNLOAD
