@@ -1,0 +1,800 @@
+"""Async HTTP client for one engine: control calls (begin .. reclaim, status) and generation.
+
+Three rules, each learnt the hard way by earlier systems (see ``shared/docs/prior-art.md``):
+
+* **Separate connection pools.** Generation and control run on two ``httpx.AsyncClient``
+  instances with their own limits, so a pool full of long generations can never starve a cancel,
+  a cleanup or a reclaim.
+* **No automatic retries.** The transports are built with ``retries=0`` and nothing here
+  re-sends anything. Whether to retry a generation is the session layer's decision; whether to
+  retry a control call is the publisher's (every control call is idempotent on the engine).
+* **One outcome classification** (:func:`classify_outcome`): a 2xx with a parseable reply that
+  matches the request is success; a 4xx carrying our error body is a clean refusal (the typed
+  :class:`LoraVersionError`, meaning "nothing changed"); everything else -- 5xx, timeouts,
+  connection errors, unparseable or mismatched replies, a 4xx without our body -- is
+  :class:`OutcomeUnknown`, never a LoraVersionError, so nobody can mistake it for "clean".
+
+Every call is recorded in an in-memory :class:`AuditLog` (tests assert that no pause, flush or
+abort-all endpoint was ever called). :class:`FaultInjectingClient` wraps a real client for tests.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from enum import StrEnum
+from typing import Any, Protocol, TypeVar, runtime_checkable
+from urllib.parse import quote
+
+import httpx
+
+from sglang_ext.errors import LoraVersionError
+from sglang_ext.protocol import (
+    BeginRequest,
+    BucketAck,
+    CleanupReceipt,
+    CleanupRequest,
+    DrainingReply,
+    EndRequest,
+    EngineStatus,
+    PreparedReceipt,
+    ReadyReceipt,
+    ReceiveBucketMeta,
+    ReclaimRequest,
+    Routes,
+    UnloadedReceipt,
+    VersionStatus,
+    parse_begin_reply,
+    parse_model,
+    parse_reclaim_reply,
+)
+
+__all__ = [
+    "FORBIDDEN_PATHS",
+    "AuditEntry",
+    "AuditLog",
+    "ClientTimeouts",
+    "EngineAPI",
+    "EngineClient",
+    "FaultInjectingClient",
+    "FaultKind",
+    "InjectedFault",
+    "OutcomeUnknown",
+    "PoolLimits",
+    "classify_outcome",
+    "forbidden_calls",
+]
+
+T = TypeVar("T")
+
+GENERATE_PATH = "/generate"
+ABORT_PATH = "/abort_request"
+
+# Endpoints the publication path must never touch: they stop or disturb every running request.
+# The client has no method for any of them; the audit check exists so a test proves it end to end.
+FORBIDDEN_PATHS: frozenset[str] = frozenset(
+    {
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+    }
+)
+
+# httpx errors raised before a single request byte left this process: the engine cannot have
+# seen the request. Still an unknown outcome for the publisher (conservative), but the session
+# layer may use ``maybe_sent=False`` to decide that a generation retry cannot double-submit.
+_NOT_SENT_ERRORS: tuple[type[Exception], ...] = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+class OutcomeUnknown(Exception):
+    """The caller cannot know whether ``op`` took effect on ``engine_id``.
+
+    Deliberately not a :class:`LoraVersionError`: code that catches "clean refusals" must never
+    catch this. The only ways out are a later receipt or a status query.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        op: str,
+        cause: str,
+        *,
+        status_code: int | None = None,
+        maybe_sent: bool = True,
+    ) -> None:
+        super().__init__(f"{engine_id} {op}: outcome unknown ({cause})")
+        self.engine_id = engine_id
+        self.op = op
+        self.cause = cause
+        self.status_code = status_code
+        self.maybe_sent = maybe_sent
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_unknown, (self.engine_id, self.op, self.cause, self.status_code, self.maybe_sent))
+
+
+def _rebuild_unknown(
+    engine_id: str, op: str, cause: str, status_code: int | None, maybe_sent: bool
+) -> OutcomeUnknown:
+    return OutcomeUnknown(engine_id, op, cause, status_code=status_code, maybe_sent=maybe_sent)
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def classify_outcome(
+    engine_id: str,
+    op: str,
+    *,
+    response: httpx.Response | None = None,
+    error: BaseException | None = None,
+    parse: Callable[[bytes], T] | None = None,
+) -> T:
+    """The one place that turns a reply (or a transport error) into success, refusal or unknown.
+
+    Returns ``parse(body)`` on success; raises :class:`LoraVersionError` for a clean refusal and
+    :class:`OutcomeUnknown` for everything else. ``parse`` may raise LoraVersionError / ValueError
+    for a body it cannot accept: a 2xx we cannot understand is unknown, not success.
+    """
+    if error is not None:
+        cause = f"{type(error).__name__}: {_short(str(error) or repr(error))}"
+        raise OutcomeUnknown(engine_id, op, cause, maybe_sent=not isinstance(error, _NOT_SENT_ERRORS))
+    if response is None:
+        raise ValueError("classify_outcome needs a response or an error")
+    status = response.status_code
+    if 200 <= status < 300:
+        try:
+            return parse(response.content) if parse is not None else None  # type: ignore[return-value]
+        except (LoraVersionError, ValueError) as exc:
+            # The engine did *something* and told us in a way we cannot read: unknown.
+            raise OutcomeUnknown(
+                engine_id, op, f"unparseable {status} reply: {_short(str(exc))}", status_code=status
+            ) from None
+    if 400 <= status < 500:
+        try:
+            body = json.loads(response.content)
+        except ValueError:
+            body = None
+        err = LoraVersionError.from_body(body)
+        if err is not None:
+            err.details.setdefault("engine_id", engine_id)
+            raise err
+        # A 4xx that is not ours (SGLang's own 400, an auth middleware, a proxy) carries no
+        # promise that nothing changed: only our handlers make that promise.
+        raise OutcomeUnknown(
+            engine_id,
+            op,
+            f"HTTP {status} without a protocol error body: {_short(response.text)}",
+            status_code=status,
+        )
+    raise OutcomeUnknown(engine_id, op, f"HTTP {status}: {_short(response.text)}", status_code=status)
+
+
+# ------------------------------------------------------------------------------ configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientTimeouts:
+    """Seconds per call type (read timeout; ``connect`` and ``pool`` apply to every call).
+
+    ``end`` covers the engine's native load plus the exact-version probe, so it is the longest
+    control call. A reclaim call waits ``ReclaimRequest.timeout_s`` on the engine, so its HTTP
+    timeout is that plus ``reclaim_margin``. ``generate`` is per read (a streamed chunk or the
+    whole non-streamed reply); None means no read timeout for generation.
+    """
+
+    connect: float = 5.0
+    pool: float = 10.0
+    begin: float = 30.0
+    bucket: float = 120.0
+    end: float = 300.0
+    cleanup: float = 60.0
+    reclaim_margin: float = 10.0
+    status: float = 10.0
+    abort: float = 10.0
+    generate: float | None = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLimits:
+    control_connections: int = 8
+    generation_connections: int = 256
+    keepalive_expiry: float = 30.0
+
+
+# ------------------------------------------------------------------------------------- audit
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditEntry:
+    seq: int
+    engine_id: str
+    kind: str  # "control" | "generation"
+    op: str
+    method: str
+    path: str
+    started_at: float  # unix seconds
+    duration_s: float
+    outcome: str  # "ok" | "refused:<CODE>" | "unknown" | "cancelled"
+    status_code: int | None
+    detail: str  # lora_name / bucket index / rid: enough to read a log, never a payload
+    abort_all: bool = False
+
+
+class AuditLog:
+    """Every call the client made, in order. Bounded so a long run cannot grow it forever;
+    ``total`` and the counters keep counting past the bound."""
+
+    def __init__(self, maxlen: int = 100_000) -> None:
+        self._entries: collections.deque[AuditEntry] = collections.deque(maxlen=maxlen)
+        self._seq = itertools.count(1)
+        self.total = 0
+        self.by_outcome: collections.Counter[tuple[str, str]] = collections.Counter()  # (kind, outcome)
+
+    def record(self, **fields: Any) -> AuditEntry:
+        entry = AuditEntry(seq=next(self._seq), **fields)
+        self._entries.append(entry)
+        self.total += 1
+        self.by_outcome[(entry.kind, entry.outcome.split(":", 1)[0])] += 1
+        return entry
+
+    def entries(self, *, kind: str | None = None, engine_id: str | None = None) -> list[AuditEntry]:
+        return [
+            e
+            for e in self._entries
+            if (kind is None or e.kind == kind) and (engine_id is None or e.engine_id == engine_id)
+        ]
+
+    def ops(self, engine_id: str | None = None) -> list[str]:
+        return [e.op for e in self.entries(engine_id=engine_id)]
+
+    def forbidden(self) -> list[AuditEntry]:
+        """Calls to pause / flush / memory-release endpoints, and any abort-all."""
+        return [e for e in self._entries if e.path in FORBIDDEN_PATHS or e.abort_all]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# ---------------------------------------------------------------------------------- interface
+
+
+@runtime_checkable
+class EngineAPI(Protocol):
+    """What the publisher and the session layer need from an engine (the real client, the
+    fault-injecting wrapper, or a test double)."""
+
+    engine_id: str
+
+    async def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt: ...
+    async def receive_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck: ...
+    async def end(self, req: EndRequest) -> ReadyReceipt: ...
+    async def cleanup(self, req: CleanupRequest) -> CleanupReceipt: ...
+    async def reclaim(self, req: ReclaimRequest) -> UnloadedReceipt | DrainingReply: ...
+    async def status(self) -> EngineStatus: ...
+    async def version_status(self, lora_name: str) -> VersionStatus: ...
+    async def generate(self, body: Mapping[str, Any]) -> dict[str, Any]: ...
+    def generate_stream(self, body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+    async def abort_request(self, rid: str) -> None: ...
+
+
+def _mismatch(what: str) -> ValueError:
+    return ValueError(f"reply does not match the request: {what}")
+
+
+def _check_same(reply: Any, **expected: Any) -> None:
+    for name, value in expected.items():
+        if getattr(reply, name) != value:
+            raise _mismatch(f"{name}={getattr(reply, name)!r}, sent {value!r}")
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    data = json.loads(body)
+    if not isinstance(data, dict):
+        raise ValueError("expected a JSON object")
+    return data
+
+
+# ------------------------------------------------------------------------------------ client
+
+
+class EngineClient:
+    """One engine. Build it, use it from one event loop, ``await aclose()`` at the end.
+
+    ``control_transport`` / ``generation_transport`` replace the real transports (tests pass an
+    ``httpx.MockTransport``); by default each pool gets an ``AsyncHTTPTransport(retries=0)``.
+    ``admin_key`` is sent as ``Authorization: Bearer`` on control calls (SGLang's
+    ``ADMIN_OPTIONAL`` endpoints), ``api_key`` on generation (and on control calls when there is
+    no admin key).
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        base_url: str,
+        *,
+        admin_key: str | None = None,
+        api_key: str | None = None,
+        timeouts: ClientTimeouts | None = None,
+        limits: PoolLimits | None = None,
+        audit: AuditLog | None = None,
+        control_transport: httpx.AsyncBaseTransport | None = None,
+        generation_transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.base_url = base_url.rstrip("/")
+        self.timeouts = timeouts or ClientTimeouts()
+        self.limits = limits or PoolLimits()
+        self.audit = audit if audit is not None else AuditLog()
+        t = self.timeouts
+        control_key = admin_key or api_key
+        # Limits live on the transport's pool; give each client its own transport so the two
+        # pools are really separate (a shared transport would be one pool).
+        self.control_http = httpx.AsyncClient(
+            base_url=self.base_url,
+            transport=control_transport
+            or httpx.AsyncHTTPTransport(
+                retries=0,
+                limits=httpx.Limits(
+                    max_connections=self.limits.control_connections,
+                    max_keepalive_connections=self.limits.control_connections,
+                    keepalive_expiry=self.limits.keepalive_expiry,
+                ),
+            ),
+            headers={"Authorization": f"Bearer {control_key}"} if control_key else None,
+            timeout=httpx.Timeout(t.status, connect=t.connect, pool=t.pool),
+            follow_redirects=False,  # a redirect would be a second request we never decided on
+        )
+        self.generation_http = httpx.AsyncClient(
+            base_url=self.base_url,
+            transport=generation_transport
+            or httpx.AsyncHTTPTransport(
+                retries=0,
+                limits=httpx.Limits(
+                    max_connections=self.limits.generation_connections,
+                    max_keepalive_connections=self.limits.generation_connections,
+                    keepalive_expiry=self.limits.keepalive_expiry,
+                ),
+            ),
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+            timeout=httpx.Timeout(t.generate, connect=t.connect, pool=t.pool),
+            follow_redirects=False,
+        )
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.engine_id!r}, {self.base_url!r})"
+
+    async def aclose(self) -> None:
+        await self.control_http.aclose()
+        await self.generation_http.aclose()
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _timeout(self, read: float | None) -> httpx.Timeout:
+        return httpx.Timeout(read, connect=self.timeouts.connect, pool=self.timeouts.pool)
+
+    def _record(
+        self,
+        kind: str,
+        op: str,
+        method: str,
+        path: str,
+        started: float,
+        t0: float,
+        outcome: str,
+        status_code: int | None,
+        detail: str,
+        abort_all: bool = False,
+    ) -> None:
+        self.audit.record(
+            engine_id=self.engine_id,
+            kind=kind,
+            op=op,
+            method=method,
+            path=path,
+            started_at=started,
+            duration_s=time.monotonic() - t0,
+            outcome=outcome,
+            status_code=status_code,
+            detail=detail,
+            abort_all=abort_all,
+        )
+
+    async def _call(
+        self,
+        kind: str,
+        op: str,
+        method: str,
+        path: str,
+        parse: Callable[[bytes], T] | None,
+        *,
+        read_timeout: float | None,
+        detail: str = "",
+        json_body: Any = None,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> T:
+        if path in FORBIDDEN_PATHS:  # defence in depth: no code path should get here
+            raise ValueError(f"{path} is never called by this client")
+        http = self.control_http if kind == "control" else self.generation_http
+        started, t0 = time.time(), time.monotonic()
+        status_code: int | None = None
+        outcome = "cancelled"  # what the audit says if we are cancelled mid-call
+        abort_all = bool(isinstance(json_body, dict) and json_body.get("abort_all"))
+        try:
+            try:
+                response = await http.request(
+                    method,
+                    path,
+                    json=json_body,
+                    content=content,
+                    headers=headers,
+                    timeout=self._timeout(read_timeout),
+                )
+            except (httpx.HTTPError, OSError) as exc:
+                outcome = "unknown"
+                classify_outcome(self.engine_id, op, error=exc)  # always raises OutcomeUnknown
+                raise
+            status_code = response.status_code
+            try:
+                result = classify_outcome(self.engine_id, op, response=response, parse=parse)
+            except LoraVersionError as err:
+                outcome = f"refused:{err.code.value}"
+                raise
+            except OutcomeUnknown:
+                outcome = "unknown"
+                raise
+            outcome = "ok"
+            return result
+        finally:
+            self._record(kind, op, method, path, started, t0, outcome, status_code, detail, abort_all)
+
+    # -------------------------------------------------------------------------- control
+
+    async def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
+        def parse(body: bytes) -> PreparedReceipt | ReadyReceipt:
+            reply = parse_begin_reply(body)
+            _check_same(reply, lora_name=req.lora_name, attempt_token=req.attempt_token, digest=req.digest)
+            return reply
+
+        return await self._call(
+            "control",
+            "begin",
+            "POST",
+            Routes.BEGIN,
+            parse,
+            read_timeout=self.timeouts.begin,
+            detail=req.lora_name,
+            json_body=req.model_dump(mode="json"),
+        )
+
+    async def receive_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
+        def parse(body: bytes) -> BucketAck:
+            ack = parse_model(BucketAck, body)
+            _check_same(ack, index=meta.index)
+            if not ack.accepted:
+                # A 2xx that says "not accepted" has no code and no promise: not a receipt.
+                raise ValueError(f"bucket {meta.index} acknowledged as not accepted")
+            return ack
+
+        return await self._call(
+            "control",
+            "receive_bucket",
+            "POST",
+            Routes.RECEIVE_BUCKET,
+            parse,
+            read_timeout=self.timeouts.bucket,
+            detail=f"{meta.lora_name}#{meta.index}",
+            content=payload,
+            headers=meta.to_headers(),
+        )
+
+    async def end(self, req: EndRequest) -> ReadyReceipt:
+        def parse(body: bytes) -> ReadyReceipt:
+            reply = parse_model(ReadyReceipt, body)
+            _check_same(reply, lora_name=req.lora_name, attempt_token=req.attempt_token)
+            return reply
+
+        return await self._call(
+            "control",
+            "end",
+            "POST",
+            Routes.END,
+            parse,
+            read_timeout=self.timeouts.end,
+            detail=req.lora_name,
+            json_body=req.model_dump(mode="json"),
+        )
+
+    async def cleanup(self, req: CleanupRequest) -> CleanupReceipt:
+        def parse(body: bytes) -> CleanupReceipt:
+            reply = parse_model(CleanupReceipt, body)
+            _check_same(reply, lora_name=req.lora_name, attempt_token=req.attempt_token)
+            return reply
+
+        return await self._call(
+            "control",
+            "cleanup",
+            "POST",
+            Routes.CLEANUP,
+            parse,
+            read_timeout=self.timeouts.cleanup,
+            detail=req.lora_name,
+            json_body=req.model_dump(mode="json"),
+        )
+
+    async def reclaim(self, req: ReclaimRequest) -> UnloadedReceipt | DrainingReply:
+        def parse(body: bytes) -> UnloadedReceipt | DrainingReply:
+            reply = parse_reclaim_reply(body)
+            _check_same(reply, lora_name=req.lora_name, reclaim_id=req.reclaim_id)
+            return reply
+
+        return await self._call(
+            "control",
+            "reclaim",
+            "POST",
+            Routes.RECLAIM,
+            parse,
+            read_timeout=req.timeout_s + self.timeouts.reclaim_margin,
+            detail=req.lora_name,
+            json_body=req.model_dump(mode="json"),
+        )
+
+    async def status(self) -> EngineStatus:
+        return await self._call(
+            "control",
+            "status",
+            "GET",
+            Routes.STATUS,
+            lambda body: parse_model(EngineStatus, body),
+            read_timeout=self.timeouts.status,
+        )
+
+    async def version_status(self, lora_name: str) -> VersionStatus:
+        """``GET /lora_versions/{name}``; an engine that does not know the name answers
+        UNKNOWN_VERSION (a clean LoraVersionError)."""
+
+        def parse(body: bytes) -> VersionStatus:
+            reply = parse_model(VersionStatus, body)
+            _check_same(reply, lora_name=lora_name)
+            return reply
+
+        return await self._call(
+            "control",
+            "version_status",
+            "GET",
+            Routes.VERSION_STATUS.format(lora_name=quote(lora_name, safe="@")),
+            parse,
+            read_timeout=self.timeouts.status,
+            detail=lora_name,
+        )
+
+    async def abort_request(self, rid: str) -> None:
+        """Abort one request by id. Never abort-all: that would end every session's requests."""
+        if not isinstance(rid, str) or not rid:
+            # SGLang treats an empty rid as "" and aborts nothing; refuse before sending.
+            raise ValueError("abort_request needs a non-empty rid")
+        # On the control pool: a cancel must get through even when generation is saturated.
+        await self._call(
+            "control",
+            "abort_request",
+            "POST",
+            ABORT_PATH,
+            None,
+            read_timeout=self.timeouts.abort,
+            detail=rid,
+            json_body={"rid": rid, "abort_all": False},
+        )
+
+    # ------------------------------------------------------------------------ generation
+
+    async def generate(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """One ``POST /generate``, sent exactly once. The body is sent as given (the session
+        layer puts ``lora_path`` and ``rid`` in it)."""
+        return await self._call(
+            "generation",
+            "generate",
+            "POST",
+            GENERATE_PATH,
+            _json_object,
+            read_timeout=self.timeouts.generate,
+            detail=str(body.get("rid", "")),
+            json_body=dict(body),
+        )
+
+    async def generate_stream(self, body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Streaming ``POST /generate`` (``stream: true``): yields each SSE chunk as a dict.
+
+        A refusal before the stream starts is classified like any reply; an error chunk with our
+        body raises the typed LoraVersionError; a broken or truncated stream is OutcomeUnknown
+        (the request was admitted and may still be running: abort it by rid before a retry).
+        """
+        op, rid = "generate_stream", str(body.get("rid", ""))
+        payload = {**body, "stream": True}
+        started, t0 = time.time(), time.monotonic()
+        outcome, status_code = "cancelled", None
+        try:
+            try:
+                async with self.generation_http.stream(
+                    "POST", GENERATE_PATH, json=payload, timeout=self._timeout(self.timeouts.generate)
+                ) as response:
+                    status_code = response.status_code
+                    if not 200 <= status_code < 300:
+                        await response.aread()
+                        classify_outcome(self.engine_id, op, response=response)
+                    done = False
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[len("data:") :].strip()
+                        if data == "[DONE]":
+                            done = True
+                            break
+                        try:
+                            chunk = _json_object(data.encode())
+                        except ValueError:
+                            raise OutcomeUnknown(
+                                self.engine_id, op, f"unparseable stream chunk: {_short(data)}"
+                            ) from None
+                        if "error" in chunk:
+                            err = LoraVersionError.from_body(chunk)
+                            if err is not None:
+                                err.details.setdefault("engine_id", self.engine_id)
+                                raise err
+                            raise OutcomeUnknown(self.engine_id, op, f"error chunk: {_short(data)}")
+                        yield chunk
+                    if not done:
+                        raise OutcomeUnknown(self.engine_id, op, "stream ended without [DONE]")
+            except (httpx.HTTPError, OSError) as exc:
+                classify_outcome(self.engine_id, op, error=exc)
+            outcome = "ok"
+        except LoraVersionError as err:
+            outcome = f"refused:{err.code.value}"
+            raise
+        except OutcomeUnknown:
+            outcome = "unknown"
+            raise
+        finally:
+            self._record("generation", op, "POST", GENERATE_PATH, started, t0, outcome, status_code, rid)
+
+
+# --------------------------------------------------------------------------- fault injection
+
+
+class FaultKind(StrEnum):
+    DROP_REPLY = "DROP_REPLY"  # the request is sent and processed; its reply is discarded
+    FAIL_BEFORE_SEND = "FAIL_BEFORE_SEND"  # the request never leaves: the engine sees nothing
+
+
+@dataclasses.dataclass(frozen=True)
+class InjectedFault:
+    engine_id: str
+    op: str
+    nth: int
+    kind: FaultKind
+    real_outcome: str  # what the engine really answered ("ok", "refused:<CODE>", "unknown", "-")
+
+
+_WRAPPED_OPS = (
+    "begin",
+    "receive_bucket",
+    "end",
+    "cleanup",
+    "reclaim",
+    "status",
+    "version_status",
+    "generate",
+    "abort_request",
+)
+
+
+class FaultInjectingClient:
+    """Test-only wrapper around a REAL :class:`EngineClient` (or any :class:`EngineAPI`).
+
+    Fails exactly the configured (op, Nth call) pairs and passes every other call through
+    untouched, so everything the test observes besides the injected fault is the real
+    component's behaviour. Call counts are per op, starting at 1, over the wrapper's life.
+    """
+
+    def __init__(self, inner: EngineAPI) -> None:
+        self.inner = inner
+        self.engine_id = inner.engine_id
+        self._faults: dict[tuple[str, int], FaultKind] = {}
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.injected: list[InjectedFault] = []
+
+    def __getattr__(self, name: str) -> Any:
+        # audit, aclose, generate_stream, timeouts, ... come from the real client.
+        return getattr(self.inner, name)
+
+    def drop_reply(self, op: str, nth: int = 1) -> FaultInjectingClient:
+        return self._add(op, nth, FaultKind.DROP_REPLY)
+
+    def fail_before_send(self, op: str, nth: int = 1) -> FaultInjectingClient:
+        return self._add(op, nth, FaultKind.FAIL_BEFORE_SEND)
+
+    def pending(self) -> list[tuple[str, int, FaultKind]]:
+        return [(op, n, kind) for (op, n), kind in sorted(self._faults.items())]
+
+    def _add(self, op: str, nth: int, kind: FaultKind) -> FaultInjectingClient:
+        if op not in _WRAPPED_OPS:
+            raise ValueError(f"unknown op {op!r}; one of {_WRAPPED_OPS}")
+        if nth < 1:
+            raise ValueError("nth counts from 1")
+        self._faults[(op, nth)] = kind
+        return self
+
+    async def _run(self, op: str, *args: Any) -> Any:
+        self.calls[op] += 1
+        nth = self.calls[op]
+        kind = self._faults.pop((op, nth), None)
+        if kind is FaultKind.FAIL_BEFORE_SEND:
+            self.injected.append(InjectedFault(self.engine_id, op, nth, kind, "-"))
+            raise OutcomeUnknown(
+                self.engine_id, op, f"injected: call {nth} failed before send", maybe_sent=False
+            )
+        if kind is None:
+            return await getattr(self.inner, op)(*args)
+        try:
+            await getattr(self.inner, op)(*args)
+            real = "ok"
+        except LoraVersionError as err:
+            real = f"refused:{err.code.value}"
+        except OutcomeUnknown:
+            real = "unknown"
+        self.injected.append(InjectedFault(self.engine_id, op, nth, kind, real))
+        # Whatever the engine answered, the caller never hears it.
+        raise OutcomeUnknown(self.engine_id, op, f"injected: reply {nth} dropped")
+
+    async def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
+        return await self._run("begin", req)
+
+    async def receive_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
+        return await self._run("receive_bucket", meta, payload)
+
+    async def end(self, req: EndRequest) -> ReadyReceipt:
+        return await self._run("end", req)
+
+    async def cleanup(self, req: CleanupRequest) -> CleanupReceipt:
+        return await self._run("cleanup", req)
+
+    async def reclaim(self, req: ReclaimRequest) -> UnloadedReceipt | DrainingReply:
+        return await self._run("reclaim", req)
+
+    async def status(self) -> EngineStatus:
+        return await self._run("status")
+
+    async def version_status(self, lora_name: str) -> VersionStatus:
+        return await self._run("version_status", lora_name)
+
+    async def generate(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._run("generate", body)
+
+    def generate_stream(self, body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        return self.inner.generate_stream(body)
+
+    async def abort_request(self, rid: str) -> None:
+        return await self._run("abort_request", rid)
+
+
+def forbidden_calls(logs: Iterable[AuditLog]) -> list[AuditEntry]:
+    """Forbidden calls across several clients' audit logs (one per engine, or shared)."""
+    seen: set[int] = set()
+    out: list[AuditEntry] = []
+    for log in logs:
+        if id(log) in seen:
+            continue
+        seen.add(id(log))
+        out.extend(log.forbidden())
+    return out

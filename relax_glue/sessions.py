@@ -1,0 +1,364 @@
+"""The session layer a rollout service calls (RFC 4): first-bind, exact lora_path, close.
+
+* A session is OPEN at creation and has **no version** yet. Its first generation binds it:
+  ``registry.bind_first`` runs in **one shared task per session**; every waiter awaits it through
+  ``asyncio.shield``, so cancelling a waiter (an IR cancelled mid-turn) never cancels the binding
+  and never causes a second ``bind_first``. A bind that failed (nothing published yet, registry
+  unreachable) is retried by the next request: ``bind_first`` is idempotent, so a retry after a
+  lost reply returns the first binding.
+* Every backend request of the session carries the bound exact ``lora_path``; tool turns,
+  explicit retries and abort/resume never read the current default again.
+* **No silent retries.** The engine client never re-sends; neither does this layer. A version
+  error from an engine surfaces as the typed :class:`LoraVersionError` (no fallback to the base
+  model or to the latest version); an :class:`OutcomeUnknown` surfaces as is, with the request id,
+  so the caller can abort that request before deciding on a retry.
+* **Close** (RFC 4.3), exactly once however many callers ask: FINALIZING (no new dispatch) ->
+  ``registry.begin_close`` (late open/bind are refused) -> wait for the binding task, abort the
+  requests already sent (by rid, never abort-all) -> ``registry.close_and_release`` (the session
+  ref is released once) -> drop the local record. Requests already admitted by an engine stay
+  protected by SGLang's native refcount; the session ref is about future requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any
+
+from relax_glue.engine_client import EngineAPI, OutcomeUnknown
+from relax_glue.publisher import AsyncRegistryAdapter
+from relax_glue.registry_types import Binding, SessionKey, SessionView
+from relax_glue.router import Router, StickyRoundRobinRouter
+from sglang_ext.errors import ErrorCode, LoraVersionError
+
+__all__ = ["RequestRecord", "Session", "SessionManager", "SessionPhase"]
+
+
+class SessionPhase(StrEnum):
+    OPEN = "OPEN"  # may bind (once) and dispatch
+    FINALIZING = "FINALIZING"  # close started: no new dispatch
+    CLOSED = "CLOSED"  # ref released, local record dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestRecord:
+    """One backend request of a session, as sent (for audits: which lora_path, which engine)."""
+
+    rid: str
+    engine_id: str
+    lora_path: str
+    outcome: str  # "ok" | "refused:<CODE>" | "unknown" | "cancelled"
+    started_at: float
+    duration_s: float
+
+
+@dataclasses.dataclass
+class _InFlight:
+    rid: str
+    engine_id: str
+    done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
+def _closed(session: Session) -> LoraVersionError:
+    return LoraVersionError(
+        ErrorCode.SESSION_CLOSED, f"session {session.key} is {session.phase.value}", state=session.phase.value
+    )
+
+
+def _invalid(message: str, **details: Any) -> LoraVersionError:
+    return LoraVersionError(ErrorCode.INVALID_REQUEST, message, **details)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    # Mark a failed shared task's exception as retrieved: every waiter may have been cancelled,
+    # and the error was (or will be) delivered through shield to whoever still waits.
+    if not task.cancelled():
+        task.exception()
+
+
+class Session:
+    """One agent session. Create through :meth:`SessionManager.open`."""
+
+    def __init__(self, manager: SessionManager, key: SessionKey, name: str) -> None:
+        self._m = manager
+        self.key = key
+        self.name = name
+        self.phase = SessionPhase.OPEN
+        self.bind_calls = 0  # bind_first calls this session made (one, unless a bind failed)
+        self.requests: list[RequestRecord] = []
+        self.close_view: SessionView | None = None
+        self._binding: Binding | None = None
+        self._bind_task: asyncio.Task[Binding] | None = None
+        self._close_task: asyncio.Task[SessionView] | None = None
+        self._in_flight: dict[str, _InFlight] = {}
+
+    def __repr__(self) -> str:
+        return f"Session({self.key}, {self.phase.value}, lora={self.lora_path})"
+
+    @property
+    def binding(self) -> Binding | None:
+        return self._binding
+
+    @property
+    def lora_path(self) -> str | None:
+        return self._binding.lora_name if self._binding else None
+
+    @property
+    def in_flight(self) -> tuple[str, ...]:
+        return tuple(self._in_flight)
+
+    def _check_open(self) -> None:
+        if self.phase is not SessionPhase.OPEN:
+            raise _closed(self)
+
+    # ------------------------------------------------------------------------ binding
+
+    async def bind(self) -> Binding:
+        """The session's binding, made on first use through the one shared binding task."""
+        self._check_open()
+        if self._binding is not None:
+            return self._binding
+        task = self._bind_task
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._bind_once(), name=f"bind_first:{self.key}")
+            task.add_done_callback(self._bind_done)
+            self._bind_task = task
+        # shield: cancelling this waiter cancels only its wait, never the shared binding.
+        return await asyncio.shield(task)
+
+    async def _bind_once(self) -> Binding:
+        self.bind_calls += 1
+        binding: Binding = await self._m.registry.call("bind_first", session_key=self.key)
+        return binding
+
+    def _bind_done(self, task: asyncio.Task[Binding]) -> None:
+        _retrieve(task)
+        if not task.cancelled() and task.exception() is None:
+            self._binding = task.result()
+        elif self._bind_task is task:
+            # Nothing was bound (or we did not hear about it): the next request asks again;
+            # bind_first is idempotent, so a bind whose reply was lost is returned, not redone.
+            self._bind_task = None
+
+    # -------------------------------------------------------------------------- requests
+
+    def _prepare(self, body: Mapping[str, Any], rid: str | None) -> dict[str, Any]:
+        """Checks that need no binding; nothing is bound or sent for a request refused here."""
+        if "lora_id" in body:
+            raise LoraVersionError(
+                ErrorCode.FORBIDDEN_FIELD, "lora_id is engine-internal; the session sends lora_path"
+            )
+        for field in ("text", "input_ids"):
+            value = body.get(field)
+            if isinstance(value, list) and (field == "text" or (value and isinstance(value[0], list))):
+                raise _invalid(f"batched {field}: one request per session turn (n=1)")
+        params = body.get("sampling_params") or {}
+        if isinstance(params, Mapping) and params.get("n", 1) != 1:
+            raise _invalid("parallel sampling (n > 1) is not supported by versioned sessions")
+        rid = rid or body.get("rid") or uuid.uuid4().hex
+        if not isinstance(rid, str) or rid in self._in_flight:
+            raise _invalid(f"rid {rid!r} is not a fresh request id")
+        return {**body, "rid": rid}
+
+    def _stamp(self, req: dict[str, Any], binding: Binding) -> dict[str, Any]:
+        given = req.get("lora_path")
+        if given is not None and given != binding.lora_name:
+            raise _invalid(
+                "lora_path is not the session's bound version", bound=binding.lora_name, got=str(given)
+            )
+        req["lora_path"] = binding.lora_name  # the exact bound name, on every request
+        return req
+
+    async def _dispatch_ready(self, body: Mapping[str, Any], rid: str | None) -> tuple[dict[str, Any], str]:
+        req = self._prepare(body, rid)
+        binding = await self.bind()
+        req = self._stamp(req, binding)
+        # Close may have started while we waited for the binding: no new dispatch after that.
+        self._check_open()
+        return req, self._m.router.pick(self.key)
+
+    def _finish(self, flight: _InFlight, lora_path: str, outcome: str, started: float, t0: float) -> None:
+        flight.done.set()
+        self._in_flight.pop(flight.rid, None)
+        self.requests.append(
+            RequestRecord(flight.rid, flight.engine_id, lora_path, outcome, started, time.monotonic() - t0)
+        )
+
+    async def generate(self, body: Mapping[str, Any], *, rid: str | None = None) -> dict[str, Any]:
+        """One backend generation with the bound ``lora_path``, sent exactly once."""
+        if body.get("stream"):
+            raise _invalid("use generate_stream for streaming")
+        self._check_open()
+        req, engine_id = await self._dispatch_ready(body, rid)
+        flight = self._in_flight[req["rid"]] = _InFlight(req["rid"], engine_id)
+        started, t0, outcome = time.time(), time.monotonic(), "cancelled"
+        try:
+            result = await self._m.engines[engine_id].generate(req)
+            outcome = "ok"
+            return result
+        except LoraVersionError as err:
+            outcome = f"refused:{err.code.value}"
+            raise
+        except OutcomeUnknown:
+            outcome = "unknown"
+            raise
+        finally:
+            self._finish(flight, req["lora_path"], outcome, started, t0)
+
+    async def generate_stream(
+        self, body: Mapping[str, Any], *, rid: str | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Streaming variant of :meth:`generate` (same binding, same rules)."""
+        self._check_open()
+        req, engine_id = await self._dispatch_ready(body, rid)
+        flight = self._in_flight[req["rid"]] = _InFlight(req["rid"], engine_id)
+        started, t0, outcome = time.time(), time.monotonic(), "cancelled"
+        try:
+            async for chunk in self._m.engines[engine_id].generate_stream(req):
+                yield chunk
+            outcome = "ok"
+        except LoraVersionError as err:
+            outcome = f"refused:{err.code.value}"
+            raise
+        except OutcomeUnknown:
+            outcome = "unknown"
+            raise
+        finally:
+            self._finish(flight, req["lora_path"], outcome, started, t0)
+
+    async def abort(self, rid: str) -> bool:
+        """Abort one in-flight request of this session (temporary abort: the binding stays).
+        False when the request is not in flight here (already finished)."""
+        flight = self._in_flight.get(rid)
+        if flight is None:
+            return False
+        await self._m.engines[flight.engine_id].abort_request(rid)
+        return True
+
+    # ---------------------------------------------------------------------------- close
+
+    async def close(self) -> SessionView:
+        """Close the session (RFC 4.3); concurrent and repeated calls share one close."""
+        task = self._close_task
+        if task is None:
+            if self.phase is SessionPhase.CLOSED and self.close_view is not None:
+                return self.close_view
+            task = asyncio.get_running_loop().create_task(self._close_once(), name=f"close:{self.key}")
+            task.add_done_callback(self._close_done)
+            self._close_task = task
+        return await asyncio.shield(task)
+
+    def _close_done(self, task: asyncio.Task[SessionView]) -> None:
+        _retrieve(task)
+        if (task.cancelled() or task.exception() is not None) and self._close_task is task:
+            # A registry call failed part way; the session stays FINALIZING (still no dispatch)
+            # and a later close() goes on from there (both registry calls are idempotent).
+            self._close_task = None
+
+    async def _close_once(self) -> SessionView:
+        self.phase = SessionPhase.FINALIZING
+        await self._m.registry.call("begin_close", session_key=self.key)
+        task = self._bind_task
+        if task is not None:
+            # Wait for the binding to land or fail; after begin_close it cannot start anew.
+            await asyncio.wait([task])
+        await self._abort_in_flight()
+        view: SessionView = await self._m.registry.call("close_and_release", session_key=self.key)
+        self.close_view = view
+        self.phase = SessionPhase.CLOSED
+        self._m._drop(self)
+        return view
+
+    async def _abort_in_flight(self) -> None:
+        """Abort every request this session already sent; repeat until they return or the
+        drain bound passes. Repeating covers an abort that overtook its own request (SGLang
+        ignores an abort for a rid it has not seen yet)."""
+        deadline = time.monotonic() + self._m.drain_timeout_s
+        while self._in_flight:
+            flights = list(self._in_flight.values())
+            results = await asyncio.gather(
+                *(self._m.engines[f.engine_id].abort_request(f.rid) for f in flights), return_exceptions=True
+            )
+            for r in results:
+                if isinstance(r, BaseException) and not isinstance(r, LoraVersionError | OutcomeUnknown):
+                    raise r
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return  # the engines' native refcount still protects what is running
+            waiters = [asyncio.ensure_future(f.done.wait()) for f in flights]
+            try:
+                await asyncio.wait(
+                    waiters,
+                    timeout=min(self._m.abort_interval_s, remaining),
+                    return_when=asyncio.ALL_COMPLETED,
+                )
+            finally:
+                for w in waiters:
+                    w.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await w
+
+
+class SessionManager:
+    """Sessions of one rollout service over a fixed set of engines and one registry.
+
+    ``registry``: the in-process registry, a ``RegistryClient`` or an ``AsyncRegistryClient``
+    (in process or through the Ray actor). Registry calls are not retried here by default
+    (``registry_retries=0``): every retry is a visible decision of the caller.
+    """
+
+    def __init__(
+        self,
+        registry: Any,
+        engines: Mapping[str, EngineAPI],
+        *,
+        router: Router | None = None,
+        drain_timeout_s: float = 30.0,
+        abort_interval_s: float = 0.5,
+        registry_retries: int = 0,
+    ) -> None:
+        self.registry = (
+            registry
+            if isinstance(registry, AsyncRegistryAdapter)
+            else AsyncRegistryAdapter(registry, retries=registry_retries)
+        )
+        self.engines: dict[str, EngineAPI] = dict(engines)
+        self.router: Router = router or StickyRoundRobinRouter(sorted(self.engines))
+        self.drain_timeout_s = drain_timeout_s
+        self.abort_interval_s = abort_interval_s
+        self._epoch: str | None = None
+        self._sessions: dict[SessionKey, Session] = {}
+
+    @property
+    def sessions(self) -> Mapping[SessionKey, Session]:
+        return MappingProxyType(self._sessions)
+
+    async def open(self, name: str = "session") -> Session:
+        """A new OPEN session without a version. The key carries a fresh nonce, so a reused
+        name is a new lifecycle and never meets the tombstone of an earlier one."""
+        if self._epoch is None:
+            self._epoch, _ = await self.registry.describe()
+        key = SessionKey(self._epoch, f"{name}.{uuid.uuid4().hex}")
+        await self.registry.call("open_session", session_key=key)
+        session = Session(self, key, name)
+        self._sessions[key] = session
+        return session
+
+    def get(self, key: SessionKey) -> Session | None:
+        return self._sessions.get(key)
+
+    async def close_all(self) -> list[SessionView | BaseException]:
+        results = await asyncio.gather(
+            *(s.close() for s in list(self._sessions.values())), return_exceptions=True
+        )
+        return list(results)
+
+    def _drop(self, session: Session) -> None:
+        self._sessions.pop(session.key, None)
+        self.router.forget(session.key)
