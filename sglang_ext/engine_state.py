@@ -20,6 +20,7 @@ from sglang_ext.setup_checks import MANAGED_CAPACITY
 if TYPE_CHECKING:
     from sglang_ext.native_lora import NativeLora
     from sglang_ext.publication import PublicationService
+    from sglang_ext.reclaim import ReclaimService
     from sglang_ext.version_table import StagingLimits, VersionTable
 
 MAX_VERSION_BYTES_ENV = "SGLANG_LORA_VERSIONS_MAX_VERSION_BYTES"
@@ -35,19 +36,23 @@ class EngineState:
     table: VersionTable | None = None
     native: NativeLora | None = None
     publication: PublicationService | None = None
+    reclaim: ReclaimService | None = None
 
     def attach(self, server_args: Any, tokenizer_manager: Any) -> None:
         from sglang.srt.lora.utils import get_normalized_target_modules
 
         from sglang_ext.native_lora import NativeLora
-        from sglang_ext.publication import PublicationService
+        from sglang_ext.publication import NameLocks, PublicationService
+        from sglang_ext.reclaim import ReclaimService
         from sglang_ext.version_table import VersionTable
 
         self.native = NativeLora(tokenizer_manager)
         self.table = VersionTable(
             self.incarnation, staging_limits(server_args), normalize_targets=get_normalized_target_modules
         )
-        self.publication = PublicationService(self.table, self.native)
+        locks = NameLocks()
+        self.publication = PublicationService(self.table, self.native, locks)
+        self.reclaim = ReclaimService(self.table, self.native, locks)
 
     def status(self) -> EngineStatus:
         versions = ()

@@ -20,12 +20,28 @@ LOAD_ADAPTER_FROM_TENSORS = (
 )
 UNLOAD_ADAPTER = "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.unload_lora_adapter"
 
+_TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+GENERATE_REQUEST = f"{_TM}.generate_request"
+INIT_REQ_STATE = f"{_TM}._init_req_state"
+RESOLVE_LORA_PATH = f"{_TM}._resolve_lora_path"
+RELEASE_LORA_ONCE = f"{_TM}._release_lora_once"
+LRU_LORA_NAME = "sglang.srt.lora.lora_registry.LoRARegistry.lru_lora_name"
+SERVE_GENERATE = "sglang.srt.entrypoints.http_server.serve_generate_request"
+OPENAI_HANDLE_REQUEST = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
+
 MAIN_PROCESS_TARGETS = (
     CHECK_SERVER_ARGS,
     SETUP_HTTP_SERVER,
     LOAD_ADAPTER,
     LOAD_ADAPTER_FROM_TENSORS,
     UNLOAD_ADAPTER,
+    GENERATE_REQUEST,
+    INIT_REQ_STATE,
+    RESOLVE_LORA_PATH,
+    RELEASE_LORA_ONCE,
+    LRU_LORA_NAME,
+    SERVE_GENERATE,
+    OPENAI_HANDLE_REQUEST,
 )
 
 
@@ -75,7 +91,12 @@ async def refuse_managed_names_on_stock_lora_api(
             f"{name!r} is a managed LoRA version: it is published and reclaimed only through /lora_versions",
             lora_name=name,
         )
-    return await original(self, obj, *args, **kwargs)
+    try:
+        return await original(self, obj, *args, **kwargs)
+    finally:
+        if isinstance(name, str) and is_managed_name(name):
+            # never keep a managed name where SGLang's implicit reload would find it
+            self.lora_ref_cache.pop(name, None)
 
 
 def verify_hooks_applied(targets: tuple[str, ...]) -> None:
@@ -93,3 +114,13 @@ def register_all(role: str) -> None:
         HookRegistry.register(SETUP_HTTP_SERVER, mount_lora_versions_routes, HookType.BEFORE)
         for target in (LOAD_ADAPTER, LOAD_ADAPTER_FROM_TENSORS, UNLOAD_ADAPTER):
             HookRegistry.register(target, refuse_managed_names_on_stock_lora_api, HookType.AROUND)
+
+        from sglang_ext import tokenizer_hooks as th
+
+        HookRegistry.register(GENERATE_REQUEST, th.refuse_forged_internal_fields, HookType.AROUND)
+        HookRegistry.register(INIT_REQ_STATE, th.refuse_mismatched_lora_path, HookType.BEFORE)
+        HookRegistry.register(RESOLVE_LORA_PATH, th.serve_only_ready_managed_versions, HookType.AROUND)
+        HookRegistry.register(RELEASE_LORA_ONCE, th.release_only_what_was_acquired, HookType.AROUND)
+        HookRegistry.register(LRU_LORA_NAME, th.lru_never_picks_managed, HookType.REPLACE)
+        HookRegistry.register(SERVE_GENERATE, th.precheck_generate, HookType.AROUND)
+        HookRegistry.register(OPENAI_HANDLE_REQUEST, th.precheck_openai, HookType.AROUND)

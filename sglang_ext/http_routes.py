@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 # Upstream symbol: sglang.srt.utils.auth.auth_level / AuthLevel (0.5.23).
@@ -23,6 +23,7 @@ from sglang_ext.protocol import (
     CleanupRequest,
     EndRequest,
     ReceiveBucketMeta,
+    ReclaimRequest,
     Routes,
     parse_model,
 )
@@ -61,8 +62,31 @@ def _service(state: EngineState):
     return state.publication
 
 
-def build_router(state: EngineState) -> APIRouter:
-    router = APIRouter()
+class _Routes:
+    """Collects (path, endpoint, methods). Mounted with ``app.add_api_route`` one by one: FastAPI's
+    ``include_router`` (in the version SGLang 0.5.23 pulls in) adds a lazy included-router object,
+    and SGLang's auth middleware then cannot see the endpoints' ``_auth_level`` and treats them as
+    NORMAL, i.e. open when only an admin key is set. A test asserts the 401s."""
+
+    def __init__(self) -> None:
+        self.routes: list[tuple[str, Any, list[str]]] = []
+
+    def get(self, path: str):
+        return self._add(path, "GET")
+
+    def post(self, path: str):
+        return self._add(path, "POST")
+
+    def _add(self, path: str, method: str):
+        def decorator(endpoint: Any) -> Any:
+            self.routes.append((path, endpoint, [method]))
+            return endpoint
+
+        return decorator
+
+
+def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
+    router = _Routes()
 
     @router.get(Routes.STATUS)
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
@@ -95,6 +119,18 @@ def build_router(state: EngineState) -> APIRouter:
         req = parse_model(CleanupRequest, await _json(request))
         return _ok(await _service(state).cleanup(req))
 
+    @router.post(Routes.RECLAIM)
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def lora_versions_reclaim(request: Request) -> Any:
+        req = parse_model(ReclaimRequest, await _json(request))
+        if state.reclaim is None:
+            raise LoraVersionError(ErrorCode.INVALID_REQUEST, "the engine is not serving yet")
+        reply = await state.reclaim.reclaim(req)
+        # DRAINING is not an error: the reclaim goes on. 202 says "accepted, not finished".
+        return JSONResponse(
+            reply.model_dump(mode="json"), status_code=200 if reply.state == "UNLOADED" else 202
+        )
+
     # Declared last: "/lora_versions/{lora_name}" must not shadow the POST routes above.
     @router.get(Routes.VERSION_STATUS)
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
@@ -106,7 +142,7 @@ def build_router(state: EngineState) -> APIRouter:
             ErrorCode.UNKNOWN_VERSION, f"no managed version {lora_name!r}", lora_name=lora_name
         )
 
-    return router
+    return router.routes
 
 
 def mount(app: Any, server_args: Any, tokenizer_manager: Any) -> None:
@@ -116,5 +152,6 @@ def mount(app: Any, server_args: Any, tokenizer_manager: Any) -> None:
     state.attach(server_args, tokenizer_manager)
     app.add_exception_handler(LoraVersionError, _lora_version_error_handler)
     app.add_exception_handler(CleanupPending, _cleanup_pending_handler)
-    app.include_router(build_router(state))
+    for path, endpoint, methods in build_routes(state):
+        app.add_api_route(path, endpoint, methods=methods)
     app.state.lora_versions_mounted = True

@@ -30,7 +30,40 @@ from sglang_ext.protocol import (
     decode_bucket,
     max_payload_bytes,
 )
-from sglang_ext.version_table import BucketDecision, CleanupDecision, EndDecision, VersionTable
+from sglang_ext.version_table import (
+    BucketDecision,
+    CleanupDecision,
+    EndDecision,
+    VersionTable,
+    may_unload_now,
+)
+
+
+class NameLocks:
+    """One asyncio lock per managed name: operations on one name are serialised, others run on."""
+
+    def __init__(self) -> None:
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    def __getitem__(self, lora_name: str) -> asyncio.Lock:
+        return self._locks[lora_name]
+
+
+async def remove_version(
+    table: VersionTable, native: NativeLora, lora_name: str, lora_id: str | None, timeout_s: float
+) -> int | None:
+    """Unregister -> drain (bounded, without any SGLang lock) -> physical unload, the last step
+    only when :func:`may_unload_now` says so. Shared by reclaim, cleanup and a failed probe.
+
+    Returns None once unloaded, else the in-flight count still draining (call again later)."""
+    if lora_id is None:
+        return None  # nothing was ever loaded under that name
+    await native.unregister(lora_name, lora_id)
+    left = await native.drain(lora_id, timeout_s)
+    if left is not None and not may_unload_now(table.get(lora_name), left):
+        return left
+    await native.physical_unload(lora_name, lora_id)
+    return None
 
 
 class CleanupPending(Exception):
@@ -47,10 +80,10 @@ _HEADER_SLACK = 64 * 1024
 
 
 class PublicationService:
-    def __init__(self, table: VersionTable, native: NativeLora) -> None:
+    def __init__(self, table: VersionTable, native: NativeLora, locks: NameLocks | None = None) -> None:
         self.table = table
         self.native = native
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._locks = locks if locks is not None else NameLocks()
         # attempt token -> tensors received so far (one bucket decoded at a time on top of it)
         self._stash: dict[str, dict[str, Any]] = {}
         # attempt token -> the running load+probe, shared by a racing end and by cleanup
@@ -129,10 +162,12 @@ class PublicationService:
             lora_id = await self.native.load_pinned(lora_name, v.manifest.config, self._stash[attempt_token])
             await self.native.probe(lora_name, lora_id)
         except BaseException:
-            if lora_id is not None or self.native.lora_id_of(lora_name) is not None:
+            if lora_id is not None:
                 # Loaded but the probe failed: take it out again, never leave it half-published.
+                v.cleaning = True
                 with contextlib.suppress(Exception):
-                    await self.native.unload_managed(lora_name, timeout_s=30.0)
+                    await remove_version(self.table, self.native, lora_name, lora_id, timeout_s=30.0)
+                v.cleaning = False
             self.table.fail_load(lora_name, attempt_token)
             raise
         receipt = self.table.finish_load(lora_name, attempt_token, lora_id)
@@ -150,10 +185,14 @@ class PublicationService:
                 else:
                     if decision is CleanupDecision.UNLOAD:
                         self.table.mark_cleaning(req.lora_name, req.attempt_token)
-                        drained = await self.native.unload_managed(req.lora_name, timeout_s=drain_timeout_s)
-                        if not drained.unloaded:
+                        v = self.table.get(req.lora_name)
+                        assert v is not None
+                        left = await remove_version(
+                            self.table, self.native, req.lora_name, v.lora_id, drain_timeout_s
+                        )
+                        if left is not None:
                             # Unknown to the caller whether it will finish: a 5xx, never "clean".
-                            raise CleanupPending(req.lora_name, drained.in_flight)
+                            raise CleanupPending(req.lora_name, left)
                     self._stash.pop(req.attempt_token, None)
                     self._loads.pop(req.attempt_token, None)
                     return self.table.finish_cleanup(req.lora_name, req.attempt_token)

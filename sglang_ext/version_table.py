@@ -45,6 +45,17 @@ def holds_engine_slot(state: EngineVersionState) -> bool:
     return state in (S.PREPARED, S.LOADING, S.READY_LOCAL, S.RECLAIMING)
 
 
+def may_unload_now(v: ManagedVersion | None, in_flight: int | None) -> bool:
+    """The one predicate for "may this managed version be physically unloaded now" (the vLLM seed's
+    lesson: release and eviction paths share one rule). Only a version whose removal has started
+    (reclaim, or cleanup of a never-committed candidate) and whose native in-flight count is
+    exactly zero; a negative or unknown count never qualifies."""
+    if v is None:
+        return True  # not managed: stock rules apply
+    removal_started = v.state is S.RECLAIMING or v.cleaning
+    return removal_started and in_flight == 0
+
+
 @dataclass(frozen=True)
 class StagingLimits:
     managed_capacity: int  # pinned managed versions this engine accepts (max_loras_per_batch - 1)
@@ -95,6 +106,12 @@ class EndDecision(Enum):
     READY = "ready"  # already READY_LOCAL: answer the stored receipt
 
 
+class ReclaimDecision(Enum):
+    START = "start"  # state is now RECLAIMING: unregister, drain, unload
+    RESUME = "resume"  # already RECLAIMING under this reclaim id: keep draining / unloading
+    DONE = "done"  # already UNLOADED under this reclaim id: answer the stored receipt
+
+
 class CleanupDecision(Enum):
     NOTHING = "nothing"  # already clean (or never seen): tombstone only
     DROP_STASH = "drop_stash"  # staged but never loaded
@@ -140,7 +157,8 @@ class VersionTable:
             reclaim_id=v.reclaim_id,
             pinned=v.state in (S.READY_LOCAL, S.RECLAIMING),
             lora_id=v.lora_id,
-            in_flight=in_flight,
+            # a negative count means a leaked release; it never reaches zero (may_unload_now)
+            in_flight=None if in_flight is None else max(in_flight, 0),
             buckets_received=v.next_bucket,
             buckets_total=len(v.plan),
             incarnation=self.incarnation,
@@ -382,6 +400,40 @@ class VersionTable:
         v = self.versions.get(lora_name)
         if v is not None and v.attempt_token == attempt_token and v.state is S.LOADING:
             v.touch(S.PREPARED)
+
+    # ----------------------------------------------------------------------------- reclaim
+
+    def start_reclaim(self, lora_name: str, reclaim_id: str) -> ReclaimDecision:
+        v = self.versions.get(lora_name)
+        if v is None or v.state is S.CLEANED:
+            raise _err(
+                ErrorCode.UNKNOWN_VERSION,
+                f"{lora_name!r} is not a version on this engine",
+                lora_name=lora_name,
+            )
+        if v.state in (S.RECLAIMING, S.UNLOADED):
+            if v.reclaim_id != reclaim_id:
+                raise _err(
+                    ErrorCode.STALE_ATTEMPT,
+                    f"{lora_name!r} is being reclaimed under reclaim id {v.reclaim_id}",
+                    reclaim_id=v.reclaim_id,
+                )
+            return ReclaimDecision.DONE if v.state is S.UNLOADED else ReclaimDecision.RESUME
+        if v.state is not S.READY_LOCAL or v.cleaning:
+            raise _err(
+                ErrorCode.VERSION_NOT_READY,
+                f"{lora_name!r} is {v.state.value}; only a READY version "
+                "is reclaimed (a candidate that never committed is cleaned up)",
+                lora_name=lora_name,
+            )
+        v.reclaim_id = reclaim_id
+        v.touch(S.RECLAIMING)
+        return ReclaimDecision.START
+
+    def finish_reclaim(self, lora_name: str, reclaim_id: str) -> None:
+        v = self.versions[lora_name]
+        assert v.state is S.RECLAIMING and v.reclaim_id == reclaim_id
+        v.touch(S.UNLOADED)
 
     # ----------------------------------------------------------------------------- cleanup
 

@@ -1,0 +1,52 @@
+"""Engine-side reclaim of a committed version: ``POST /lora_versions/reclaim``.
+
+Reclaim starts only when the registry says no session can still ask for the version (session
+refs == 0); from that moment new requests naming it get ``VERSION_RECLAIMED``. SGLang's native
+per-request refcount then decides when the physical unload may happen. Each call waits at most
+its own ``timeout_s``; a drain that does not finish answers ``DRAINING`` with the count and goes
+on, and a later call with the same ``reclaim_id`` resumes it. The wait never holds SGLang's
+``lora_update_lock``, so loads, unloads and publications of other versions continue meanwhile.
+"""
+
+from __future__ import annotations
+
+from sglang_ext.native_lora import NativeLora
+from sglang_ext.protocol import DrainingReply, ReclaimRequest, UnloadedReceipt
+from sglang_ext.publication import NameLocks, remove_version
+from sglang_ext.version_table import ReclaimDecision, VersionTable
+
+
+class ReclaimService:
+    def __init__(self, table: VersionTable, native: NativeLora, locks: NameLocks) -> None:
+        self.table = table
+        self.native = native
+        self._locks = locks
+
+    def _unloaded(self, req: ReclaimRequest) -> UnloadedReceipt:
+        return UnloadedReceipt(
+            lora_name=req.lora_name, reclaim_id=req.reclaim_id, incarnation=self.table.incarnation
+        )
+
+    async def reclaim(self, req: ReclaimRequest) -> UnloadedReceipt | DrainingReply:
+        async with self._locks[req.lora_name]:
+            decision = self.table.start_reclaim(req.lora_name, req.reclaim_id)
+            if decision is ReclaimDecision.DONE:
+                return self._unloaded(req)
+        # Not under the name lock: a repeat call (same reclaim id) joins the drain instead of queueing.
+        v = self.table.get(req.lora_name)
+        assert v is not None
+        left = await remove_version(self.table, self.native, req.lora_name, v.lora_id, req.timeout_s)
+        async with self._locks[req.lora_name]:
+            v = self.table.get(req.lora_name)
+            assert v is not None
+            if v.state.value == "UNLOADED":
+                return self._unloaded(req)
+            if left is None:
+                self.table.finish_reclaim(req.lora_name, req.reclaim_id)
+                return self._unloaded(req)
+            return DrainingReply(
+                lora_name=req.lora_name,
+                reclaim_id=req.reclaim_id,
+                in_flight=max(left, 0),
+                incarnation=self.table.incarnation,
+            )

@@ -1,0 +1,241 @@
+"""Request-path guards in the engine's main process (registered by :mod:`sglang_ext.hooks`).
+
+- No forged internal fields: ``lora_id`` and the other fields SGLang sets itself are refused with
+  FORBIDDEN_FIELD before any request state exists and before anything is acquired (a forged id
+  bypasses the refcount, wedges a victim's counter, or crashes the scheduler on an unknown id).
+- Managed names are served only while READY on this engine: never a fallback to the base model or
+  the latest version, never an implicit reload (UNKNOWN_VERSION, VERSION_NOT_READY,
+  VERSION_RECLAIMED), checked again at the acquire point so a race with reclaim cannot slip by.
+- Release only what was acquired; a batch's ``lora_path`` list must match the batch.
+- HTTP pre-checks answer with our own status and body before a streaming response starts.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.native_lora import managed_call
+from sglang_ext.protocol import is_managed_name
+
+# GenerateReqInput fields the tokenizer manager or the engine set themselves (sglang 0.5.23).
+INTERNAL_FIELDS = (
+    "lora_id",
+    "http_worker_ipc",
+    "need_wait_for_mm_inputs",
+    "num_items_assigned",
+    "encoder_urls",
+)
+# Also refused in a raw /generate body (set legitimately by the OpenAI layer or internal only).
+HTTP_ONLY_FORBIDDEN = ("received_time", "positional_embed_overrides", "return_bytes")
+# Req.extra_key = client extra_key + lora_id (plain concatenation): a base request whose extra_key
+# ends like a lora_id would share that adapter's prefix-cache namespace.
+_LORA_ID_SUFFIX = re.compile(r"[0-9a-f]{32}$")
+
+
+class RequestRefused(LoraVersionError, ValueError):
+    """A refused generation request. Also a ValueError so every stock handler on the way runs its
+    own cleanup and answers a 4xx; ``status_code`` is read by SGLang's error responses."""
+
+    @property
+    def status_code(self) -> int:
+        return self.http_status
+
+
+# Set by the HTTP pre-checks: a refusal raised deeper in the same task (a race with reclaim) is
+# collected here so the HTTP layer can still answer with our body and status.
+_refusals: contextvars.ContextVar[list[LoraVersionError] | None] = contextvars.ContextVar(
+    "lora_versions_refusals", default=None
+)
+
+
+def refuse(code: ErrorCode, message: str, **details: Any) -> RequestRefused:
+    err = RequestRefused(code, message, **details)
+    sink = _refusals.get()
+    if sink is not None:
+        sink.append(err)
+    return err
+
+
+def lora_names(lora_path: Any) -> list[str]:
+    if not lora_path:
+        return []
+    if isinstance(lora_path, str):
+        return [lora_path]
+    return [n for n in lora_path if isinstance(n, str) and n]
+
+
+def check_servable(names: list[str]) -> None:
+    """Raise the version error for the first managed name this engine may not serve now."""
+    from sglang_ext.engine_state import engine_state
+
+    state = engine_state()
+    if state.table is None:
+        return
+    for name in names:
+        if not is_managed_name(name):
+            continue
+        v = state.table.get(name)
+        if managed_call.get() and v is not None and v.state.value == "LOADING":
+            continue  # our own exact-version probe, while the version is being made READY
+        err = state.table.request_gate(name)
+        if err is None and state.native is not None and state.native.lora_id_of(name) != v.lora_id:
+            err = LoraVersionError(
+                ErrorCode.VERSION_RECLAIMED, f"{name!r} is no longer loaded here", lora_name=name
+            )
+        if err is not None:
+            raise refuse(err.code, err.message, **err.details)
+
+
+def forbidden_fields(obj: Any) -> list[str]:
+    bad = [f for f in INTERNAL_FIELDS if getattr(obj, f, None) is not None]
+    extra_key = getattr(obj, "extra_key", None)
+    keys = extra_key if isinstance(extra_key, list) else [extra_key]
+    if any(isinstance(k, str) and _LORA_ID_SUFFIX.search(k) for k in keys):
+        bad.append("extra_key")
+    return bad
+
+
+# --------------------------------------------------------------------------------------------
+# Hooks on TokenizerManager (every generation request passes here: HTTP routes and Engine API)
+# --------------------------------------------------------------------------------------------
+
+
+async def refuse_forged_internal_fields(
+    original: Any, self: Any, obj: Any, *args: Any, **kwargs: Any
+) -> AsyncIterator:
+    """AROUND TokenizerManager.generate_request (an async generator). Runs before
+    ``_init_req_state``: refusing later would make the failure cleanup release the forged id."""
+    bad = forbidden_fields(obj)
+    if bad:
+        raise refuse(
+            ErrorCode.FORBIDDEN_FIELD, f"fields set by the engine itself may not be sent: {bad}", fields=bad
+        )
+    agen = original(self, obj, *args, **kwargs)
+    try:
+        async for out in agen:
+            yield out
+    finally:
+        await agen.aclose()
+
+
+def refuse_mismatched_lora_path(self: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE TokenizerManager._init_req_state (after normalisation, before any state): a list
+    ``lora_path`` longer than the batch acquires an entry nothing ever releases; a list for a
+    single prompt reaches the scheduler as a list id."""
+    lora_path = getattr(obj, "lora_path", None)
+    if not isinstance(lora_path, list):
+        return None
+    if getattr(obj, "is_single", False):
+        raise refuse(ErrorCode.INVALID_REQUEST, "lora_path must be a string for a single prompt")
+    expected = getattr(obj, "batch_size", len(lora_path)) * max(
+        getattr(obj, "parallel_sample_num", 1) or 1, 1
+    )
+    if len(lora_path) != expected:
+        raise refuse(
+            ErrorCode.INVALID_REQUEST,
+            f"lora_path has {len(lora_path)} entries for {expected} prompts",
+            entries=len(lora_path),
+            expected=expected,
+        )
+    return None
+
+
+async def serve_only_ready_managed_versions(
+    original: Any, self: Any, obj: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND TokenizerManager._resolve_lora_path, the acquire point. Managed names: served only
+    while READY, never implicitly reloaded; a stock ValueError after losing a race with reclaim
+    (nothing was acquired: acquire is all-or-nothing) becomes the precise version error."""
+    managed = [n for n in lora_names(getattr(obj, "lora_path", None)) if is_managed_name(n)]
+    if not managed:
+        return await original(self, obj, *args, **kwargs)
+    check_servable(managed)
+    try:
+        return await original(self, obj, *args, **kwargs)
+    except ValueError:
+        check_servable(managed)
+        raise
+
+
+def release_only_what_was_acquired(original: Any, self: Any, state: Any) -> Any:
+    """AROUND TokenizerManager._release_lora_once: a request that failed before acquire has no
+    lora_id; stock would schedule release(None) (a TypeError in a fire-and-forget task)."""
+    if not state.lora_released and getattr(state.obj, "lora_id", None) is None:
+        state.lora_released = True
+        return None
+    return original(self, state)
+
+
+async def lru_never_picks_managed(self: Any, exclude_pinned: bool = False) -> str | None:
+    """REPLACE LoRARegistry.lru_lora_name (same body as 0.5.23 plus the managed check): the
+    max_loaded_loras eviction path asks the same rule as reclaim (version_table.may_unload_now),
+    and a registered managed version is never unloadable."""
+    from sglang_ext.engine_state import engine_state
+    from sglang_ext.version_table import may_unload_now
+
+    table = engine_state().table
+    async with self._registry_lock.reader_lock:
+        for name, ref in self._registry.items():
+            if exclude_pinned and ref.pinned:
+                continue
+            if is_managed_name(name) and not may_unload_now(table.get(name) if table else None, None):
+                continue
+            return name
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP pre-checks (answer with our status and body before any streaming response starts)
+# --------------------------------------------------------------------------------------------
+
+
+def _json_error(err: LoraVersionError) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(err.to_body(), status_code=err.http_status)
+
+
+async def _with_refusal_sink(call: Any) -> Any:
+    sink: list[LoraVersionError] = []
+    token = _refusals.set(sink)
+    try:
+        response = await call()
+    finally:
+        _refusals.reset(token)
+    return _json_error(sink[-1]) if sink else response
+
+
+async def precheck_generate(original: Any, obj: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND http_server.serve_generate_request (looked up at call time by the /generate route)."""
+    try:
+        body = await request.json()
+        raw_bad = (
+            sorted(set(body) & set(INTERNAL_FIELDS + HTTP_ONLY_FORBIDDEN)) if isinstance(body, dict) else []
+        )
+        bad = sorted(set(raw_bad) | set(forbidden_fields(obj)))
+        if bad:
+            raise refuse(
+                ErrorCode.FORBIDDEN_FIELD,
+                f"fields set by the engine itself may not be sent: {bad}",
+                fields=bad,
+            )
+        check_servable(lora_names(obj.lora_path))
+    except LoraVersionError as err:
+        return _json_error(err)
+    return await _with_refusal_sink(lambda: original(obj, request, *args, **kwargs))
+
+
+async def precheck_openai(
+    original: Any, self: Any, request: Any, raw_request: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND OpenAIServingBase.handle_request (/v1/completions, /v1/chat/completions, ...)."""
+    try:
+        if hasattr(request, "model") and hasattr(request, "lora_path"):
+            check_servable(lora_names(self._resolve_lora_path(request.model, request.lora_path)))
+    except LoraVersionError as err:
+        return _json_error(err)
+    return await _with_refusal_sink(lambda: original(self, request, raw_request, *args, **kwargs))
