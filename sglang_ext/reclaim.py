@@ -30,7 +30,7 @@ class ReclaimService:
     async def reclaim(self, req: ReclaimRequest) -> UnloadedReceipt | DrainingReply:
         async with self._locks[req.lora_name]:
             decision = self.table.start_reclaim(req.lora_name, req.reclaim_id)
-            if decision is ReclaimDecision.DONE:
+            if decision in (ReclaimDecision.DONE, ReclaimDecision.NOT_LOADED):
                 return self._unloaded(req)
         # Not under the name lock: a repeat call (same reclaim id) joins the drain instead of queueing.
         v = self.table.get(req.lora_name)

@@ -110,6 +110,7 @@ class ReclaimDecision(Enum):
     START = "start"  # state is now RECLAIMING: unregister, drain, unload
     RESUME = "resume"  # already RECLAIMING under this reclaim id: keep draining / unloading
     DONE = "done"  # already UNLOADED under this reclaim id: answer the stored receipt
+    NOT_LOADED = "not_loaded"  # this incarnation never loaded it (e.g. after a restart): UNLOADED
 
 
 class CleanupDecision(Enum):
@@ -406,11 +407,10 @@ class VersionTable:
     def start_reclaim(self, lora_name: str, reclaim_id: str) -> ReclaimDecision:
         v = self.versions.get(lora_name)
         if v is None or v.state is S.CLEANED:
-            raise _err(
-                ErrorCode.UNKNOWN_VERSION,
-                f"{lora_name!r} is not a version on this engine",
-                lora_name=lora_name,
-            )
+            # Authoritative, not a guess: nothing is loaded under that name in this incarnation
+            # (an engine restarted after commit holds none of its old versions). Without this a
+            # restarted engine could never confirm the unload and the registry slot would stay held.
+            return ReclaimDecision.NOT_LOADED
         if v.state in (S.RECLAIMING, S.UNLOADED):
             if v.reclaim_id != reclaim_id:
                 raise _err(

@@ -183,3 +183,33 @@ def test_failed_load_returns_to_prepared_and_can_be_retried(table):
     table.finish_load(req.lora_name, req.attempt_token, "id-x")
     assert table.start_end(req.lora_name, req.attempt_token) is EndDecision.READY
     assert table.plan_cleanup(req.lora_name, req.attempt_token) is CleanupDecision.UNLOAD
+
+
+def test_reclaim_transitions_are_idempotent_by_reclaim_id(table):
+    from sglang_ext.version_table import ReclaimDecision, may_unload_now
+
+    ready = staged_ready(table, snap(9), "3")
+    v = table.get(ready.lora_name)
+    assert not may_unload_now(v, 0), "a READY version is never unloadable"
+    assert table.start_reclaim(ready.lora_name, "r1") is ReclaimDecision.START
+    assert table.request_gate(ready.lora_name).code is ErrorCode.VERSION_RECLAIMED
+    assert not may_unload_now(v, 1) and not may_unload_now(v, -1) and not may_unload_now(v, None)
+    assert may_unload_now(v, 0)
+    assert table.start_reclaim(ready.lora_name, "r1") is ReclaimDecision.RESUME
+    refused_without_trace(table, lambda: table.start_reclaim(ready.lora_name, "r2"), ErrorCode.STALE_ATTEMPT)
+    table.finish_reclaim(ready.lora_name, "r1")
+    assert table.start_reclaim(ready.lora_name, "r1") is ReclaimDecision.DONE
+    refused_without_trace(table, lambda: table.begin(ready), ErrorCode.VERSION_RECLAIMED)
+    assert table.slots_in_use() == 0
+
+
+def test_reclaim_of_a_name_this_incarnation_never_loaded_is_unloaded(table):
+    from sglang_ext.version_table import ReclaimDecision
+
+    assert table.start_reclaim("relax_policy_lora@e1-5-abcdefabcdef", "r1") is ReclaimDecision.NOT_LOADED
+    assert table.versions == {}
+    staging = begin_req(snap(10), "4")
+    table.begin(staging)
+    refused_without_trace(
+        table, lambda: table.start_reclaim(staging.lora_name, "r1"), ErrorCode.VERSION_NOT_READY
+    )
