@@ -1,0 +1,144 @@
+"""Generated fixtures for ``bench/publish_engine.py``: a larger random Qwen3 base and a PEFT adapter
+of a few tens of MB that matches it.
+
+Same discipline as ``sglang_ext.devtools.fixtures``: fixed seeds, cached under
+``.fixtures/bench-<key>/`` where the key hashes this file, the tiny fixtures' key (the tokenizer is
+copied from there) and the library versions; built in a temporary directory and renamed into place,
+so an interrupted generation is never used. Weights are never committed (``.fixtures/`` is ignored).
+
+Shapes (defaults): hidden 1024, intermediate 2816, 6 layers, 16 heads of 64 (8 KV heads), vocab 512
+(the fixture tokenizer); about 300 MB of fp32 base weights. Adapter: rank 64 over q,k,v,o,gate,up,
+down of every layer, fp32: 6 x 4.78 MB = about 28.7 MB in 84 tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from sglang_ext.devtools import fixtures as tiny
+
+MODEL_SEED = 4321
+ADAPTER_SEED = 8765
+BASE_STD = 0.02
+ADAPTER_STD = 0.02
+
+LARGE_CONFIG = {
+    "vocab_size": 512,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+}
+LARGE_RANK = 64
+
+# Tokenizer files copied beside the large base (everything but weights and model config).
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
+
+
+@dataclass(frozen=True)
+class BenchFixtures:
+    root: Path
+
+    @property
+    def model_dir(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self.root / "adapter"
+
+    @property
+    def rank(self) -> int:
+        return json.loads((self.adapter_dir / "adapter_config.json").read_text())["r"]
+
+
+def _key(tiny_root: Path) -> str:
+    import torch
+    import transformers
+
+    h = hashlib.sha256()
+    h.update(Path(__file__).read_bytes())
+    h.update(tiny_root.name.encode())
+    for v in (torch.__version__, transformers.__version__):
+        h.update(v.encode())
+    return h.hexdigest()[:16]
+
+
+def ensure_bench_fixtures(root: Path | None = None) -> BenchFixtures:
+    """Return the cached large base + adapter, generating them first if they are missing."""
+    small = tiny.ensure_fixtures()
+    root = Path(os.environ.get(tiny.FIXTURE_ROOT_ENV, root or tiny.DEFAULT_ROOT))
+    final = root / f"bench-{_key(small.root)}"
+    if (final / "COMPLETE").is_file():
+        return BenchFixtures(final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".partial-bench-", dir=root))
+    try:
+        config = _write_model(tmp / "model", small.model_dir)
+        _write_adapter(tmp / "adapter", config)
+        (tmp / "COMPLETE").write_text("ok\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "COMPLETE").is_file():  # another process won the race with a full copy
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return BenchFixtures(final)
+
+
+def _write_model(model_dir: Path, tokenizer_src: Path) -> dict:
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    for name in _TOKENIZER_FILES:
+        if (tokenizer_src / name).is_file():
+            shutil.copy2(tokenizer_src / name, model_dir / name)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    config = Qwen3Config(
+        **LARGE_CONFIG,
+        tie_word_embeddings=False,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(MODEL_SEED)
+    model = Qwen3ForCausalLM(config)
+    gen = torch.Generator().manual_seed(MODEL_SEED)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * BASE_STD)
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def _write_adapter(out: Path, model_config: dict) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(
+        json.dumps(tiny.adapter_config(LARGE_RANK), indent=2, sort_keys=True)
+    )
+    tensors = tiny.make_adapter_tensors(model_config, seed=ADAPTER_SEED, rank=LARGE_RANK, std=ADAPTER_STD)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+
+
+if __name__ == "__main__":
+    print(ensure_bench_fixtures().root)

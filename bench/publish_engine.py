@@ -1,0 +1,543 @@
+"""Staged publication (begin -> ordered buckets -> end) versus stock ``/load_lora_adapter``.
+
+Two real CPU engines, started in parallel, each measured in the same run:
+
+* ``tiny``:  the tiny fixture model with the fixture adapter ``A`` (rank 4, ~36 KB);
+* ``large``: a random Qwen3 base (hidden 1024, 6 layers, ~290 MB) with a generated rank-64 adapter
+  over q,k,v,o,gate,up,down (~29 MB fp32), see ``bench/_bench_fixtures.py``.
+
+Per repetition and per engine (the paths interleaved, so load drift hits all of them alike):
+
+* ``staged``: ``begin`` -> every bucket in plan order -> ``end`` (which loads pinned through
+  SGLang's native tensor path and runs a 1-token exact-version probe), under a fresh version_id,
+  for each bucket cap; then ``/lora_versions/cleanup`` (timed apart, not in the total). The bucket
+  payloads are encoded before the clock starts (client cost reported apart, ``encode_ms``).
+* ``stock``: ``/load_lora_adapter`` of the same adapter directory from disk, then (apart) a 1-token
+  generation with it, which is what the staged ``end`` includes as its probe, then
+  ``/unload_lora_adapter``.
+
+The ratio is ``staged begin..end / stock load`` (medians); ``ratio_vs_load_gen`` compares with
+stock load + a 1-token generation. One unmeasured warm-up of each path first, which also checks
+that the staged and the stock copy give the same greedy tokens. Capacity never fills: every
+candidate is cleaned up and every stock load unloaded before the next.
+
+Prints a table and writes ``bench/results/publish_engine.json``.
+
+    .venv/bin/python bench/publish_engine.py [--reps 5] [--large-caps 1,4,64] [--no-large]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import httpx  # noqa: E402
+from _bench_fixtures import LARGE_CONFIG, ensure_bench_fixtures  # noqa: E402
+
+from relax_glue.snapshot import EncodedBucket, Snapshot  # noqa: E402
+from sglang_ext.devtools.fixtures import ensure_fixtures  # noqa: E402
+from sglang_ext.devtools.launcher import EngineSpec, running_engines  # noqa: E402
+from sglang_ext.protocol import ReceiveBucketMeta, Routes  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "publish_engine.json"
+PREFIX = "bench_lora"
+EPOCH = "b1"
+MiB = 1024 * 1024
+PROMPT = [302, 356, 417, 494, 439]
+HTTP_TIMEOUT = 300.0
+
+
+# ------------------------------------------------------------------------------------------- cases
+
+
+@dataclass
+class Case:
+    """One adapter on one engine, published under several bucket caps."""
+
+    engine: str
+    adapter: str
+    adapter_dir: Path
+    rank: int
+    caps: list[int]
+    snaps: dict[int, Snapshot] = field(default_factory=dict)
+    payloads: dict[int, list[EncodedBucket]] = field(default_factory=dict)
+    prep_ms: dict[int, float] = field(default_factory=dict)  # from_peft_dir (read, copy, hash, plan)
+    encode_ms: dict[int, float] = field(default_factory=dict)  # every bucket payload + its sha256
+
+    def prepare(self) -> None:
+        for cap in self.caps:
+            t0 = time.perf_counter()
+            snap = Snapshot.from_peft_dir(self.adapter_dir, max_bucket_bytes=cap)
+            t1 = time.perf_counter()
+            payloads = list(snap.iter_buckets())
+            t2 = time.perf_counter()
+            self.snaps[cap], self.payloads[cap] = snap, payloads
+            self.prep_ms[cap], self.encode_ms[cap] = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+    @property
+    def total_bytes(self) -> int:
+        return next(iter(self.snaps.values())).total_bytes
+
+    @property
+    def n_tensors(self) -> int:
+        return len(next(iter(self.snaps.values())).manifest.tensors)
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def _check(r: httpx.Response, what: str) -> httpx.Response:
+    if r.status_code != 200:
+        raise BenchError(f"{what}: HTTP {r.status_code}: {r.text[:2000]}")
+    return r
+
+
+# ------------------------------------------------------------------------------------------ drivers
+
+
+class Driver:
+    """HTTP calls against one engine (no admin key configured), one keep-alive client."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.http = httpx.Client(base_url=url, timeout=HTTP_TIMEOUT)
+        self._n = 0
+
+    def close(self) -> None:
+        self.http.close()
+
+    def staged(self, snap: Snapshot, payloads: list[EncodedBucket]) -> tuple[dict[str, float], str, str]:
+        """One publication begin..end; returns the timings (ms), the lora_name and the attempt token."""
+        self._n += 1
+        version_id = f"r{self._n}x{uuid.uuid4().hex[:6]}"
+        attempt = uuid.uuid4().hex
+        begin = snap.begin_request(PREFIX, EPOCH, version_id, attempt)
+        body = begin.model_dump(mode="json")
+        name = begin.lora_name
+        t0 = time.perf_counter()
+        try:
+            r = _check(self.http.post(Routes.BEGIN, json=body), "begin")
+            if r.json().get("state") != "PREPARED":
+                raise BenchError(f"begin: expected PREPARED, got {r.text[:500]}")
+            t1 = time.perf_counter()
+            for b in payloads:
+                meta = ReceiveBucketMeta(
+                    lora_name=name, attempt_token=attempt, index=b.spec.index, sha256=b.sha256
+                )
+                _check(
+                    self.http.post(Routes.RECEIVE_BUCKET, content=b.payload, headers=meta.to_headers()),
+                    f"receive_bucket {b.spec.index}/{len(payloads)} ({len(b.payload)} bytes)",
+                )
+            t2 = time.perf_counter()
+            r = _check(self.http.post(Routes.END, json={"lora_name": name, "attempt_token": attempt}), "end")
+            if r.json().get("state") != "READY_LOCAL":
+                raise BenchError(f"end: expected READY_LOCAL, got {r.text[:500]}")
+            t3 = time.perf_counter()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.cleanup(name, attempt)
+            raise
+        times = {
+            "total_ms": (t3 - t0) * 1e3,
+            "begin_ms": (t1 - t0) * 1e3,
+            "buckets_ms": (t2 - t1) * 1e3,
+            "end_ms": (t3 - t2) * 1e3,
+        }
+        return times, name, attempt
+
+    def cleanup(self, name: str, attempt: str) -> float:
+        t0 = time.perf_counter()
+        r = _check(
+            self.http.post(Routes.CLEANUP, json={"lora_name": name, "attempt_token": attempt}), "cleanup"
+        )
+        if r.json().get("state") != "CLEANED":
+            raise BenchError(f"cleanup: expected CLEANED, got {r.text[:500]}")
+        return (time.perf_counter() - t0) * 1e3
+
+    def stock_load(self, adapter_dir: Path) -> tuple[float, str]:
+        self._n += 1
+        name = f"stock-{self._n}-{uuid.uuid4().hex[:6]}"
+        t0 = time.perf_counter()
+        r = self.http.post("/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter_dir)})
+        dt = (time.perf_counter() - t0) * 1e3
+        _check(r, "/load_lora_adapter")
+        if r.json().get("success") is False:
+            raise BenchError(f"/load_lora_adapter: {r.text[:500]}")
+        return dt, name
+
+    def unload(self, name: str) -> float:
+        t0 = time.perf_counter()
+        _check(self.http.post("/unload_lora_adapter", json={"lora_name": name}), "/unload_lora_adapter")
+        return (time.perf_counter() - t0) * 1e3
+
+    def generate(
+        self, lora: str, max_new_tokens: int = 1, prompt: list[int] | None = None
+    ) -> tuple[float, list]:
+        body = {
+            "input_ids": prompt or [1],
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+            "lora_path": lora,
+        }
+        t0 = time.perf_counter()
+        r = _check(self.http.post("/generate", json=body), f"/generate lora_path={lora}")
+        return (time.perf_counter() - t0) * 1e3, r.json()["output_ids"]
+
+    def managed_versions(self) -> list[str]:
+        r = _check(self.http.get(Routes.STATUS), "GET /lora_versions")
+        return [v["lora_name"] for v in r.json()["versions"] if v["state"] != "CLEANED"]
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+def _stats(samples: list[float]) -> dict[str, Any]:
+    if not samples:
+        return {"n": 0}
+    return {
+        "median": round(statistics.median(samples), 2),
+        "min": round(min(samples), 2),
+        "max": round(max(samples), 2),
+        "n": len(samples),
+        "samples": [round(s, 2) for s in samples],
+    }
+
+
+class Runner:
+    def __init__(self, case: Case, driver: Driver, log_tail: Callable[[], str]) -> None:
+        self.case = case
+        self.d = driver
+        self.log_tail = log_tail
+        self.staged: dict[int, dict[str, list[float]]] = {
+            cap: {"total_ms": [], "begin_ms": [], "buckets_ms": [], "end_ms": [], "cleanup_ms": []}
+            for cap in case.caps
+        }
+        self.stock: dict[str, list[float]] = {"load_ms": [], "gen1_ms": [], "unload_ms": []}
+        self.warmup: dict[str, Any] = {}
+        self.errors: list[dict[str, str]] = []
+
+    def _err(self, where: str, exc: BaseException) -> None:
+        self.errors.append({"where": where, "error": str(exc), "engine_log_tail": self.log_tail()})
+        print(f"  !! {self.case.engine}/{where}: {exc}", flush=True)
+
+    def one_staged(self, cap: int, record: bool) -> dict[str, float] | None:
+        try:
+            times, name, attempt = self.d.staged(self.case.snaps[cap], self.case.payloads[cap])
+            if not record:
+                self.warmup[f"staged_cap{cap}"] = times
+                if cap == self.case.caps[0]:
+                    self.warmup["staged_tokens"] = self.d.generate(name, 6, PROMPT)[1]
+            times["cleanup_ms"] = self.d.cleanup(name, attempt)
+        except Exception as exc:
+            self._err(f"staged cap={cap}", exc)
+            return None
+        if record:
+            for k, v in times.items():
+                self.staged[cap][k].append(v)
+        return times
+
+    def one_stock(self, record: bool) -> None:
+        name = None
+        try:
+            load_ms, name = self.d.stock_load(self.case.adapter_dir)
+            gen_ms, _ = self.d.generate(name)
+            if not record:
+                self.warmup["stock"] = {"load_ms": load_ms, "gen1_ms": gen_ms}
+                self.warmup["stock_tokens"] = self.d.generate(name, 6, PROMPT)[1]
+            unload_ms = self.d.unload(name)
+        except Exception as exc:
+            self._err("stock", exc)
+            if name is not None:
+                with contextlib.suppress(Exception):
+                    self.d.unload(name)
+            return
+        if record:
+            self.stock["load_ms"].append(load_ms)
+            self.stock["gen1_ms"].append(gen_ms)
+            self.stock["unload_ms"].append(unload_ms)
+
+    def run_rep(self, rep: int | None) -> None:
+        record = rep is not None
+        # Alternate the order (stock first on even reps, last on odd ones) so drift is shared.
+        steps: list[Callable[[], Any]] = [lambda c=c: self.one_staged(c, record) for c in self.case.caps]
+        steps.insert(0 if (rep or 0) % 2 == 0 else len(steps), lambda: self.one_stock(record))
+        for step in steps:
+            step()
+
+    def result(self) -> dict[str, Any]:
+        c = self.case
+        stock_load = _stats(self.stock["load_ms"])
+        stock_load_gen = _stats(
+            [a + b for a, b in zip(self.stock["load_ms"], self.stock["gen1_ms"], strict=True)]
+        )
+        rows = []
+        for cap in c.caps:
+            s = self.staged[cap]
+            total = _stats(s["total_ms"])
+            payloads = c.payloads[cap]
+            row = {
+                "path": "staged",
+                "bucket_cap_bytes": cap,
+                "buckets": len(payloads),
+                "payload_bytes": sum(len(b.payload) for b in payloads),
+                "max_bucket_payload_bytes": max(len(b.payload) for b in payloads),
+                "client_snapshot_ms": round(c.prep_ms[cap], 2),
+                "client_encode_ms": round(c.encode_ms[cap], 2),
+                "total_ms": total,
+                **{k: _stats(s[k]) for k in ("begin_ms", "buckets_ms", "end_ms", "cleanup_ms")},
+            }
+            if total["n"] and stock_load["n"]:
+                row["ratio_vs_stock_load"] = round(total["median"] / stock_load["median"], 2)
+                row["ratio_vs_stock_load_gen"] = round(total["median"] / stock_load_gen["median"], 2)
+                if len(payloads) > 0:
+                    row["buckets_ms_per_bucket"] = round(row["buckets_ms"]["median"] / len(payloads), 2)
+            rows.append(row)
+        return {
+            "engine": c.engine,
+            "adapter": c.adapter,
+            "adapter_dir": str(c.adapter_dir),
+            "adapter_bytes": c.total_bytes,
+            "adapter_file_bytes": (c.adapter_dir / "adapter_model.safetensors").stat().st_size,
+            "tensors": c.n_tensors,
+            "rank": c.rank,
+            "staged": rows,
+            "stock": {
+                "load_ms": stock_load,
+                "gen1_ms": _stats(self.stock["gen1_ms"]),
+                "load_plus_gen1_ms": stock_load_gen,
+                "unload_ms": _stats(self.stock["unload_ms"]),
+            },
+            "warmup": self.warmup,
+            "staged_equals_stock_tokens": (
+                self.warmup.get("staged_tokens") == self.warmup.get("stock_tokens")
+                if "staged_tokens" in self.warmup and "stock_tokens" in self.warmup
+                else None
+            ),
+            "errors": self.errors,
+        }
+
+
+# ------------------------------------------------------------------------------------------- output
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / MiB:.2f} MiB" if n >= MiB else f"{n / 1024:.1f} KiB"
+
+
+def _fmt_cap(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB and n % MiB == 0 else _fmt_bytes(n)
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    head = (
+        f"{'engine':6} {'adapter':14} {'path':7} {'cap':>9} {'bkts':>4} {'median':>8} {'min':>8} {'max':>8}"
+        f" {'begin':>7} {'buckets':>8} {'end':>8} {'ratio':>6} {'r(+gen)':>7}"
+    )
+    print("\nall times in ms (median over reps; begin/buckets/end are medians of their own)")
+    print(head)
+    print("-" * len(head))
+    for res in results:
+        adapter = f"{res['adapter']} {_fmt_bytes(res['adapter_bytes'])}"
+        st = res["stock"]
+        for label, s in (("stock", st["load_ms"]), ("stock+g", st["load_plus_gen1_ms"])):
+            if s["n"]:
+                print(
+                    f"{res['engine']:6} {adapter:14} {label:7} {'disk':>9} {'-':>4} {s['median']:8.1f}"
+                    f" {s['min']:8.1f} {s['max']:8.1f}"
+                )
+        for row in res["staged"]:
+            t = row["total_ms"]
+            if not t["n"]:
+                print(
+                    f"{res['engine']:6} {adapter:14} {'staged':7}"
+                    f" {_fmt_cap(row['bucket_cap_bytes']):>9}  FAILED"
+                )
+                continue
+            print(
+                f"{res['engine']:6} {adapter:14} {'staged':7} {_fmt_cap(row['bucket_cap_bytes']):>9}"
+                f" {row['buckets']:4d} {t['median']:8.1f} {t['min']:8.1f} {t['max']:8.1f}"
+                f" {row['begin_ms']['median']:7.1f} {row['buckets_ms']['median']:8.1f}"
+                f" {row['end_ms']['median']:8.1f} {row.get('ratio_vs_stock_load', float('nan')):6.2f}"
+                f" {row.get('ratio_vs_stock_load_gen', float('nan')):7.2f}"
+            )
+    print(
+        "ratio = staged begin..end / stock /load_lora_adapter; r(+gen) = vs stock load + a 1-token"
+        " generation (the staged end includes such a probe)."
+    )
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def _rss_mib(pid: int) -> float | None:
+    """Resident memory of the engine's main process (HTTP server, tokenizer manager, stashes)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
+
+
+def _parse_caps(text: str, unit: int) -> list[int]:
+    return [int(float(x) * unit) for x in text.split(",") if x.strip()]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tiny-caps", default="16,65536", help="KiB, comma separated (default 16 KiB, 64 MiB)")
+    p.add_argument("--large-caps", default="1,4,64", help="MiB, comma separated")
+    p.add_argument("--no-large", action="store_true", help="only the tiny engine")
+    p.add_argument(
+        "--large-mem-fraction",
+        default="0.5",
+        help="--mem-fraction-static of the large engine: SGLang checks the ~290 MB of weights against the"
+        " RAM free at start-up, and the default 0.1 fails when other engines share the machine (the KV cache"
+        " stays capped by --max-total-tokens 4096 either way)",
+    )
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--run-dir", type=Path, default=None, help="engine logs (default .runs/bench-publish-*)")
+    args = p.parse_args()
+    t_start = time.monotonic()
+    load_start = os.getloadavg()
+
+    tiny = ensure_fixtures()
+    cases = [
+        Case("tiny", "A", tiny.adapter_dir("A"), 4, _parse_caps(args.tiny_caps, 1024)),
+    ]
+    fixtures_meta: dict[str, Any] = {"tiny": str(tiny.root)}
+    specs_extra: list[EngineSpec] = []
+    run_dir = args.run_dir or ROOT / ".runs" / f"bench-publish-{time.strftime('%Y%m%d-%H%M%S')}"
+    specs = [EngineSpec(name="tiny", model_path=tiny.model_dir, log_path=run_dir / "tiny.log")]
+    if not args.no_large:
+        t0 = time.monotonic()
+        big = ensure_bench_fixtures()
+        fixtures_meta["large"] = {"root": str(big.root), "base_config": LARGE_CONFIG, "rank": big.rank}
+        print(f"bench fixtures ready in {time.monotonic() - t0:.1f}s: {big.root}", flush=True)
+        cases.append(
+            Case("large", f"r{big.rank}", big.adapter_dir, big.rank, _parse_caps(args.large_caps, MiB))
+        )
+        lora_flags = (
+            "--enable-lora",
+            "--max-loras-per-batch", "3",
+            "--max-loaded-loras", "3",
+            "--max-lora-rank", str(big.rank),
+            "--lora-target-modules", "all",
+        )  # fmt: skip
+        specs_extra.append(
+            EngineSpec(
+                name="large",
+                model_path=big.model_dir,
+                log_path=run_dir / "large.log",
+                lora_flags=lora_flags,
+                extra_args=("--mem-fraction-static", args.large_mem_fraction),
+            )
+        )
+    specs += specs_extra
+
+    t0 = time.monotonic()
+    for c in cases:
+        c.prepare()
+    print(f"snapshots and payloads prepared in {time.monotonic() - t0:.1f}s", flush=True)
+
+    t0 = time.monotonic()
+    print(f"starting {len(specs)} engines in parallel (logs in {run_dir}) ...", flush=True)
+    results: list[dict[str, Any]] = []
+    startup: dict[str, float | None] = {}
+    with running_engines(specs) as engines:
+        startup_wall = time.monotonic() - t0
+        for e in engines:
+            startup[e.name] = round(e.started_s or 0.0, 1)
+        print(f"engines healthy after {startup_wall:.1f}s: {startup}", flush=True)
+        by_name = {e.name: e for e in engines}
+        runners = []
+        for c in cases:
+            eng = by_name[c.engine]
+            runners.append(Runner(c, Driver(eng.url), eng.log_tail))
+        load_before = os.getloadavg()
+        rss_before = {e.name: _rss_mib(e.proc.pid) for e in engines}
+        rss_per_rep: list[dict[str, float | None]] = []
+        try:
+            for r in runners:  # warm-up: first adapter generation, first native load
+                t1 = time.monotonic()
+                r.run_rep(None)
+                print(f"  warm-up {r.case.engine}: {time.monotonic() - t1:.1f}s", flush=True)
+            for rep in range(args.reps):
+                t1 = time.monotonic()
+                for r in runners:
+                    r.run_rep(rep)
+                rss_per_rep.append({e.name: _rss_mib(e.proc.pid) for e in engines})
+                dt = time.monotonic() - t1
+                print(f"  rep {rep + 1}/{args.reps}: {dt:.1f}s, main RSS MiB {rss_per_rep[-1]}", flush=True)
+            leftovers = {r.case.engine: r.d.managed_versions() for r in runners}
+        finally:
+            for r in runners:
+                r.d.close()
+        load_after = os.getloadavg()
+        rss_after = {e.name: _rss_mib(e.proc.pid) for e in engines}
+        results = [r.result() for r in runners]
+
+    print_table(results)
+    for res in results:
+        if res["staged_equals_stock_tokens"] is False:
+            print(f"WARNING {res['engine']}: staged and stock greedy tokens differ: {res['warmup']}")
+        for err in res["errors"]:
+            print(f"ERROR {res['engine']} {err['where']}: {err['error']}")
+    if any(leftovers.values()):
+        print(f"WARNING managed versions left after the run: {leftovers}")
+
+    import sglang
+    import torch
+
+    meta = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "python": platform.python_version(),
+        "sglang": sglang.__version__,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "reps": args.reps,
+        "loadavg_start": load_start,
+        "loadavg_before_measure": load_before,
+        "loadavg_end": load_after,
+        "engine_startup_s": startup,
+        "engine_startup_wall_s": round(startup_wall, 1),
+        "run_time_s": round(time.monotonic() - t_start, 1),
+        "engine_logs": str(run_dir),
+        "fixtures": fixtures_meta,
+        "leftover_versions": leftovers,
+        "engine_main_rss_mib_before": rss_before,
+        "engine_main_rss_mib_after": rss_after,
+        "engine_main_rss_mib_per_rep": rss_per_rep,
+        "notes": [
+            "CPU engines (torch_native LoRA backend), fp32; another agent may share the 2 cores.",
+            "staged total = begin + buckets + end; payloads encoded before the clock (client_encode_ms).",
+            "end = native pinned tensor load + 1-token exact-version probe; stock load has no probe,",
+            "so ratio_vs_stock_load_gen compares with stock load + a 1-token generation.",
+        ],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    print(f"engine main-process RSS (MiB) before -> after the measurements: {rss_before} -> {rss_after}")
+    print(f"\nrun time {meta['run_time_s']}s; load average {load_start} -> {load_after}; wrote {args.out}")
+    return 1 if any(res["errors"] for res in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
