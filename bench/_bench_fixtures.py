@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,52 +79,17 @@ def _key(tiny_root: Path) -> str:
 def ensure_bench_fixtures(root: Path | None = None) -> BenchFixtures:
     """Return the cached large base + adapter, generating them first if they are missing."""
     small = tiny.ensure_fixtures()
-    root = Path(os.environ.get(tiny.FIXTURE_ROOT_ENV, root or tiny.DEFAULT_ROOT))
-    final = root / f"bench-{_key(small.root)}"
-    if (final / "COMPLETE").is_file():
-        return BenchFixtures(final)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".partial-bench-", dir=root))
-    try:
-        config = _write_model(tmp / "model", small.model_dir)
+
+    def build(tmp: Path) -> None:
+        model_dir = tmp / "model"
+        model_dir.mkdir(parents=True)
+        for name in _TOKENIZER_FILES:
+            if (small.model_dir / name).is_file():
+                shutil.copy2(small.model_dir / name, model_dir / name)
+        config = tiny.write_random_qwen3(model_dir, LARGE_CONFIG, seed=MODEL_SEED, std=BASE_STD)
         _write_adapter(tmp / "adapter", config)
-        (tmp / "COMPLETE").write_text("ok\n")
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "COMPLETE").is_file():  # another process won the race with a full copy
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return BenchFixtures(final)
 
-
-def _write_model(model_dir: Path, tokenizer_src: Path) -> dict:
-    import torch
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    model_dir.mkdir(parents=True, exist_ok=True)
-    for name in _TOKENIZER_FILES:
-        if (tokenizer_src / name).is_file():
-            shutil.copy2(tokenizer_src / name, model_dir / name)
-    tok = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    config = Qwen3Config(
-        **LARGE_CONFIG,
-        tie_word_embeddings=False,
-        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-        bos_token_id=None,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(MODEL_SEED)
-    model = Qwen3ForCausalLM(config)
-    gen = torch.Generator().manual_seed(MODEL_SEED)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * BASE_STD)
-    model.save_pretrained(str(model_dir), safe_serialization=True)
-    return json.loads((model_dir / "config.json").read_text())
+    return BenchFixtures(tiny.build_atomically(tiny.fixture_root(root) / f"bench-{_key(small.root)}", build))
 
 
 def _write_adapter(out: Path, model_config: dict) -> None:

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,16 +84,21 @@ def _generator_key() -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_fixtures(root: Path | None = None) -> Fixtures:
-    """Return the cached fixtures, generating them first if they are missing."""
-    root = Path(os.environ.get(FIXTURE_ROOT_ENV, root or DEFAULT_ROOT))
-    final = root / _generator_key()
+def fixture_root(root: Path | None = None) -> Path:
+    return Path(os.environ.get(FIXTURE_ROOT_ENV, root or DEFAULT_ROOT))
+
+
+def build_atomically(final: Path, build: Callable[[Path], None]) -> Path:
+    """Return ``final``, first building it with ``build(tmp_dir)`` if no complete copy exists.
+
+    Built in a temporary sibling and renamed into place (atomic on one filesystem), so an
+    interrupted build is never used: the next call simply builds again."""
     if (final / "COMPLETE").is_file():
-        return Fixtures(final)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=root))
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=final.parent))
     try:
-        _generate(tmp)
+        build(tmp)
         (tmp / "COMPLETE").write_text("ok\n")
         try:
             os.rename(tmp, final)
@@ -102,7 +108,12 @@ def ensure_fixtures(root: Path | None = None) -> Fixtures:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return Fixtures(final)
+    return final
+
+
+def ensure_fixtures(root: Path | None = None) -> Fixtures:
+    """Return the cached fixtures, generating them first if they are missing."""
+    return Fixtures(build_atomically(fixture_root(root) / _generator_key(), _generate))
 
 
 def _generate(out: Path) -> None:
@@ -140,35 +151,45 @@ def _write_tokenizer(model_dir: Path) -> None:
     fast.save_pretrained(str(model_dir))
 
 
+TINY_SHAPE = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 2048,
+}
+
+
 def _write_model(model_dir: Path) -> dict:
+    return write_random_qwen3(model_dir, TINY_SHAPE, seed=MODEL_SEED, std=0.2)
+
+
+def write_random_qwen3(model_dir: Path, shape: dict, *, seed: int, std: float) -> dict:
+    """A Qwen3 of ``shape`` with every matrix drawn from N(0, std), saved beside the tokenizer
+    already in ``model_dir``; returns its config. (The default init gives near-flat logits, and
+    the greedy outputs of base and adapters would be too similar to tell apart.)"""
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
     tok = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     config = Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
+        **shape,
         tie_word_embeddings=False,
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
         bos_token_id=None,
         torch_dtype="float32",
     )
-    torch.manual_seed(MODEL_SEED)
+    torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
-    gen = torch.Generator().manual_seed(MODEL_SEED)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        # Redraw every matrix from N(0, 0.2): the default init gives near-flat logits and the
-        # greedy outputs of base and adapters would be too similar to tell apart.
         for _, p in sorted(model.named_parameters()):
             if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
     model.save_pretrained(str(model_dir), safe_serialization=True)
     return json.loads((model_dir / "config.json").read_text())
 
