@@ -1,96 +1,524 @@
-"""The main job: two real CPU SGLang engines with the plugin, and what they serve.
+"""The main job: the full lifecycle of immutable LoRA versions on two real CPU SGLang engines.
 
-Until the staged publication lands, the demo loads the fixture adapters A and B through SGLang's
-stock ``/load_lora_adapter`` and shows that base, A and B give different greedy tokens, the same
-on E0 and E1, equal to an independent HF transformers + PEFT (fp32) reference.
+Two engines E0/E1 (plugin on, admin key on the control endpoints) serve the tiny fixture Qwen3;
+the trainer side is the real ``relax_glue`` stack: the registry (in process), the publisher
+(staged begin / ordered buckets / end / commit, reclaim), the session layer (first-bind, the
+exact ``lora_path`` on every request, close) and the engine client (separate pools, audit log).
+
+Steps: bootstrap A through the protocol (a session that generates before A commits gets
+NO_PUBLISHED_VERSION) -> sessions bind A and generate -> B is published while the A sessions
+keep streaming (no pause, no flush) -> new sessions bind B, old ones stay on A -> C is refused
+with CAPACITY_ERROR before any engine sees it -> the A sessions close -> A is reclaimed (one
+physical unload per engine, a late A request is refused) -> C is published. Every generated
+turn is checked token for token against an independent HF transformers + PEFT (fp32) reference
+of the session's bound adapter with the turn's full prefix. Prints a table per step, writes
+``demo.json``; the exit code is 0 only if every check held.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import dataclasses
+import itertools
 import json
+import secrets
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-import httpx
+PROMPTS: tuple[tuple[int, ...], ...] = (
+    (302, 356, 417, 494, 439),  # "The quick brown" in the fixture tokenizer
+    (2, 87, 82, 293, 202, 90, 72, 492, 313),
+    (461, 275, 29, 446, 27, 224, 38, 15),
+    (288, 79, 82, 88, 71, 92, 3, 202),
+)
+# "<|im_start|>tool\nweather in Paris: 18 C, cloudy<|im_end|>\n": what a tool call returns
+TOOL_IDS: tuple[int, ...] = (
+    2, 87, 82, 293, 202, 90, 72, 492, 313, 461, 275, 29, 446, 27, 224, 38, 15, 288, 79, 82, 88, 71, 92,
+    3, 202,
+)  # fmt: skip
+TURN_TOKENS = 8
+EPOCH = "demo"
+COHORT = ("E0", "E1")
 
-PROMPT_IDS = [302, 356, 417, 494, 439]  # "The quick brown" in the fixture tokenizer
-MAX_NEW_TOKENS = 12
+
+def _greedy(n: int) -> dict[str, Any]:
+    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
 
 
-def _generate(client: httpx.Client, url: str, lora: str | None) -> tuple[list[int], str, float]:
-    body: dict = {
-        "input_ids": PROMPT_IDS,
-        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True},
-    }
-    if lora is not None:
-        body["lora_path"] = lora
-    t0 = time.perf_counter()
-    r = client.post(f"{url}/generate", json=body)
-    r.raise_for_status()
-    out = r.json()
-    return out["output_ids"], out["text"], (time.perf_counter() - t0) * 1000
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers], *[[str(c) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join("  " + line for line in lines)
+
+
+def _toks(tokens: Sequence[int], k: int = 8) -> str:
+    return " ".join(map(str, tokens[:k])) + (" .." if len(tokens) > k else "")
+
+
+@dataclasses.dataclass
+class TurnRecord:
+    session: str
+    engine: str
+    lora_path: str
+    adapter: str
+    prefix: list[int]
+    tokens: list[int]
+    reference_ok: bool | None = None
+
+
+class Demo:
+    def __init__(self, engines: Sequence[Any], fixtures: Any, out_dir: Path, admin_key: str) -> None:
+        from relax_glue.engine_client import EngineClient
+        from relax_glue.publisher import Publisher
+        from relax_glue.registry import LoRAVersionRegistry
+        from relax_glue.sessions import SessionManager
+        from relax_glue.snapshot import Snapshot
+
+        self.engines = {e.name: e for e in engines}
+        self.fx = fixtures
+        self.out_dir = out_dir
+        self.epoch = EPOCH
+        self.reg = LoRAVersionRegistry(self.epoch, COHORT)
+        self.clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
+        self.pub = Publisher(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
+        self.sm = SessionManager(self.reg, self.clients, drain_timeout_s=10.0)
+        # Frozen snapshots of the fixture PEFT adapters, 16 KB buckets (several per adapter).
+        self.snaps = {
+            n: Snapshot.from_peft_dir(fixtures.adapter_dir(n), max_bucket_bytes=16 * 1024) for n in "ABC"
+        }
+        self.names = {n: s.lora_name(self.pub.prefix, self.epoch, n) for n, s in self.snaps.items()}
+        self.adapter_of = {v: k for k, v in self.names.items()}
+        self.sessions: dict[str, Any] = {}
+        self.history: dict[str, list[int]] = {}
+        self.turns: list[TurnRecord] = []
+        self.checks: list[dict[str, Any]] = []
+        self.steps: list[dict[str, Any]] = []
+        self._step: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def step(self, title: str) -> None:
+        self._step = {"title": title, "checks": [], "t": round(time.monotonic() - self.t0, 2)}
+        self.steps.append(self._step)
+        print(f"\n== step {len(self.steps)}: {title}")
+
+    def check(self, what: str, ok: bool, detail: Any = "") -> bool:
+        entry = {"step": len(self.steps), "check": what, "ok": bool(ok), "detail": detail}
+        self.checks.append(entry)
+        self._step["checks"].append(entry)
+        print(f"  [{'ok' if ok else 'FAIL'}] {what}" + (f"  ({detail})" if detail not in ("", None) else ""))
+        return bool(ok)
+
+    def show(self, headers: Sequence[str], rows: Sequence[Sequence[Any]], key: str) -> None:
+        print(_table(headers, rows))
+        self._step[key] = [dict(zip(headers, r, strict=True)) for r in rows]
+
+    # --------------------------------------------------------------------- helpers
+
+    def engine_of(self, session: Any) -> str:
+        return self.sm.router.pick(session.key)  # sticky: the engine that serves the session
+
+    async def open(self, label: str) -> Any:
+        s = await self.sm.open(label)
+        self.sessions[label] = s
+        self.history[label] = list(PROMPTS[(len(self.sessions) - 1) % len(PROMPTS)])
+        return s
+
+    async def turn(self, label: str, stream: list[float] | None = None) -> TurnRecord:
+        """One agent turn: the session's full history (earlier outputs + tool results) as the
+        prompt; streamed when ``stream`` collects token arrival times."""
+        s = self.sessions[label]
+        prefix = list(self.history[label])
+        body = {"input_ids": prefix, "sampling_params": _greedy(TURN_TOKENS)}
+        if stream is None:
+            tokens = list((await s.generate(body))["output_ids"])
+        else:
+            tokens = []
+            async for chunk in s.generate_stream(body):
+                stream.append(time.monotonic())
+                tokens = list(chunk["output_ids"])
+        rec = TurnRecord(label, self.engine_of(s), s.lora_path, self.adapter_of[s.lora_path], prefix, tokens)
+        self.turns.append(rec)
+        self.history[label] = [*prefix, *tokens, *TOOL_IDS]
+        return rec
+
+    async def engine_view(self) -> dict[str, dict[str, str]]:
+        out = {}
+        for eid, c in self.clients.items():
+            status = await c.status()
+            out[eid] = {
+                self.adapter_of[v.lora_name]: v.state.value
+                for v in status.versions
+                if v.lora_name in self.adapter_of
+            }
+        return out
+
+    def registry_rows(self) -> list[list[Any]]:
+        st = self.reg.status()
+        rows = []
+        for v in st.versions:
+            is_default = v.version_key == st.default
+            rows.append(
+                [
+                    self.adapter_of[v.lora_name],
+                    v.state.value + (" (default)" if is_default else ""),
+                    v.session_refs,
+                    "yes" if v.holds_slot else "no",
+                    v.lora_name,
+                ]
+            )
+        return rows
+
+    def show_registry(self) -> None:
+        st = self.reg.status()
+        print(
+            f"  registry: default={self.adapter_of.get(st.default_lora_name or '', None)}, "
+            f"slots {st.slots_used}/{st.capacity}, default_revision {st.default_revision}"
+        )
+        self.show(["version", "state", "session refs", "slot", "lora_name"], self.registry_rows(), "registry")
+
+    async def show_engines(self) -> dict[str, dict[str, str]]:
+        view = await self.engine_view()
+        names = sorted({n for v in view.values() for n in v})
+        self.show(["engine", *names], [[e, *(view[e].get(n, "-") for n in names)] for e in COHORT], "engines")
+        return view
+
+    def session_rows(self, labels: Sequence[str]) -> list[list[Any]]:
+        rows = []
+        for label in labels:
+            s = self.sessions[label]
+            mine = [t for t in self.turns if t.session == label]
+            rows.append(
+                [
+                    label,
+                    self.engine_of(s) if s.lora_path else "-",
+                    self.adapter_of.get(s.lora_path or "", "-"),
+                    s.lora_path or "-",
+                    len(mine),
+                    _toks(mine[-1].tokens) if mine else "-",
+                ]
+            )
+        return rows
+
+    def show_sessions(self, labels: Sequence[str]) -> None:
+        self.show(
+            ["session", "engine", "bound", "lora_path (on every request)", "turns", "last tokens"],
+            self.session_rows(labels),
+            "sessions",
+        )
+
+    def publish_row(self, label: str, res: Any) -> list[Any]:
+        phases = " ".join(f"{k}={v * 1000:.0f}" for k, v in res.phase_s.items())
+        code = res.error.code.value if res.error is not None else ""
+        return [label, res.outcome.value, code, f"{res.duration_s * 1000:.0f}", phases]
+
+    def show_publish(self, label: str, res: Any) -> None:
+        self.show(
+            ["version", "outcome", "error", "total ms", "phases (ms)"],
+            [self.publish_row(label, res)],
+            "publish",
+        )
+
+    # ------------------------------------------------------------------ the steps
+
+    async def run(self) -> None:
+        from relax_glue.engine_client import forbidden_calls
+        from relax_glue.publisher import PublishOutcome
+        from sglang_ext.errors import ErrorCode, LoraVersionError
+
+        self.t0 = time.monotonic()
+        a, b, c = self.names["A"], self.names["B"], self.names["C"]
+
+        # 1 -------------------------------------------------------------------------
+        self.step("bootstrap: A goes through the same staged protocol")
+        s0 = await self.open("S0")
+        try:
+            await s0.generate({"input_ids": list(PROMPTS[0]), "sampling_params": _greedy(4)})
+            refused = None
+        except LoraVersionError as err:
+            refused = err.code
+        self.check(
+            "a session that generates before A commits is refused",
+            refused is ErrorCode.NO_PUBLISHED_VERSION and not s0.requests,
+            refused.value if refused else "accepted",
+        )
+        res = await self.pub.publish(self.snaps["A"], "A")
+        self.show_publish("A", res)
+        self.check("A committed on E0 and E1", res.outcome is PublishOutcome.PUBLISHED)
+        self.check(
+            f"A travelled in {len(self.snaps['A'].bucket_plan)} ordered buckets",
+            len(self.snaps["A"].bucket_plan) > 1,
+        )
+        await self.show_engines()
+
+        # 2 -------------------------------------------------------------------------
+        self.step("sessions bind A at their first generation and generate")
+        labels_a = ["S1", "S2", "S3", "S4"]
+        for label in labels_a:
+            await self.open(label)
+        await asyncio.gather(*(self.turn(label) for label in labels_a))
+        self.show_sessions(labels_a)
+        self.check("every session is bound to A", {self.sessions[x].lora_path for x in labels_a} == {a})
+        self.check(
+            "the A sessions run on both engines",
+            {self.engine_of(self.sessions[x]) for x in labels_a} == set(COHORT),
+        )
+
+        # 3 -------------------------------------------------------------------------
+        self.step("publish B while the A sessions keep streaming (no pause, no flush)")
+        stamps: dict[str, list[float]] = {x: [] for x in labels_a}
+        stop = asyncio.Event()
+
+        async def keep_going(label: str) -> int:
+            n = 0
+            while not stop.is_set():
+                await self.turn(label, stamps[label])
+                n += 1
+            return n
+
+        traffic = [asyncio.create_task(keep_going(x)) for x in labels_a]
+        await asyncio.sleep(2.0)
+        pub_lo = time.monotonic()
+        res = await self.pub.publish(self.snaps["B"], "B")
+        pub_hi = time.monotonic()
+        await asyncio.sleep(0.5)
+        stop.set()
+        done = await asyncio.gather(*traffic, return_exceptions=True)
+        self.show_publish("B", res)
+        errors = [d for d in done if isinstance(d, BaseException)]
+        self.check("B committed", res.outcome is PublishOutcome.PUBLISHED)
+        self.check("no A request failed while B was published", not errors, errors or "")
+        gaps_during, gaps_before = [], []
+        per_engine = dict.fromkeys(COHORT, 0)
+        for label, ts in stamps.items():
+            engine = self.engine_of(self.sessions[label])
+            per_engine[engine] += sum(1 for t in ts if pub_lo <= t <= pub_hi)
+            for x, y in itertools.pairwise(ts):
+                if y >= pub_lo and x <= pub_hi:
+                    gaps_during.append(y - x)
+                elif y < pub_lo:
+                    gaps_before.append(y - x)
+        gap_row = {
+            "max_gap_before_ms": round(1000 * max(gaps_before, default=0.0), 1),
+            "max_gap_during_publication_ms": round(1000 * max(gaps_during, default=0.0), 1),
+            "tokens_during_publication": per_engine,
+            "publication_ms": round(1000 * (pub_hi - pub_lo), 1),
+        }
+        self._step["decode"] = gap_row
+        print(
+            f"  decode: largest gap between tokens {gap_row['max_gap_before_ms']} ms before vs "
+            f"{gap_row['max_gap_during_publication_ms']} ms during the {gap_row['publication_ms']} ms "
+            f"publication; tokens streamed during it: {per_engine}"
+        )
+        self.check("both engines kept decoding during the publication", all(per_engine.values()), per_engine)
+        self.check(
+            "the A sessions stayed on A",
+            all(t.lora_path == a for t in self.turns if t.session in labels_a),
+        )
+
+        # 4 -------------------------------------------------------------------------
+        self.step("new sessions bind B; the old ones stay on A (tool turns)")
+        labels_b = ["S5", "S6"]
+        for label in labels_b:
+            await self.open(label)
+        await asyncio.gather(*(self.turn(x) for x in [*labels_a, *labels_b]))
+        self.show_sessions([*labels_a, *labels_b])
+        self.check("new sessions are bound to B", {self.sessions[x].lora_path for x in labels_b} == {b})
+        self.check("old sessions are still bound to A", {self.sessions[x].lora_path for x in labels_a} == {a})
+        self.show_registry()
+
+        # 5 -------------------------------------------------------------------------
+        self.step("C is refused: A (retired, still in use) and B hold both slots")
+        before = sum(len(cl.audit.entries(kind="control")) for cl in self.clients.values())
+        res = await self.pub.publish(self.snaps["C"], "C")
+        self.show_publish("C", res)
+        code = res.error.code if res.error is not None else None
+        self.check(
+            "reserve(C) is CAPACITY_ERROR", code is ErrorCode.CAPACITY_ERROR, "" if code else "accepted"
+        )
+        begins = [
+            e for cl in self.clients.values() for e in cl.audit.entries(kind="control") if e.detail == c
+        ]
+        after = sum(len(cl.audit.entries(kind="control")) for cl in self.clients.values())
+        view = await self.show_engines()
+        self.check(
+            "no engine saw anything of C (no begin, no bytes)",
+            not begins and after == before and all("C" not in v for v in view.values()),
+        )
+
+        # 6 -------------------------------------------------------------------------
+        self.step("the A sessions close (FINALIZING -> begin_close -> release once)")
+        closed = [await self.sessions[x].close() for x in [*labels_a, "S0"]]
+        self.check("every A session released its ref exactly once", all(v.released for v in closed[:-1]))
+        self.show_registry()
+        self.check("A has no session refs left", self.reg.version((self.epoch, "A")).session_refs == 0)
+
+        # 7 -------------------------------------------------------------------------
+        self.step("reclaim A: unregister -> drain in-flight -> one physical unload per engine")
+        lora_ids = {}
+        for eid, cl in self.clients.items():
+            lora_ids[eid] = {v.lora_name: v.lora_id for v in (await cl.status()).versions}[a]
+        results = await self.pub.reclaim_ready()
+        rows = []
+        unload_counts = {}
+        for eid in COHORT:
+            unload_counts[eid] = await _unload_lines(self.engines[eid].log_path, lora_ids[eid])
+            r = results[0].engines.get(eid, "-") if results else "-"
+            rows.append([eid, r, lora_ids[eid], unload_counts[eid]])
+        self.show(["engine", "reclaim", "engine-local lora_id", "unload log lines"], rows, "reclaim")
+        self.check("A is RECLAIMED (UNLOADED receipts from E0 and E1)", bool(results) and results[0].done)
+        self.check("A was physically unloaded exactly once per engine", set(unload_counts.values()) == {1})
+        try:
+            await self.clients["E0"].generate(
+                {
+                    "input_ids": list(PROMPTS[0]),
+                    "sampling_params": _greedy(2),
+                    "lora_path": a,
+                    "rid": "late-A",
+                }
+            )
+            late = None
+        except LoraVersionError as err:
+            late = err.code
+        self.check(
+            "a late request naming A is refused (no fallback, no implicit reload)",
+            late is ErrorCode.VERSION_RECLAIMED,
+            late.value if late else "served",
+        )
+        self.show_registry()
+
+        # 8 -------------------------------------------------------------------------
+        self.step("publish C (the B sessions keep generating), then new sessions bind C")
+        pub_task = asyncio.create_task(self.pub.publish(self.snaps["C"], "C"))
+        await asyncio.gather(*(self.turn(x) for x in labels_b))
+        res = await pub_task
+        self.show_publish("C", res)
+        self.check(
+            "C committed; default is C",
+            res.outcome is PublishOutcome.PUBLISHED and self.reg.status().default_lora_name == c,
+        )
+        await self.open("S7")
+        await asyncio.gather(*(self.turn(x) for x in [*labels_b, "S7"]))
+        self.show_sessions([*labels_b, "S7"])
+        self.check(
+            "S7 is bound to C; S5/S6 are still on B",
+            self.sessions["S7"].lora_path == c and {self.sessions[x].lora_path for x in labels_b} == {b},
+        )
+        self.show_registry()
+        await self.show_engines()
+
+        # 9 -------------------------------------------------------------------------
+        self.step("checks over the whole run")
+        await asyncio.to_thread(self.check_references)
+        bad = [t for t in self.turns if not t.reference_ok]
+        self.check(
+            f"all {len(self.turns)} turns equal the HF+PEFT reference of their bound version (full prefix)",
+            not bad,
+            [dataclasses.asdict(t) for t in bad][:3] or "",
+        )
+        logs = [cl.audit for cl in self.clients.values()]
+        self.check("no pause / flush / abort-all endpoint was ever called", not forbidden_calls(logs))
+        failed = [e for lg in logs for e in lg.entries(kind="generation") if e.outcome != "ok"]
+        expected = {("late-A", "refused:VERSION_RECLAIMED")}  # S0's early turn was never sent
+        unexpected = [e for e in failed if (e.detail, e.outcome) not in expected]
+        self.check(
+            "no generation request failed (besides the deliberate late A)", not unexpected, unexpected or ""
+        )
+        counts = {
+            eid: dict(sorted(collections.Counter(e.op for e in cl.audit.entries(kind="control")).items()))
+            for eid, cl in self.clients.items()
+        }
+        self._step["control_calls"] = counts
+        for eid, ops in counts.items():
+            print(f"  {eid} control calls: " + ", ".join(f"{k}={v}" for k, v in ops.items()))
+        await self.sm.close_all()
+
+    def check_references(self) -> None:
+        from transformers.utils import logging as hf_logging
+
+        from sglang_ext.devtools import reference
+
+        hf_logging.disable_progress_bar()
+
+        for t in self.turns:
+            want = reference.greedy_tokens(
+                self.fx.model_dir, self.fx.adapter_dir(t.adapter), t.prefix, len(t.tokens)
+            )
+            t.reference_ok = want == t.tokens
+
+    async def aclose(self) -> None:
+        for cl in self.clients.values():
+            await cl.aclose()
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "ok": all(c["ok"] for c in self.checks),
+            "checks": self.checks,
+            "steps": self.steps,
+            "turns": [dataclasses.asdict(t) for t in self.turns],
+            "lora_names": self.names,
+            "engines": {n: {"url": e.url, "log": str(e.log_path)} for n, e in self.engines.items()},
+        }
+
+
+async def _unload_lines(log_path: Path, lora_id: str | None, expect: int = 1, timeout_s: float = 10.0) -> int:
+    """SGLang scheduler log lines of the physical unload of exactly ``lora_id``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = Path(log_path).read_text(errors="replace")
+        n = sum(1 for ln in text.splitlines() if "LoRA adapter unloading starts" in ln and str(lora_id) in ln)
+        if n >= expect or time.monotonic() > deadline:
+            return n
+        await asyncio.sleep(0.1)
 
 
 def run_demo(out_dir: Path) -> int:
-    from sglang_ext.devtools import reference
     from sglang_ext.devtools.fixtures import ensure_fixtures
     from sglang_ext.devtools.launcher import EngineSpec, running_engines
 
     out_dir.mkdir(parents=True, exist_ok=True)
     print("[demo] preparing fixtures (tiny Qwen3 + BPE tokenizer + adapters A/B/C; cached)")
     fx = ensure_fixtures()
-    specs = [EngineSpec(name=n, model_path=fx.model_dir, log_path=out_dir / f"{n}.log") for n in ("E0", "E1")]
+    admin_key = secrets.token_hex(16)
+    specs = [
+        EngineSpec(
+            name=n,
+            model_path=fx.model_dir,
+            log_path=out_dir / f"{n}.log",
+            extra_args=["--admin-api-key", admin_key],
+        )
+        for n in COHORT
+    ]
     print(f"[demo] starting E0 and E1 in parallel (CPU dev mode, plugin on; logs in {out_dir})")
     t0 = time.monotonic()
-    rows = []
-    with running_engines(specs) as engines, httpx.Client(timeout=120) as client:
+    with running_engines(specs) as engines:
         print(f"[demo] both engines healthy after {time.monotonic() - t0:.1f}s")
-        for e in engines:
-            status = client.get(f"{e.url}/lora_versions").json()
-            print(
-                f"[demo] {e.name} at {e.url}: incarnation {status['incarnation']}, "
-                f"managed versions {len(status['versions'])}"
-            )
-            for name in ("A", "B"):
-                r = client.post(
-                    f"{e.url}/load_lora_adapter",
-                    json={"lora_name": f"fixture-{name}", "lora_path": str(fx.adapter_dir(name))},
-                )
-                r.raise_for_status()
-        for name in (None, "A", "B"):
-            expected = reference.greedy_tokens(
-                fx.model_dir, None if name is None else fx.adapter_dir(name), PROMPT_IDS, MAX_NEW_TOKENS
-            )
-            for e in engines:
-                tokens, text, ms = _generate(client, e.url, None if name is None else f"fixture-{name}")
-                rows.append(
-                    {
-                        "engine": e.name,
-                        "adapter": name or "base",
-                        "tokens": tokens,
-                        "text": text,
-                        "latency_ms": round(ms, 1),
-                        "equals_reference": tokens == expected,
-                    }
-                )
-    _print_table(rows)
-    (out_dir / "demo.json").write_text(json.dumps(rows, indent=2))
-    distinct = len({tuple(r["tokens"]) for r in rows})
-    ok = all(r["equals_reference"] for r in rows) and distinct == 3
+        demo = Demo(engines, fx, out_dir, admin_key)
+        t1 = time.monotonic()
+        try:
+            asyncio.run(_run(demo))
+        except Exception as exc:  # report what happened, still write demo.json
+            demo.check("the demo ran to the end", False, f"{type(exc).__name__}: {exc}")
+        report = demo.report()
+        report["run_s"] = round(time.monotonic() - t1, 1)
+        report["engine_start_s"] = round(t1 - t0, 1)
+    (out_dir / "demo.json").write_text(json.dumps(report, indent=2, default=str))
+    n_ok = sum(c["ok"] for c in report["checks"])
+    verdict = "ALL CHECKS HELD" if report["ok"] else "SOME CHECKS FAILED"
     print(
-        f"[demo] {distinct} distinct outputs for base/A/B; all equal the HF+PEFT reference: "
-        f"{all(r['equals_reference'] for r in rows)}; engines stopped; results in {out_dir / 'demo.json'}"
+        f"\n[demo] {verdict}: {n_ok}/{len(report['checks'])} in {report['run_s']}s after engine start; "
+        f"engines stopped; results in {out_dir / 'demo.json'}"
     )
-    return 0 if ok else 1
+    return 0 if report["ok"] else 1
 
 
-def _print_table(rows: list[dict]) -> None:
-    header = f"{'engine':<7}{'adapter':<9}{'greedy tokens (12)':<58}{'ms':>7}  ref"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        toks = " ".join(str(t) for t in r["tokens"])
-        print(
-            f"{r['engine']:<7}{r['adapter']:<9}{toks:<58}{r['latency_ms']:>7}  "
-            f"{'==' if r['equals_reference'] else '!='}"
-        )
+async def _run(demo: Demo) -> None:
+    try:
+        await demo.run()
+    finally:
+        await demo.aclose()
