@@ -127,6 +127,17 @@ class ManagedSess(Sess):
         await self.s.close()
 
 
+class WorkerRouter:
+    """Worker i always runs on engine i % 2, in every phase: the same load on each engine."""
+
+    def pick(self, session_key: Any) -> str:
+        worker = int(str(session_key[1]).split(".", 1)[0].lstrip("w"))
+        return COHORT[worker % len(COHORT)]
+
+    def forget(self, session_key: Any) -> None:
+        return None
+
+
 class FixedSess(Sess):
     def __init__(self, client: EngineClient) -> None:
         self.client = client
@@ -348,6 +359,7 @@ def summarize(
         "update_ms_max": max(upd_lat) if upd_lat else None,
         "requests": len(reqs),
         "tokens_in_window": sum(1 for r in streams for t in r.chunks if lo <= t <= hi),
+        "tokens_per_s": round(sum(1 for r in streams for t in r.chunks if lo <= t <= hi) / (hi - lo), 1),
         "failed": len(failed),
         "failed_during_update": sum(1 for r in failed if _overlaps(r.start, r.end, updates)),
         "failure_kinds": sorted({r.failure for r in failed}),
@@ -381,6 +393,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         ("update_ms_p50", "upd p50", 8),
         ("update_ms_max", "upd max", 8),
         ("requests", "reqs", 5),
+        ("tokens_per_s", "tok/s", 6),
         ("failed", "fail", 5),
         ("failed_during_update", "fail@upd", 9),
         ("latency_ms_p50", "lat p50", 8),
@@ -417,7 +430,7 @@ async def bench(
     clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
     reg = LoRAVersionRegistry(EPOCH, COHORT)
     pub = Publisher(reg, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05, reclaim_deadline_s=30.0)
-    sm = SessionManager(reg, clients, drain_timeout_s=10.0)
+    sm = SessionManager(reg, clients, router=WorkerRouter(), drain_timeout_s=10.0)
     snaps = [Snapshot.from_peft_dir(fx.adapter_dir(n), max_bucket_bytes=args.bucket_bytes) for n in "ABC"]
     phases: list[dict[str, Any]] = []
     http = httpx.AsyncClient(
@@ -430,11 +443,8 @@ async def bench(
         async def managed(i: int) -> Sess:
             return ManagedSess(sm, await sm.open(f"w{i}"))
 
-        rr = {"n": 0}
-
         async def fixed(i: int) -> Sess:
-            rr["n"] += 1
-            return FixedSess(clients[COHORT[rr["n"] % len(COHORT)]])
+            return FixedSess(clients[COHORT[i % len(COHORT)]])
 
         async def phase(name: str, opener: Any, updater: Any = None) -> dict[str, Any]:
             t0 = _now()
