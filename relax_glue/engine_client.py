@@ -67,6 +67,7 @@ __all__ = [
     "PoolLimits",
     "classify_outcome",
     "forbidden_calls",
+    "generation_aborted",
 ]
 
 T = TypeVar("T")
@@ -222,7 +223,9 @@ class AuditEntry:
     path: str
     started_at: float  # unix seconds
     duration_s: float
-    outcome: str  # "ok" | "refused:<CODE>" | "unknown" | "cancelled"
+    # "ok" | "aborted" (a generation the engine ended with finish_reason "abort": its reply came,
+    # its result did not) | "refused:<CODE>" | "unknown" | "cancelled"
+    outcome: str
     status_code: int | None
     detail: str  # lora_name / bucket index / rid: enough to read a log, never a payload
     abort_all: bool = False
@@ -293,6 +296,14 @@ def _check_same(reply: Any, **expected: Any) -> None:
     for name, value in expected.items():
         if getattr(reply, name) != value:
             raise _mismatch(f"{name}={getattr(reply, name)!r}, sent {value!r}")
+
+
+def generation_aborted(reply: Mapping[str, Any]) -> bool:
+    """True when SGLang ended the generation with ``finish_reason.type == "abort"`` (an abort by
+    rid, an abort-all, a pause in abort mode, a client disconnect): a 200 reply, not a result."""
+    meta = reply.get("meta_info") if isinstance(reply, Mapping) else None
+    finish = meta.get("finish_reason") if isinstance(meta, Mapping) else None
+    return isinstance(finish, Mapping) and finish.get("type") == "abort"
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
@@ -424,6 +435,7 @@ class EngineClient:
         json_body: Any = None,
         content: bytes | None = None,
         headers: Mapping[str, str] | None = None,
+        outcome_of: Callable[[T], str] | None = None,
     ) -> T:
         if path in FORBIDDEN_PATHS:  # defence in depth: no code path should get here
             raise ValueError(f"{path} is never called by this client")
@@ -455,7 +467,7 @@ class EngineClient:
             except OutcomeUnknown:
                 outcome = "unknown"
                 raise
-            outcome = "ok"
+            outcome = outcome_of(result) if outcome_of is not None else "ok"
             return result
         finally:
             self._record(kind, op, method, path, started, t0, outcome, status_code, detail, abort_all)
@@ -611,6 +623,7 @@ class EngineClient:
             read_timeout=self.timeouts.generate,
             detail=str(body.get("rid", "")),
             json_body=dict(body),
+            outcome_of=lambda reply: "aborted" if generation_aborted(reply) else "ok",
         )
 
     async def generate_stream(self, body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -633,7 +646,7 @@ class EngineClient:
                     if not 200 <= status_code < 300:
                         await response.aread()
                         classify_outcome(self.engine_id, op, response=response)
-                    done = False
+                    done = aborted = False
                     async for line in response.aiter_lines():
                         if not line.startswith("data:"):
                             continue
@@ -653,12 +666,13 @@ class EngineClient:
                                 err.details.setdefault("engine_id", self.engine_id)
                                 raise err
                             raise OutcomeUnknown(self.engine_id, op, f"error chunk: {_short(data)}")
+                        aborted = generation_aborted(chunk)
                         yield chunk
                     if not done:
                         raise OutcomeUnknown(self.engine_id, op, "stream ended without [DONE]")
             except (httpx.HTTPError, OSError) as exc:
                 classify_outcome(self.engine_id, op, error=exc)
-            outcome = "ok"
+            outcome = "aborted" if aborted else "ok"
         except LoraVersionError as err:
             outcome = f"refused:{err.code.value}"
             raise

@@ -31,7 +31,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
-from relax_glue.engine_client import EngineAPI, OutcomeUnknown
+from relax_glue.engine_client import EngineAPI, OutcomeUnknown, generation_aborted
 from relax_glue.publisher import AsyncRegistryAdapter
 from relax_glue.registry_types import Binding, SessionKey, SessionView
 from relax_glue.router import Router, StickyRoundRobinRouter
@@ -53,7 +53,7 @@ class RequestRecord:
     rid: str
     engine_id: str
     lora_path: str
-    outcome: str  # "ok" | "refused:<CODE>" | "unknown" | "cancelled"
+    outcome: str  # "ok" | "aborted" (finish_reason abort) | "refused:<CODE>" | "unknown" | "cancelled"
     started_at: float
     duration_s: float
 
@@ -200,7 +200,7 @@ class Session:
         started, t0, outcome = time.time(), time.monotonic(), "cancelled"
         try:
             result = await self._m.engines[engine_id].generate(req)
-            outcome = "ok"
+            outcome = "aborted" if generation_aborted(result) else "ok"
             return result
         except LoraVersionError as err:
             outcome = f"refused:{err.code.value}"
@@ -219,10 +219,12 @@ class Session:
         req, engine_id = await self._dispatch_ready(body, rid)
         flight = self._in_flight[req["rid"]] = _InFlight(req["rid"], engine_id)
         started, t0, outcome = time.time(), time.monotonic(), "cancelled"
+        aborted = False
         try:
             async for chunk in self._m.engines[engine_id].generate_stream(req):
+                aborted = generation_aborted(chunk)
                 yield chunk
-            outcome = "ok"
+            outcome = "aborted" if aborted else "ok"
         except LoraVersionError as err:
             outcome = f"refused:{err.code.value}"
             raise

@@ -278,7 +278,8 @@ def failed_generations(
 
 
 def assert_clean_audit(clients: Iterable[Any], *, allow_failed_rids: Iterable[str] = ()) -> dict[str, int]:
-    """No pause / flush / abort-all ever; no generation request failed (except listed rids)."""
+    """No pause / flush / abort-all ever; no generation request failed or was aborted by the engine
+    (except the listed rids: deliberate refusals and temporary aborts)."""
     logs = audit_logs(clients)
     bad = forbidden_calls(logs)
     assert not bad, f"forbidden control calls: {bad}"
@@ -363,6 +364,7 @@ class Turn:
 @dataclass
 class Transcript:
     turns: list[Turn] = field(default_factory=list)
+    aborted_rids: list[str] = field(default_factory=list)  # deliberate temporary aborts
 
     def add(self, s: Session, kind: str, prefix: Sequence[int], tokens: Sequence[int], n: int) -> list[int]:
         engine = s.requests[-1].engine_id if s.requests else "?"
@@ -411,6 +413,8 @@ async def abort_and_resume(
             aborted = await s.abort(rid)
     assert aborted and finish is not None and finish.get("type") == "abort", (finish, len(partial))
     assert 0 < len(partial) < n, len(partial)
+    assert s.requests[-1].rid == rid and s.requests[-1].outcome == "aborted", s.requests[-1]
+    tx.aborted_rids.append(rid)
     tx.add(s, "partial", prefix, partial, n)
     resumed_prefix = [*prefix, *partial]
     rest = await turn(tx, s, resumed_prefix, n - len(partial), kind="resume")

@@ -48,7 +48,7 @@ from _e2e_helpers import (
 )
 from conftest import ADMIN_KEY
 
-from relax_glue.engine_client import EngineAPI, FaultInjectingClient, forbidden_calls
+from relax_glue.engine_client import EngineAPI, FaultInjectingClient
 from relax_glue.publisher import Publisher, PublishOutcome, PublishResult
 from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.registry_types import AttemptPhase, VersionKey, VersionState
@@ -165,7 +165,7 @@ class World:
         # The contract between modules sharing E0/E1: nobody leaves a managed version behind.
         live = await live_versions(self.clients)
         for engine, names in live.items():
-            assert len(names) < 2, f"{engine} starts with managed versions left by another test: {names}"
+            assert not names, f"{engine} starts with managed versions another test left behind: {names}"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -286,7 +286,13 @@ async def test_rfc34_happy_path_step_by_step(engines, stock_engine, fixtures, sn
             run_dir / "e2e_happy_path.json", {"turns": [t.__dict__ for t in tx.turns], "mismatches": bad}
         )
         assert not bad, f"token streams differ from the single-version baselines: {bad}"
-        counts = assert_clean_audit(w.clients.values())
+        # the two temporary aborts are the only generations not "ok" in the audit: "aborted"
+        aborted = [
+            e for c in w.clients.values() for e in c.audit.entries(kind="generation") if e.outcome != "ok"
+        ]
+        assert sorted(e.detail for e in aborted) == sorted(tx.aborted_rids) and len(aborted) == 2
+        assert {e.outcome for e in aborted} == {"aborted"}
+        counts = assert_clean_audit(w.clients.values(), allow_failed_rids=tx.aborted_rids)
         assert counts.get("control:abort_request", 0) >= 2
 
         # --- wind down: every session closes, A is reclaimed (B is removed by the teardown)
@@ -645,7 +651,7 @@ async def test_live_traffic_keeps_decoding_on_both_engines_during_publication(
                     rec["engine"] = w.sm.router.pick(s.key)  # sticky: the engine serving it
                     last = chunk["output_ids"]
                 assert rec["n"] == 16
-                prefix = [*prefix, *last, *TOOL_IDS][-120:]
+                prefix = [*prefix, *last, *TOOL_IDS][-96:]
 
         tasks = [asyncio.create_task(loop(i, s)) for i, s in enumerate(sessions)]
         try:
@@ -653,6 +659,7 @@ async def test_live_traffic_keeps_decoding_on_both_engines_during_publication(
             base_lo = time.monotonic()
             await asyncio.sleep(4.0)
             base_hi = time.monotonic()
+            await asyncio.sleep(1.0)  # apart, so one long gap is not counted in both windows
             pub_lo = time.monotonic()
             res = await w.publish(snaps, "B")
             pub_hi = time.monotonic()
@@ -692,7 +699,6 @@ async def test_live_traffic_keeps_decoding_on_both_engines_during_publication(
         assert report["max_gap_during_publication_ms"] < limit_ms, report
         assert all(lora_paths(s) == {name_a} for s in sessions)
         assert_clean_audit(w.clients.values())
-        assert not forbidden_calls([c.audit for c in w.clients.values()])
 
 
 # ======================================================================= engine restart
