@@ -393,14 +393,34 @@ async def test_rfc52_capacity_refusal_then_safe_reclaim_through_the_ray_actor(
             for c in w.clients.values():
                 assert (await engine_versions(c, w.marker))[name_a].state is S.READY_LOCAL
 
+            # --- a request admitted on E0 before the reclaim is still decoding on A (session refs
+            # will be 0, the engine's native refs are not): the reclaim drains it, never cuts it
+            chunks: list[dict] = []
+
+            async def admitted_a() -> None:
+                body = {"input_ids": list(PROMPTS[0]), "sampling_params": greedy(64), "lora_path": name_a}
+                async for chunk in w.clients["E0"].generate_stream({**body, "rid": f"inflight-{epoch}"}):
+                    chunks.append(chunk)
+
+            in_flight = asyncio.create_task(admitted_a())
+            await wait_until(
+                lambda: len(chunks) >= 2 or in_flight.done(), what="the admitted A request decoding"
+            )
+
             # --- every A session closes (RFC 4.3), then reclaim: unloaded once per engine
             for s in a_sessions:
                 view = await s.close()
                 assert view.released
             assert (await w.version("A")).session_refs == 0
+            assert not in_flight.done(), "the admitted request ended too early to show the drain"
             done = await w.pub.reclaim_ready()
+            await asyncio.wait_for(in_flight, 60)
+            assert len(chunks[-1]["output_ids"]) == 64, "the admitted request was cut"
+            assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
             assert len(done) == 1 and done[0].done, done
             assert dict(done[0].engines) == {"E0": "UNLOADED", "E1": "UNLOADED"}
+            e0_calls = [st.detail for st in done[0].steps if st.engine_id == "E0" and st.op == "reclaim"]
+            assert e0_calls and not e0_calls[0].startswith("UNLOADED after 1 "), e0_calls  # DRAINING first
             assert (await w.status()).slots_used == 1
             for (eid, c), engine in zip(w.clients.items(), engines, strict=True):
                 assert (await engine_versions(c, w.marker))[name_a].state is S.UNLOADED
