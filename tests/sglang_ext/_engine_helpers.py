@@ -4,6 +4,8 @@ so the engine side is tested independently of the trainer side)."""
 from __future__ import annotations
 
 import itertools
+import re
+import time
 import uuid
 from pathlib import Path
 
@@ -110,3 +112,50 @@ def generate(
         body["lora_path"] = lora
     body.update(extra)
     return httpx.post(f"{url}/generate", json=body, timeout=120)
+
+
+def in_flight(url: str, name: str) -> int | None:
+    r = httpx.get(f"{url}/lora_versions/{name}", headers=ADMIN, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["in_flight"]
+
+
+def wait_in_flight(url: str, name: str, want: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if in_flight(url, name) == want:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"in_flight of {name} never became {want} (now {in_flight(url, name)})")
+
+
+def reclaim(url: str, name: str, reclaim_id: str, timeout_s: float = 30.0) -> httpx.Response:
+    return post(url, Routes.RECLAIM, {"lora_name": name, "reclaim_id": reclaim_id, "timeout_s": timeout_s})
+
+
+def unload_log_count(engine, lora_id: str) -> int:
+    return len(re.findall(rf"LoRA adapter unloading starts: .*{lora_id}", engine.log_path.read_text()))
+
+
+class Published:
+    """A version published on one engine, reclaimed (and checked) at the end of the test."""
+
+    def __init__(self, engine, snap) -> None:
+        self.engine = engine
+        self.staged = Staged(engine.url, snap)
+        self.staged.publish()
+        self.name = self.staged.name
+        self.lora_id = versions(engine.url)[self.name]["lora_id"]
+
+    def finish(self) -> None:
+        """Counts back to 0 and a reclaim that completes with exactly one physical unload."""
+        url = self.engine.url
+        if versions(url)[self.name]["state"] == "READY_LOCAL":
+            wait_in_flight(url, self.name, 0)
+            r = reclaim(url, self.name, uuid.uuid4().hex)
+            assert r.status_code == 200 and r.json()["state"] == "UNLOADED", r.text
+        assert versions(url)[self.name]["state"] == "UNLOADED"
+        deadline = time.monotonic() + 10
+        while unload_log_count(self.engine, self.lora_id) == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert unload_log_count(self.engine, self.lora_id) == 1

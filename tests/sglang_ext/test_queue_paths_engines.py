@@ -1,0 +1,68 @@
+"""The two terminal paths that need a full scheduler: abort of a *queued* request, and the 503 the
+scheduler answers when its waiting queue is full (both after the tokenizer side acquired).
+
+A dedicated engine with ``--max-running-requests 1 --max-queued-requests 1``: r1 runs, r2 waits in
+the queue, r3 finds the queue full.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+from _engine_helpers import Published, generate, snapshot_of, wait_in_flight
+
+from sglang_ext.devtools.launcher import EngineSpec, running_engines
+
+pytestmark = pytest.mark.engine
+
+PROMPT = [302, 356, 417, 494, 439]
+
+
+@pytest.fixture(scope="module")
+def queue_engine(fixtures, run_dir):
+    spec = EngineSpec(
+        name="queue-limited",
+        model_path=fixtures.model_dir,
+        log_path=run_dir / "queue-limited.log",
+        extra_args=["--max-running-requests", "1", "--max-queued-requests", "1"],
+    )
+    with running_engines([spec]) as (engine,):
+        yield engine
+
+
+def _start(url: str, name: str, rid: str, results: dict) -> threading.Thread:
+    def run() -> None:
+        results[rid] = generate(url, PROMPT, name, max_new_tokens=1500, rid=rid)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_abort_of_a_queued_request_and_queue_full_503_release_once(queue_engine, fixtures):
+    url = queue_engine.url
+    a = Published(queue_engine, snapshot_of(fixtures.adapter_dir("A")))
+    results: dict = {}
+    running, queued = uuid.uuid4().hex, uuid.uuid4().hex
+    threads = [_start(url, a.name, running, results)]
+    wait_in_flight(url, a.name, 1)
+    time.sleep(0.5)  # r1 admitted and decoding
+    threads.append(_start(url, a.name, queued, results))
+    wait_in_flight(url, a.name, 2)
+
+    full = generate(url, PROMPT, a.name, max_new_tokens=4)
+    assert full.status_code == 503, full.text  # the queue is full: rejected after acquire
+    wait_in_flight(url, a.name, 2)  # ... and released exactly once
+
+    assert httpx.post(f"{url}/abort_request", json={"rid": queued}, timeout=10).status_code == 200
+    wait_in_flight(url, a.name, 1)  # the queued one released; the running one still counted
+    assert httpx.post(f"{url}/abort_request", json={"rid": running}, timeout=10).status_code == 200
+    for t in threads:
+        t.join(timeout=120)
+    wait_in_flight(url, a.name, 0)
+    assert results[queued].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    a.finish()  # reclaim completes with exactly one physical unload
