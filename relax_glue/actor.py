@@ -35,24 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
-from relax_glue.registry_types import (
-    AbortResult,
-    Binding,
-    CleanupReceipt,
-    CommitReceipt,
-    EngineAck,
-    IncarnationResult,
-    PreparedReceipt,
-    ReadyReceipt,
-    ReclaimClaim,
-    ReserveResult,
-    SessionKey,
-    SessionView,
-    StatusView,
-    UnloadedReceipt,
-    VersionKey,
-    VersionView,
-)
+from relax_glue.registry_ops import AsyncRegistryOps, RegistryOps
 from relax_glue.store import DurableRegistry, StoreError
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
@@ -265,7 +248,7 @@ def _local_describe(registry: Any) -> Callable[[], dict[str, Any]]:
     }
 
 
-class RegistryClient(_Describe):
+class RegistryClient(_Describe, RegistryOps):
     """Synchronous client with the registry's API, in-process or through the actor."""
 
     def __init__(self, backend: _Backend, describe: Callable[[], dict[str, Any]]) -> None:
@@ -280,81 +263,13 @@ class RegistryClient(_Describe):
     def for_actor(cls, handle: Any) -> RegistryClient:
         return cls(_RayBackend(handle), lambda: _ray().get(handle.describe.remote()))
 
-    def _call(self, op: str, /, **kwargs: Any) -> Any:
+    def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
         return _unwrap(self._backend.call(op, kwargs))
 
-    def reserve(
-        self, version_key: VersionKey | Sequence[str], digest: str, lora_name: str, request_id: str
-    ) -> ReserveResult:
-        return self._call(
-            "reserve", version_key=version_key, digest=digest, lora_name=lora_name, request_id=request_id
-        )
-
-    def record_prepared(self, engine_id: str, receipt: PreparedReceipt) -> EngineAck:
-        return self._call("record_prepared", engine_id=engine_id, receipt=receipt)
-
-    def record_ready(self, engine_id: str, receipt: ReadyReceipt) -> EngineAck:
-        return self._call("record_ready", engine_id=engine_id, receipt=receipt)
-
-    def commit(
-        self, version_key: VersionKey | Sequence[str], attempt_token: str, expected_default_revision: int
-    ) -> CommitReceipt:
-        return self._call(
-            "commit",
-            version_key=version_key,
-            attempt_token=attempt_token,
-            expected_default_revision=expected_default_revision,
-        )
-
-    def abort(self, attempt_token: str, reason: str) -> AbortResult:
-        return self._call("abort", attempt_token=attempt_token, reason=reason)
-
-    def record_cleanup(self, engine_id: str, attempt_token: str, receipt: CleanupReceipt) -> EngineAck:
-        return self._call("record_cleanup", engine_id=engine_id, attempt_token=attempt_token, receipt=receipt)
-
-    def register_engine_incarnation(self, engine_id: str, incarnation: str) -> IncarnationResult:
-        return self._call("register_engine_incarnation", engine_id=engine_id, incarnation=incarnation)
-
-    def mark_engine_unknown(self, engine_id: str, ref: str, op: str, reason: str) -> EngineAck:
-        return self._call("mark_engine_unknown", engine_id=engine_id, ref=ref, op=op, reason=reason)
-
-    def open_session(self, session_key: SessionKey | Sequence[str]) -> SessionView:
-        return self._call("open_session", session_key=session_key)
-
-    def bind_first(self, session_key: SessionKey | Sequence[str]) -> Binding:
-        return self._call("bind_first", session_key=session_key)
-
-    def begin_close(self, session_key: SessionKey | Sequence[str]) -> SessionView:
-        return self._call("begin_close", session_key=session_key)
-
-    def close_and_release(self, session_key: SessionKey | Sequence[str]) -> SessionView:
-        return self._call("close_and_release", session_key=session_key)
-
-    def claim_reclaim(self, version_key: VersionKey | Sequence[str]) -> ReclaimClaim:
-        return self._call("claim_reclaim", version_key=version_key)
-
-    def confirm_reclaim(
-        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadedReceipt
-    ) -> EngineAck:
-        return self._call("confirm_reclaim", version_key=version_key, engine_id=engine_id, receipt=receipt)
-
-    def status(self) -> StatusView:
-        return self._call("status")
-
-    def version(self, version_key: VersionKey | Sequence[str]) -> VersionView | None:
-        return self._call("version", version_key=version_key)
-
-    def binding_of(self, session_key: SessionKey | Sequence[str]) -> Binding | None:
-        return self._call("binding_of", session_key=session_key)
-
-    def session(self, session_key: SessionKey | Sequence[str]) -> SessionView | None:
-        return self._call("session", session_key=session_key)
-
-    def dump(self) -> str:
-        return self._call("dump")
+    _call = _dispatch  # the raw entry point (tests call it with ops outside the typed API)
 
 
-class AsyncRegistryClient(_Describe):
+class AsyncRegistryClient(_Describe, AsyncRegistryOps):
     """Async client with the registry's API, in-process or through the actor.
 
     In process, calls run on one dedicated worker thread: they are serialised (single writer)
@@ -407,79 +322,7 @@ class AsyncRegistryClient(_Describe):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
-    async def _call(self, op: str, /, **kwargs: Any) -> Any:
+    async def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
         return _unwrap(await self._acall(op, kwargs))
 
-    async def reserve(
-        self, version_key: VersionKey | Sequence[str], digest: str, lora_name: str, request_id: str
-    ) -> ReserveResult:
-        return await self._call(
-            "reserve", version_key=version_key, digest=digest, lora_name=lora_name, request_id=request_id
-        )
-
-    async def record_prepared(self, engine_id: str, receipt: PreparedReceipt) -> EngineAck:
-        return await self._call("record_prepared", engine_id=engine_id, receipt=receipt)
-
-    async def record_ready(self, engine_id: str, receipt: ReadyReceipt) -> EngineAck:
-        return await self._call("record_ready", engine_id=engine_id, receipt=receipt)
-
-    async def commit(
-        self, version_key: VersionKey | Sequence[str], attempt_token: str, expected_default_revision: int
-    ) -> CommitReceipt:
-        return await self._call(
-            "commit",
-            version_key=version_key,
-            attempt_token=attempt_token,
-            expected_default_revision=expected_default_revision,
-        )
-
-    async def abort(self, attempt_token: str, reason: str) -> AbortResult:
-        return await self._call("abort", attempt_token=attempt_token, reason=reason)
-
-    async def record_cleanup(self, engine_id: str, attempt_token: str, receipt: CleanupReceipt) -> EngineAck:
-        return await self._call(
-            "record_cleanup", engine_id=engine_id, attempt_token=attempt_token, receipt=receipt
-        )
-
-    async def register_engine_incarnation(self, engine_id: str, incarnation: str) -> IncarnationResult:
-        return await self._call("register_engine_incarnation", engine_id=engine_id, incarnation=incarnation)
-
-    async def mark_engine_unknown(self, engine_id: str, ref: str, op: str, reason: str) -> EngineAck:
-        return await self._call("mark_engine_unknown", engine_id=engine_id, ref=ref, op=op, reason=reason)
-
-    async def open_session(self, session_key: SessionKey | Sequence[str]) -> SessionView:
-        return await self._call("open_session", session_key=session_key)
-
-    async def bind_first(self, session_key: SessionKey | Sequence[str]) -> Binding:
-        return await self._call("bind_first", session_key=session_key)
-
-    async def begin_close(self, session_key: SessionKey | Sequence[str]) -> SessionView:
-        return await self._call("begin_close", session_key=session_key)
-
-    async def close_and_release(self, session_key: SessionKey | Sequence[str]) -> SessionView:
-        return await self._call("close_and_release", session_key=session_key)
-
-    async def claim_reclaim(self, version_key: VersionKey | Sequence[str]) -> ReclaimClaim:
-        return await self._call("claim_reclaim", version_key=version_key)
-
-    async def confirm_reclaim(
-        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadedReceipt
-    ) -> EngineAck:
-        return await self._call(
-            "confirm_reclaim", version_key=version_key, engine_id=engine_id, receipt=receipt
-        )
-
-    async def status(self) -> StatusView:
-        return await self._call("status")
-
-    async def version(self, version_key: VersionKey | Sequence[str]) -> VersionView | None:
-        return await self._call("version", version_key=version_key)
-
-    async def binding_of(self, session_key: SessionKey | Sequence[str]) -> Binding | None:
-        return await self._call("binding_of", session_key=session_key)
-
-    async def session(self, session_key: SessionKey | Sequence[str]) -> SessionView | None:
-        return await self._call("session", session_key=session_key)
-
-    async def dump(self) -> str:
-        return await self._call("dump")
+    _call = _dispatch

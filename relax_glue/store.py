@@ -46,26 +46,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from relax_glue.registry import MUTATING_OPS, LoRAVersionRegistry
-from relax_glue.registry_types import (
-    AbortResult,
-    Binding,
-    CleanupReceipt,
-    CommitReceipt,
-    EngineAck,
-    IncarnationResult,
-    PreparedReceipt,
-    ReadyReceipt,
-    ReclaimClaim,
-    ReserveResult,
-    SessionKey,
-    SessionView,
-    StatusView,
-    UnloadedReceipt,
-    VersionKey,
-    VersionView,
-    dumps,
-    loads,
-)
+from relax_glue.registry_ops import RegistryOps
+from relax_glue.registry_types import dumps, loads
 from sglang_ext.errors import LoraVersionError
 
 __all__ = [
@@ -111,7 +93,7 @@ class StoreBrokenError(StoreError):
     """A commit failed after the in-memory state moved: reopen the store."""
 
 
-class DurableRegistry:
+class DurableRegistry(RegistryOps):
     """A :class:`LoRAVersionRegistry` whose every accepted transition is journaled in SQLite.
 
     Same method names, arguments, results and errors as the registry; open with :meth:`open`
@@ -203,81 +185,8 @@ class DurableRegistry:
             self._write("INSERT OR REPLACE INTO checkpoint(seq, state) VALUES (?, ?)", (seq, text))
             return seq
 
-    # --------------------------------------------------------------------- mutating ops
-
-    def reserve(
-        self, version_key: VersionKey | Sequence[str], digest: str, lora_name: str, request_id: str
-    ) -> ReserveResult:
-        return self._apply(
-            "reserve", version_key=version_key, digest=digest, lora_name=lora_name, request_id=request_id
-        )
-
-    def record_prepared(self, engine_id: str, receipt: PreparedReceipt) -> EngineAck:
-        return self._apply("record_prepared", engine_id=engine_id, receipt=receipt)
-
-    def record_ready(self, engine_id: str, receipt: ReadyReceipt) -> EngineAck:
-        return self._apply("record_ready", engine_id=engine_id, receipt=receipt)
-
-    def commit(
-        self, version_key: VersionKey | Sequence[str], attempt_token: str, expected_default_revision: int
-    ) -> CommitReceipt:
-        return self._apply(
-            "commit",
-            version_key=version_key,
-            attempt_token=attempt_token,
-            expected_default_revision=expected_default_revision,
-        )
-
-    def abort(self, attempt_token: str, reason: str) -> AbortResult:
-        return self._apply("abort", attempt_token=attempt_token, reason=reason)
-
-    def record_cleanup(self, engine_id: str, attempt_token: str, receipt: CleanupReceipt) -> EngineAck:
-        return self._apply(
-            "record_cleanup", engine_id=engine_id, attempt_token=attempt_token, receipt=receipt
-        )
-
-    def register_engine_incarnation(self, engine_id: str, incarnation: str) -> IncarnationResult:
-        return self._apply("register_engine_incarnation", engine_id=engine_id, incarnation=incarnation)
-
-    def mark_engine_unknown(self, engine_id: str, ref: str, op: str, reason: str) -> EngineAck:
-        return self._apply("mark_engine_unknown", engine_id=engine_id, ref=ref, op=op, reason=reason)
-
-    def open_session(self, session_key: SessionKey | Sequence[str]) -> SessionView:
-        return self._apply("open_session", session_key=session_key)
-
-    def bind_first(self, session_key: SessionKey | Sequence[str]) -> Binding:
-        return self._apply("bind_first", session_key=session_key)
-
-    def begin_close(self, session_key: SessionKey | Sequence[str]) -> SessionView:
-        return self._apply("begin_close", session_key=session_key)
-
-    def close_and_release(self, session_key: SessionKey | Sequence[str]) -> SessionView:
-        return self._apply("close_and_release", session_key=session_key)
-
-    def claim_reclaim(self, version_key: VersionKey | Sequence[str]) -> ReclaimClaim:
-        return self._apply("claim_reclaim", version_key=version_key)
-
-    def confirm_reclaim(
-        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadedReceipt
-    ) -> EngineAck:
-        return self._apply("confirm_reclaim", version_key=version_key, engine_id=engine_id, receipt=receipt)
-
-    # -------------------------------------------------------------------------- queries
-
-    def status(self) -> StatusView:
-        return self._query(self._registry.status)
-
-    def version(self, version_key: VersionKey | Sequence[str]) -> VersionView | None:
-        return self._query(lambda: self._registry.version(version_key))
-
-    def binding_of(self, session_key: SessionKey | Sequence[str]) -> Binding | None:
-        return self._query(lambda: self._registry.binding_of(session_key))
-
-    def session(self, session_key: SessionKey | Sequence[str]) -> SessionView | None:
-        return self._query(lambda: self._registry.session(session_key))
-
-    def dump(self) -> str:
-        return self._query(self._registry.dump)
+    # ---------------------------------------------------------------------------- ops
+    # reserve ... dump come from RegistryOps through _dispatch; check_invariants is store-only.
 
     def check_invariants(self, full: bool = True) -> None:
         self._query(lambda: self._registry.check_invariants(full))
@@ -294,6 +203,12 @@ class DurableRegistry:
         with self._mutex:
             self._check_usable()
             return fn()
+
+    def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
+        # Mutating ops are journaled; queries only read the state under the lock.
+        if op in MUTATING_OPS:
+            return self._apply(op, **kwargs)
+        return self._query(lambda: getattr(self._registry, op)(**kwargs))
 
     def _apply(self, op: str, /, **kwargs: Any) -> Any:
         with self._mutex:

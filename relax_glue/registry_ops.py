@@ -1,0 +1,154 @@
+"""The registry's public operations, declared once for everything that forwards them.
+
+:class:`~relax_glue.store.DurableRegistry` (journal) and the clients in :mod:`relax_glue.actor`
+(in process or through the Ray actor) expose exactly the operations of
+:class:`~relax_glue.registry.LoRAVersionRegistry` (``MUTATING_OPS`` + ``QUERY_OPS``), with the same
+names, arguments and results. Each typed method below forwards its keyword arguments, in
+signature order, to one hook, ``_dispatch(op, **kwargs)``, that the user class implements.
+
+The async client uses :class:`AsyncRegistryOps`, generated from the same table: every method is a
+coroutine function that awaits what the (async) ``_dispatch`` returns, so the operation list and
+its signatures are written once. The generated methods carry the typed signatures at runtime
+(``inspect.signature``, ``help``) through ``functools.wraps``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from relax_glue.registry import MUTATING_OPS, QUERY_OPS
+from relax_glue.registry_types import (
+    AbortResult,
+    Binding,
+    CleanupReceipt,
+    CommitReceipt,
+    EngineAck,
+    IncarnationResult,
+    PreparedReceipt,
+    ReadyReceipt,
+    ReclaimClaim,
+    ReserveResult,
+    SessionKey,
+    SessionView,
+    StatusView,
+    UnloadedReceipt,
+    VersionKey,
+    VersionView,
+)
+
+__all__ = ["AsyncRegistryOps", "RegistryOps"]
+
+
+class RegistryOps:
+    """Typed registry operations forwarding to ``self._dispatch(op, **kwargs)``."""
+
+    def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
+        # ``op`` is positional-only: mark_engine_unknown has an argument named ``op`` too.
+        raise NotImplementedError
+
+    # --------------------------------------------------------------------- mutating ops
+
+    def reserve(
+        self, version_key: VersionKey | Sequence[str], digest: str, lora_name: str, request_id: str
+    ) -> ReserveResult:
+        return self._dispatch(
+            "reserve", version_key=version_key, digest=digest, lora_name=lora_name, request_id=request_id
+        )
+
+    def record_prepared(self, engine_id: str, receipt: PreparedReceipt) -> EngineAck:
+        return self._dispatch("record_prepared", engine_id=engine_id, receipt=receipt)
+
+    def record_ready(self, engine_id: str, receipt: ReadyReceipt) -> EngineAck:
+        return self._dispatch("record_ready", engine_id=engine_id, receipt=receipt)
+
+    def commit(
+        self, version_key: VersionKey | Sequence[str], attempt_token: str, expected_default_revision: int
+    ) -> CommitReceipt:
+        return self._dispatch(
+            "commit",
+            version_key=version_key,
+            attempt_token=attempt_token,
+            expected_default_revision=expected_default_revision,
+        )
+
+    def abort(self, attempt_token: str, reason: str) -> AbortResult:
+        return self._dispatch("abort", attempt_token=attempt_token, reason=reason)
+
+    def record_cleanup(self, engine_id: str, attempt_token: str, receipt: CleanupReceipt) -> EngineAck:
+        return self._dispatch(
+            "record_cleanup", engine_id=engine_id, attempt_token=attempt_token, receipt=receipt
+        )
+
+    def register_engine_incarnation(self, engine_id: str, incarnation: str) -> IncarnationResult:
+        return self._dispatch("register_engine_incarnation", engine_id=engine_id, incarnation=incarnation)
+
+    def mark_engine_unknown(self, engine_id: str, ref: str, op: str, reason: str) -> EngineAck:
+        return self._dispatch("mark_engine_unknown", engine_id=engine_id, ref=ref, op=op, reason=reason)
+
+    def open_session(self, session_key: SessionKey | Sequence[str]) -> SessionView:
+        return self._dispatch("open_session", session_key=session_key)
+
+    def bind_first(self, session_key: SessionKey | Sequence[str]) -> Binding:
+        return self._dispatch("bind_first", session_key=session_key)
+
+    def begin_close(self, session_key: SessionKey | Sequence[str]) -> SessionView:
+        return self._dispatch("begin_close", session_key=session_key)
+
+    def close_and_release(self, session_key: SessionKey | Sequence[str]) -> SessionView:
+        return self._dispatch("close_and_release", session_key=session_key)
+
+    def claim_reclaim(self, version_key: VersionKey | Sequence[str]) -> ReclaimClaim:
+        return self._dispatch("claim_reclaim", version_key=version_key)
+
+    def confirm_reclaim(
+        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadedReceipt
+    ) -> EngineAck:
+        return self._dispatch(
+            "confirm_reclaim", version_key=version_key, engine_id=engine_id, receipt=receipt
+        )
+
+    # -------------------------------------------------------------------------- queries
+
+    def status(self) -> StatusView:
+        return self._dispatch("status")
+
+    def version(self, version_key: VersionKey | Sequence[str]) -> VersionView | None:
+        return self._dispatch("version", version_key=version_key)
+
+    def binding_of(self, session_key: SessionKey | Sequence[str]) -> Binding | None:
+        return self._dispatch("binding_of", session_key=session_key)
+
+    def session(self, session_key: SessionKey | Sequence[str]) -> SessionView | None:
+        return self._dispatch("session", session_key=session_key)
+
+    def dump(self) -> str:
+        return self._dispatch("dump")
+
+
+def _async_op(sync_op: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    # The sync body only packs the arguments and returns what _dispatch returns: with an async
+    # _dispatch that is an awaitable, so awaiting it here gives the same result and errors.
+    @functools.wraps(sync_op)
+    async def op(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return await sync_op(self, *args, **kwargs)
+
+    op.__qualname__ = f"AsyncRegistryOps.{sync_op.__name__}"
+    return op
+
+
+class AsyncRegistryOps:
+    """The same operations as coroutine functions; ``_dispatch`` must be ``async``."""
+
+    async def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    if TYPE_CHECKING:
+        # The operations are generated below, so a static checker sees them only through this.
+        def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]: ...
+
+
+for _name in (*MUTATING_OPS, *QUERY_OPS):
+    setattr(AsyncRegistryOps, _name, _async_op(getattr(RegistryOps, _name)))
+del _name
