@@ -1,11 +1,13 @@
 """An in-process fake engine for PURE-LOGIC tests of the client, publisher and session layer.
 
-This is a test double, not SGLang: it implements the control protocol's *semantics* (begin is
-idempotent per attempt, buckets in order with duplicates acknowledged, end verifies every bucket,
-cleanup tombstones the attempt, reclaim unregisters then drains then unloads exactly once, version
-errors on generation) behind ``httpx.MockTransport``, so the REAL :class:`EngineClient` with its
-classification, audit and pools is what the tests drive. Real-engine behaviour is proven by the
-engine tests; nothing here says anything about SGLang itself.
+This is a test double, not SGLang. Every version rule (begin, buckets, end, cleanup, reclaim,
+receipts, status and the generation gate) is decided by the engine's REAL pure
+:class:`~sglang_ext.version_table.VersionTable`, driven the way :mod:`sglang_ext.publication` and
+:mod:`sglang_ext.reclaim` drive it (check, do the IO, record the outcome). Only the IO is faked:
+the load finishes at once with a fake lora_id, in-flight requests are an in-memory counter per
+name, decoded tensors sit in a stash. All of it sits behind ``httpx.MockTransport``, so the REAL
+:class:`EngineClient` with its classification, audit and pools is what the tests drive.
+Real-engine behaviour is proven by the engine tests; nothing here says anything about SGLang.
 
 Scripted faults (:meth:`FakeEngine.fail`) make the Nth call of an op answer a refusal, a 5xx or
 a timeout, either *before* processing (the engine changed nothing) or *after* (it did, and the
@@ -28,53 +30,38 @@ from urllib.parse import unquote
 import httpx
 
 from relax_glue.engine_client import AuditLog, ClientTimeouts, EngineClient
+from sglang_ext.engine_state import DEFAULT_MAX_BUCKET_BYTES, DEFAULT_MAX_VERSION_BYTES
 from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.protocol import (
     BeginRequest,
     BucketAck,
-    BucketSpec,
     CleanupReceipt,
     CleanupRequest,
     DrainingReply,
     EndRequest,
     EngineStatus,
     EngineVersionState,
-    Manifest,
     PreparedReceipt,
-    ReadyReceipt,
     ReceiveBucketMeta,
     ReclaimRequest,
     Routes,
     UnloadedReceipt,
-    VersionKey,
     VersionStatus,
     check_bucket_tensors,
+    check_tensor_set,
     decode_bucket,
     parse_model,
 )
-
-_LIVE = (
-    EngineVersionState.PREPARED,
-    EngineVersionState.LOADING,
-    EngineVersionState.READY_LOCAL,
-    EngineVersionState.RECLAIMING,
+from sglang_ext.version_table import (
+    BucketDecision,
+    CleanupDecision,
+    EndDecision,
+    ManagedVersion,
+    ReclaimDecision,
+    StagingLimits,
+    VersionTable,
+    may_unload_now,
 )
-
-
-@dataclasses.dataclass
-class _Version:
-    lora_name: str
-    version_key: VersionKey
-    digest: str
-    attempt_token: str
-    manifest: Manifest
-    plan: tuple[BucketSpec, ...]
-    state: EngineVersionState = EngineVersionState.PREPARED
-    received: dict[int, str] = dataclasses.field(default_factory=dict)
-    reclaim_id: str | None = None
-    lora_id: str | None = None
-    created_at: float = dataclasses.field(default_factory=time.time)
-    updated_at: float = dataclasses.field(default_factory=time.time)
 
 
 @dataclasses.dataclass
@@ -114,9 +101,9 @@ class FakeEngine:
     ):
         self.engine_id = engine_id
         self.capacity = capacity
-        self.incarnation = self._new_incarnation()
-        self.versions: dict[str, _Version] = {}
-        self.cleaned: set[str] = set()  # attempt tokens: late calls for them are STALE_ATTEMPT
+        self.table = self._new_table()  # the engine's real version rules, one per incarnation
+        self._stash: dict[str, dict[str, Any]] = {}  # attempt token -> decoded tensors received
+        self._unloaded_ids: set[str] = set()  # lora_ids physically unloaded (exactly once each)
         self.seen: list[tuple[str, str]] = []  # (op, detail) of every call that arrived
         self.shared_log = shared_log if shared_log is not None else []  # (engine, op, detail)
         self.calls: collections.Counter[str] = collections.Counter()
@@ -133,8 +120,27 @@ class FakeEngine:
 
     # ------------------------------------------------------------------ test controls
 
-    def _new_incarnation(self) -> str:
-        return f"{self.engine_id}-{uuid.uuid4().hex[:12]}"
+    def _new_table(self) -> VersionTable:
+        limits = StagingLimits(
+            managed_capacity=self.capacity,
+            max_lora_rank=64,
+            target_modules=None,
+            max_version_bytes=DEFAULT_MAX_VERSION_BYTES,
+            max_bucket_bytes=DEFAULT_MAX_BUCKET_BYTES,
+        )
+        return VersionTable(f"{self.engine_id}-{uuid.uuid4().hex[:12]}", limits)
+
+    @property
+    def incarnation(self) -> str:
+        return self.table.incarnation
+
+    @property
+    def versions(self) -> dict[str, ManagedVersion]:
+        return self.table.versions
+
+    @property
+    def cleaned(self) -> dict[str, CleanupReceipt]:  # attempt token -> receipt (tombstones)
+        return self.table.cleaned
 
     def client(
         self, *, audit: AuditLog | None = None, timeouts: ClientTimeouts | None = None
@@ -150,9 +156,8 @@ class FakeEngine:
 
     def restart(self) -> str:
         """A process restart: a new incarnation; loaded adapters, stash and tombstones are gone."""
-        self.incarnation = self._new_incarnation()
-        self.versions.clear()
-        self.cleaned.clear()
+        self.table = self._new_table()
+        self._stash.clear()
         self.restarts += 1
         return self.incarnation
 
@@ -275,7 +280,7 @@ class FakeEngine:
         if op == "end":
             return self._end(parse_model(EndRequest, request.content))
         if op == "cleanup":
-            return self._cleanup(parse_model(CleanupRequest, request.content))
+            return await self._cleanup(parse_model(CleanupRequest, request.content))
         if op == "reclaim":
             return await self._reclaim(parse_model(ReclaimRequest, request.content))
         if op == "status":
@@ -283,7 +288,7 @@ class FakeEngine:
                 EngineStatus(
                     incarnation=self.incarnation,
                     versions=tuple(self._status(v) for _, v in sorted(self.versions.items())),
-                    managed_capacity=self.capacity,
+                    managed_capacity=self.table.limits.managed_capacity,
                     server_time=time.time(),
                 )
             )
@@ -306,172 +311,106 @@ class FakeEngine:
             return httpx.Response(200)
         return _json({"detail": "Not Found"}, 404)
 
-    def _status(self, v: _Version) -> VersionStatus:
-        return VersionStatus(
-            lora_name=v.lora_name,
-            state=v.state,
-            version_key=v.version_key,
-            digest=v.digest,
-            attempt_token=v.attempt_token,
-            reclaim_id=v.reclaim_id,
-            pinned=v.state in (EngineVersionState.READY_LOCAL, EngineVersionState.RECLAIMING),
-            lora_id=v.lora_id,
-            in_flight=self.in_flight[v.lora_name],
-            buckets_received=len(v.received),
-            buckets_total=len(v.plan),
-            incarnation=self.incarnation,
-            created_at=v.created_at,
-            updated_at=v.updated_at,
-        )
+    # -------------------------------------------------- native IO stand-ins (the only fake part)
 
-    # ------------------------------------------------------------------------ control
+    def _native_in_flight(self, v: ManagedVersion) -> int | None:
+        """NativeLora.in_flight: None when nothing is loaded under that id (never, or unloaded)."""
+        if v.lora_id is None or v.lora_id in self._unloaded_ids:
+            return None
+        return self.in_flight[v.lora_name]
 
-    def _attempt_version(self, lora_name: str, attempt_token: str) -> _Version:
-        if attempt_token in self.cleaned:
-            raise LoraVersionError(ErrorCode.STALE_ATTEMPT, f"attempt {attempt_token} was cleaned up")
-        v = self.versions.get(lora_name)
-        if v is None:
-            raise LoraVersionError(
-                ErrorCode.STALE_ATTEMPT, f"no attempt is staging {lora_name!r} (begin first)"
-            )
-        if v.attempt_token != attempt_token:
-            raise LoraVersionError(
-                ErrorCode.STALE_ATTEMPT, f"{attempt_token} is not the attempt of {lora_name}"
-            )
-        return v
+    def _status(self, v: ManagedVersion) -> VersionStatus:
+        return self.table.status_of(v, self._native_in_flight(v))
 
-    def _ready(self, v: _Version) -> ReadyReceipt:
-        return ReadyReceipt(
-            lora_name=v.lora_name,
-            version_key=v.version_key,
-            digest=v.digest,
-            attempt_token=v.attempt_token,
-            incarnation=self.incarnation,
-        )
+    async def _remove(self, table: VersionTable, lora_name: str, timeout_s: float) -> int | None:
+        """publication.remove_version: (unregister: the table's state already refuses new
+        requests) -> bounded drain -> physical unload, exactly once per lora_id, only when
+        :func:`may_unload_now` says so. None once unloaded, else the count still draining."""
+        v = table.get(lora_name)
+        if v is None or v.lora_id is None:
+            return None
+        deadline = time.monotonic() + timeout_s
+        while self._native_in_flight(v) and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        left = self._native_in_flight(v)
+        if left is not None and not may_unload_now(table.get(lora_name), left):
+            return left
+        if v.lora_id not in self._unloaded_ids:
+            self._unloaded_ids.add(v.lora_id)
+            self.unloads[lora_name] += 1
+        return None
+
+    # ------------------------------------------------ control: the shell around the real table
 
     def _begin(self, req: BeginRequest) -> httpx.Response:
-        # Mirrors the engine's version table: idempotent per attempt, a loaded version is
-        # adopted (no second load), reclaimed names never return, one staging attempt per name.
-        if req.attempt_token in self.cleaned:
-            raise LoraVersionError(ErrorCode.STALE_ATTEMPT, f"attempt {req.attempt_token} was cleaned up")
-        v = self.versions.get(req.lora_name)
-        if v is not None and v.digest != req.digest:
-            raise LoraVersionError(ErrorCode.VERSION_CONFLICT, f"{req.lora_name} exists with another digest")
-        if v is not None and v.state in (EngineVersionState.RECLAIMING, EngineVersionState.UNLOADED):
-            raise LoraVersionError(ErrorCode.VERSION_RECLAIMED, f"{req.lora_name} was reclaimed")
-        if v is not None and v.state is EngineVersionState.READY_LOCAL:
-            v.attempt_token = req.attempt_token
-            return _model(self._ready(v))
-        if v is not None and v.state in (EngineVersionState.PREPARED, EngineVersionState.LOADING):
-            if v.attempt_token == req.attempt_token:
-                return _model(self._prepared(v))
-            raise LoraVersionError(ErrorCode.PUBLICATION_IN_PROGRESS, f"{v.attempt_token} is staging it")
-        live = [x for x in self.versions.values() if x.state in _LIVE]
-        if len(live) >= self.capacity:
-            raise LoraVersionError(ErrorCode.CAPACITY_ERROR, f"{len(live)} managed versions already")
-        v = _Version(
-            lora_name=req.lora_name,
-            version_key=req.version_key,
-            digest=req.digest,
-            attempt_token=req.attempt_token,
-            manifest=req.manifest,
-            plan=req.bucket_plan,
-        )
-        self.versions[req.lora_name] = v
-        return _model(self._prepared(v))
-
-    def _prepared(self, v: _Version) -> PreparedReceipt:
-        return PreparedReceipt(
-            lora_name=v.lora_name,
-            digest=v.digest,
-            attempt_token=v.attempt_token,
-            incarnation=self.incarnation,
-        )
+        receipt = self.table.begin(req)
+        if isinstance(receipt, PreparedReceipt):
+            self._stash.setdefault(req.attempt_token, {})
+        return _model(receipt)
 
     def _bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> httpx.Response:
-        v = self._attempt_version(meta.lora_name, meta.attempt_token)
-        if meta.index >= len(v.plan):
-            raise LoraVersionError(ErrorCode.BUCKET_OUT_OF_ORDER, f"no bucket {meta.index} in the plan")
-        if meta.index in v.received:
-            if v.received[meta.index] != meta.sha256:
-                raise LoraVersionError(ErrorCode.CHECKSUM_MISMATCH, f"bucket {meta.index} had another sha256")
+        table = self.table
+        if table.check_bucket(meta) is BucketDecision.DUPLICATE:
             return _model(BucketAck(index=meta.index, accepted=True, duplicate=True))
-        if v.state is not EngineVersionState.PREPARED:
-            raise LoraVersionError(ErrorCode.STALE_ATTEMPT, f"{v.lora_name} is {v.state.value}")
-        if meta.index != len(v.received):
-            raise LoraVersionError(
-                ErrorCode.BUCKET_OUT_OF_ORDER, f"expected bucket {len(v.received)}, got {meta.index}"
-            )
+        v = table.get(meta.lora_name)
+        assert v is not None
         tensors = decode_bucket(payload, expected_sha256=meta.sha256)
-        check_bucket_tensors(v.manifest, v.plan[meta.index], tensors)
-        v.received[meta.index] = meta.sha256
-        v.updated_at = time.time()
+        check_bucket_tensors(v.manifest, table.bucket_spec(meta), tensors)
+        self._stash.setdefault(meta.attempt_token, {}).update(tensors)
+        table.accept_bucket(meta)
         return _model(BucketAck(index=meta.index, accepted=True))
 
     def _end(self, req: EndRequest) -> httpx.Response:
-        v = self._attempt_version(req.lora_name, req.attempt_token)
-        if v.state is EngineVersionState.READY_LOCAL:
-            return _model(self._ready(v))
-        if v.state is not EngineVersionState.PREPARED:
-            raise LoraVersionError(ErrorCode.STALE_ATTEMPT, f"{v.lora_name} is {v.state.value}")
-        missing = [b.index for b in v.plan if b.index not in v.received]
-        if missing:
-            raise LoraVersionError(ErrorCode.MANIFEST_MISMATCH, f"buckets missing: {missing}")
-        v.state = EngineVersionState.READY_LOCAL
-        v.lora_id = uuid.uuid4().hex
-        v.updated_at = time.time()
-        return _model(self._ready(v))
+        table = self.table
+        decision = table.start_end(req.lora_name, req.attempt_token)
+        v = table.get(req.lora_name)
+        assert v is not None and decision is not EndDecision.JOIN  # the fake load never runs on
+        if decision is EndDecision.READY:
+            return _model(table.ready_receipt(v))
+        try:
+            check_tensor_set(v.manifest, self._stash.get(req.attempt_token, {}).keys())
+        except BaseException:
+            table.fail_load(req.lora_name, req.attempt_token)
+            raise
+        self._stash.pop(req.attempt_token, None)  # "loaded": the engine holds the weights now
+        return _model(table.finish_load(req.lora_name, req.attempt_token, lora_id=uuid.uuid4().hex))
 
-    def _cleanup(self, req: CleanupRequest) -> httpx.Response:
-        v = self.versions.get(req.lora_name)
-        if v is not None and v.attempt_token != req.attempt_token:
-            v = None  # another attempt's name: nothing of *this* attempt to clean, just tombstone it
-        if v is not None and v.state in (EngineVersionState.RECLAIMING, EngineVersionState.UNLOADED):
-            raise LoraVersionError(
-                ErrorCode.VERSION_RECLAIMED, "a committed version is reclaimed, not cleaned"
-            )
-        if v is not None and v.state is not EngineVersionState.CLEANED:
-            if v.state is EngineVersionState.READY_LOCAL:
-                self.unloads[v.lora_name] += 1  # a loaded, never-served candidate is unloaded
-            v.state = EngineVersionState.CLEANED
-            v.updated_at = time.time()
-        self.cleaned.add(req.attempt_token)
-        return _model(
-            CleanupReceipt(
-                lora_name=req.lora_name, attempt_token=req.attempt_token, incarnation=self.incarnation
-            )
-        )
+    async def _cleanup(self, req: CleanupRequest) -> httpx.Response:
+        table = self.table
+        decision = table.plan_cleanup(req.lora_name, req.attempt_token)
+        assert decision is not CleanupDecision.WAIT_FOR_LOAD  # the fake load never runs on
+        if decision is CleanupDecision.UNLOAD:
+            table.mark_cleaning(req.lora_name, req.attempt_token)
+            left = await self._remove(table, req.lora_name, timeout_s=30.0)
+            if left is not None:  # publication.CleanupPending -> 503, never "clean"
+                body = {"state": "DRAINING", "lora_name": req.lora_name, "in_flight": left}
+                return _json(body, 503)
+        self._stash.pop(req.attempt_token, None)
+        return _model(table.finish_cleanup(req.lora_name, req.attempt_token))
 
     async def _reclaim(self, req: ReclaimRequest) -> httpx.Response:
-        v = self.versions.get(req.lora_name)
-        if v is None or v.state is EngineVersionState.CLEANED:
-            raise LoraVersionError(ErrorCode.UNKNOWN_VERSION, f"no managed version {req.lora_name!r}")
-        if v.reclaim_id is not None and v.reclaim_id != req.reclaim_id:
-            raise LoraVersionError(ErrorCode.STALE_ATTEMPT, "another reclaim id owns this version")
+        table = self.table
+        unloaded = UnloadedReceipt(
+            lora_name=req.lora_name, reclaim_id=req.reclaim_id, incarnation=table.incarnation
+        )
+        decision = table.start_reclaim(req.lora_name, req.reclaim_id)
+        if decision in (ReclaimDecision.DONE, ReclaimDecision.NOT_LOADED):
+            return _model(unloaded)
+        left = await self._remove(table, req.lora_name, req.timeout_s)
+        v = table.get(req.lora_name)
+        assert v is not None
         if v.state is EngineVersionState.UNLOADED:
-            return _model(self._unloaded(v))
-        if v.state not in (EngineVersionState.READY_LOCAL, EngineVersionState.RECLAIMING):
-            raise LoraVersionError(ErrorCode.VERSION_NOT_READY, f"{v.lora_name} is {v.state.value}")
-        v.state, v.reclaim_id = EngineVersionState.RECLAIMING, req.reclaim_id  # unregistered
-        deadline = time.monotonic() + req.timeout_s
-        while self.in_flight[v.lora_name] > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
-        if self.in_flight[v.lora_name] > 0:
-            draining = DrainingReply(
-                lora_name=v.lora_name,
-                reclaim_id=req.reclaim_id,
-                in_flight=self.in_flight[v.lora_name],
-                incarnation=self.incarnation,
-            )
-            return _json(draining.model_dump(mode="json"), 202)  # accepted, not finished
-        v.state = EngineVersionState.UNLOADED
-        v.updated_at = time.time()
-        self.unloads[v.lora_name] += 1
-        return _model(self._unloaded(v))
-
-    def _unloaded(self, v: _Version) -> UnloadedReceipt:
-        assert v.reclaim_id is not None
-        return UnloadedReceipt(lora_name=v.lora_name, reclaim_id=v.reclaim_id, incarnation=self.incarnation)
+            return _model(unloaded)
+        if left is None:
+            table.finish_reclaim(req.lora_name, req.reclaim_id)
+            return _model(unloaded)
+        draining = DrainingReply(
+            lora_name=req.lora_name,
+            reclaim_id=req.reclaim_id,
+            in_flight=max(left, 0),
+            incarnation=table.incarnation,
+        )
+        return _json(draining.model_dump(mode="json"), 202)  # accepted, not finished
 
     # ----------------------------------------------------------------------- generation
 
@@ -479,14 +418,8 @@ class FakeEngine:
         if "lora_id" in body:
             raise LoraVersionError(ErrorCode.FORBIDDEN_FIELD, "lora_id is internal")
         lora = body.get("lora_path")
-        if lora is not None:
-            v = self.versions.get(lora)
-            if v is None:
-                raise LoraVersionError(ErrorCode.UNKNOWN_VERSION, f"no managed version {lora!r}")
-            if v.state in (EngineVersionState.RECLAIMING, EngineVersionState.UNLOADED):
-                raise LoraVersionError(ErrorCode.VERSION_RECLAIMED, f"{lora} is {v.state.value}")
-            if v.state is not EngineVersionState.READY_LOCAL:
-                raise LoraVersionError(ErrorCode.VERSION_NOT_READY, f"{lora} is {v.state.value}")
+        if lora is not None and (refusal := self.table.request_gate(lora)) is not None:
+            raise refusal
         rid = str(body.get("rid") or uuid.uuid4().hex)
         self.generations.append(body)
         finish = "length"
