@@ -93,6 +93,13 @@ FORBIDDEN_PATHS: frozenset[str] = frozenset(
 _NOT_SENT_ERRORS: tuple[type[Exception], ...] = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
+def outcome_label(exc: LoraVersionError | OutcomeUnknown) -> str:
+    """The audit label of a call that raised: the one mapping from outcome to label."""
+    if isinstance(exc, LoraVersionError):
+        return f"refused:{exc.code.value}"
+    return "unknown"
+
+
 class OutcomeUnknown(Exception):
     """The caller cannot know whether ``op`` took effect on ``engine_id``.
 
@@ -461,11 +468,8 @@ class EngineClient:
             status_code = response.status_code
             try:
                 result = classify_outcome(self.engine_id, op, response=response, parse=parse)
-            except LoraVersionError as err:
-                outcome = f"refused:{err.code.value}"
-                raise
-            except OutcomeUnknown:
-                outcome = "unknown"
+            except (LoraVersionError, OutcomeUnknown) as exc:
+                outcome = outcome_label(exc)
                 raise
             outcome = outcome_of(result) if outcome_of is not None else "ok"
             return result
@@ -673,11 +677,8 @@ class EngineClient:
             except (httpx.HTTPError, OSError) as exc:
                 classify_outcome(self.engine_id, op, error=exc)
             outcome = "aborted" if aborted else "ok"
-        except LoraVersionError as err:
-            outcome = f"refused:{err.code.value}"
-            raise
-        except OutcomeUnknown:
-            outcome = "unknown"
+        except (LoraVersionError, OutcomeUnknown) as exc:
+            outcome = outcome_label(exc)
             raise
         finally:
             self._record("generation", op, "POST", GENERATE_PATH, started, t0, outcome, status_code, rid)
@@ -763,10 +764,8 @@ class FaultInjectingClient:
         try:
             await getattr(self.inner, op)(*args)
             real = "ok"
-        except LoraVersionError as err:
-            real = f"refused:{err.code.value}"
-        except OutcomeUnknown:
-            real = "unknown"
+        except (LoraVersionError, OutcomeUnknown) as exc:
+            real = outcome_label(exc)
         self.injected.append(InjectedFault(self.engine_id, op, nth, kind, real))
         # Whatever the engine answered, the caller never hears it.
         raise OutcomeUnknown(self.engine_id, op, f"injected: reply {nth} dropped")

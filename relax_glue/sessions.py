@@ -31,7 +31,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
-from relax_glue.engine_client import EngineAPI, OutcomeUnknown, generation_aborted
+from relax_glue.engine_client import EngineAPI, OutcomeUnknown, generation_aborted, outcome_label
 from relax_glue.publisher import AsyncRegistryAdapter
 from relax_glue.registry_types import Binding, SessionKey, SessionView
 from relax_glue.router import Router, StickyRoundRobinRouter
@@ -202,11 +202,8 @@ class Session:
             result = await self._m.engines[engine_id].generate(req)
             outcome = "aborted" if generation_aborted(result) else "ok"
             return result
-        except LoraVersionError as err:
-            outcome = f"refused:{err.code.value}"
-            raise
-        except OutcomeUnknown:
-            outcome = "unknown"
+        except (LoraVersionError, OutcomeUnknown) as exc:
+            outcome = outcome_label(exc)
             raise
         finally:
             self._finish(flight, req["lora_path"], outcome, started, t0)
@@ -225,11 +222,8 @@ class Session:
                 aborted = generation_aborted(chunk)
                 yield chunk
             outcome = "aborted" if aborted else "ok"
-        except LoraVersionError as err:
-            outcome = f"refused:{err.code.value}"
-            raise
-        except OutcomeUnknown:
-            outcome = "unknown"
+        except (LoraVersionError, OutcomeUnknown) as exc:
+            outcome = outcome_label(exc)
             raise
         finally:
             self._finish(flight, req["lora_path"], outcome, started, t0)
