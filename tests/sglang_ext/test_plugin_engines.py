@@ -106,14 +106,15 @@ def test_reference_negative_control(served, fixtures):
     assert served[("E0", "A", 0)] != expected_b
 
 
-def test_status_route_lists_no_versions_and_an_incarnation(engines):
+def test_status_route_lists_no_live_versions_and_an_incarnation(engines):
     incarnations = set()
     for e in engines:
         assert httpx.get(f"{e.url}/lora_versions", timeout=10).status_code == 401  # admin key required
         r = httpx.get(f"{e.url}/lora_versions", headers=ADMIN, timeout=10)
         assert r.status_code == 200
         body = r.json()
-        assert body["versions"] == []
+        # Other modules share these engines: only tombstones of their versions may remain.
+        assert all(v["state"] in ("UNLOADED", "CLEANED") for v in body["versions"]), body["versions"]
         assert len(body["incarnation"]) == 32
         incarnations.add(body["incarnation"])
         missing = httpx.get(
