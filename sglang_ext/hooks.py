@@ -81,22 +81,18 @@ async def refuse_managed_names_on_stock_lora_api(
     by staged publication and removed only by cleanup or reclaim; an ordinary call naming one is
     MANAGED_ADAPTER and changes nothing. Other names keep stock behaviour."""
     from sglang_ext.errors import ErrorCode, LoraVersionError
-    from sglang_ext.native_lora import managed_call
     from sglang_ext.protocol import is_managed_name
 
+    # The plugin itself never calls these methods (managed loads and unloads go through the
+    # scheduler fan-out in native_lora), so there is no exception to make.
     name = getattr(obj, "lora_name", None)
-    if isinstance(name, str) and is_managed_name(name) and not managed_call.get():
+    if isinstance(name, str) and is_managed_name(name):
         raise LoraVersionError(
             ErrorCode.MANAGED_ADAPTER,
             f"{name!r} is a managed LoRA version: it is published and reclaimed only through /lora_versions",
             lora_name=name,
         )
-    try:
-        return await original(self, obj, *args, **kwargs)
-    finally:
-        if isinstance(name, str) and is_managed_name(name):
-            # never keep a managed name where SGLang's implicit reload would find it
-            self.lora_ref_cache.pop(name, None)
+    return await original(self, obj, *args, **kwargs)
 
 
 def verify_hooks_applied(targets: tuple[str, ...]) -> None:

@@ -25,8 +25,8 @@ from typing import Any
 
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
-# Set while the plugin itself generates with, loads or unloads a managed name: the guards on
-# SGLang's ordinary API (see hooks) let exactly these calls pass.
+# Set while the plugin's own exact-version probe generates with a managed name that is still
+# LOADING: the request guard (tokenizer_hooks.check_servable) lets exactly that call pass.
 managed_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "lora_versions_managed_call", default=False
 )
@@ -173,4 +173,3 @@ class NativeLora:
                 ErrorCode.LOAD_FAILED, f"SGLang failed to unload: {result.error_message}", lora_name=lora_name
             )
         tm.lora_registry._counters.pop(lora_id, None)
-        tm.lora_ref_cache.pop(lora_name, None)

@@ -109,11 +109,8 @@ class PublicationService:
                 return BucketAck(index=meta.index, accepted=True, duplicate=True)
             v = self.table.get(meta.lora_name)
             assert v is not None
-            spec = v.plan[meta.index]
-            cap = min(
-                max_payload_bytes(v.manifest, spec) + _HEADER_SLACK,
-                self.table.limits.max_bucket_bytes + _HEADER_SLACK,
-            )
+            spec = self.table.bucket_spec(meta)
+            cap = min(max_payload_bytes(v.manifest, spec), self.table.limits.max_bucket_bytes) + _HEADER_SLACK
             if content_length is not None and content_length > cap:
                 raise LoraVersionError(
                     ErrorCode.PAYLOAD_TOO_LARGE,
@@ -203,9 +200,6 @@ class PublicationService:
                 await asyncio.sleep(0.01)
 
     # ----------------------------------------------------------------------------- status
-
-    def stash_bytes(self, attempt_token: str) -> int:
-        return sum(t.numel() * t.element_size() for t in self._stash.get(attempt_token, {}).values())
 
 
 async def _read_capped(body: AsyncIterator[bytes], cap: int) -> bytes:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.http_routes import error_response
 from sglang_ext.native_lora import managed_call
 from sglang_ext.protocol import is_managed_name
 
@@ -193,12 +194,6 @@ async def lru_never_picks_managed(self: Any, exclude_pinned: bool = False) -> st
 # --------------------------------------------------------------------------------------------
 
 
-def _json_error(err: LoraVersionError) -> Any:
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse(err.to_body(), status_code=err.http_status)
-
-
 async def _with_refusal_sink(call: Any) -> Any:
     sink: list[LoraVersionError] = []
     token = _refusals.set(sink)
@@ -206,7 +201,7 @@ async def _with_refusal_sink(call: Any) -> Any:
         response = await call()
     finally:
         _refusals.reset(token)
-    return _json_error(sink[-1]) if sink else response
+    return error_response(sink[-1]) if sink else response
 
 
 async def precheck_generate(original: Any, obj: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -225,7 +220,7 @@ async def precheck_generate(original: Any, obj: Any, request: Any, *args: Any, *
             )
         check_servable(lora_names(obj.lora_path))
     except LoraVersionError as err:
-        return _json_error(err)
+        return error_response(err)
     return await _with_refusal_sink(lambda: original(obj, request, *args, **kwargs))
 
 
@@ -237,5 +232,5 @@ async def precheck_openai(
         if hasattr(request, "model") and hasattr(request, "lora_path"):
             check_servable(lora_names(self._resolve_lora_path(request.model, request.lora_path)))
     except LoraVersionError as err:
-        return _json_error(err)
+        return error_response(err)
     return await _with_refusal_sink(lambda: original(self, request, raw_request, *args, **kwargs))
