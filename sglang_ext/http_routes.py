@@ -8,7 +8,7 @@ the exception handler registered here (also for errors raised by our hooks insid
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -56,10 +56,14 @@ async def _json(request: Request) -> bytes:
     return await request.body()
 
 
-def _service(state: EngineState):
-    if state.publication is None:
+S = TypeVar("S")
+
+
+def _serving(service: S | None) -> S:
+    """A service exists once the HTTP server is set up (EngineState.attach)."""
+    if service is None:
         raise LoraVersionError(ErrorCode.INVALID_REQUEST, "the engine is not serving yet")
-    return state.publication
+    return service
 
 
 class _Routes:
@@ -97,7 +101,7 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def lora_versions_begin(request: Request) -> Any:
         req = parse_model(BeginRequest, await _json(request))
-        return _ok(await _service(state).begin(req))
+        return _ok(await _serving(state.publication).begin(req))
 
     @router.post(Routes.RECEIVE_BUCKET)
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
@@ -105,27 +109,25 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
         meta = ReceiveBucketMeta.from_headers(request.headers)
         length = request.headers.get("content-length")
         content_length = int(length) if length and length.isdigit() else None
-        return _ok(await _service(state).receive_bucket(meta, content_length, request.stream()))
+        return _ok(await _serving(state.publication).receive_bucket(meta, content_length, request.stream()))
 
     @router.post(Routes.END)
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def lora_versions_end(request: Request) -> Any:
         req = parse_model(EndRequest, await _json(request))
-        return _ok(await _service(state).end(req))
+        return _ok(await _serving(state.publication).end(req))
 
     @router.post(Routes.CLEANUP)
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def lora_versions_cleanup(request: Request) -> Any:
         req = parse_model(CleanupRequest, await _json(request))
-        return _ok(await _service(state).cleanup(req))
+        return _ok(await _serving(state.publication).cleanup(req))
 
     @router.post(Routes.RECLAIM)
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def lora_versions_reclaim(request: Request) -> Any:
         req = parse_model(ReclaimRequest, await _json(request))
-        if state.reclaim is None:
-            raise LoraVersionError(ErrorCode.INVALID_REQUEST, "the engine is not serving yet")
-        reply = await state.reclaim.reclaim(req)
+        reply = await _serving(state.reclaim).reclaim(req)
         # DRAINING is not an error: the reclaim goes on. 202 says "accepted, not finished".
         return JSONResponse(
             reply.model_dump(mode="json"), status_code=200 if reply.state == "UNLOADED" else 202
