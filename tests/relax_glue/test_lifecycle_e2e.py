@@ -396,9 +396,16 @@ async def test_rfc52_capacity_refusal_then_safe_reclaim_through_the_ray_actor(
             # --- a request admitted on E0 before the reclaim is still decoding on A (session refs
             # will be 0, the engine's native refs are not): the reclaim drains it, never cuts it
             chunks: list[dict] = []
+            # Long enough that it cannot finish inside one reclaim call's wait (reclaim_wait_s=1.0):
+            # 64 tokens did on a quiet machine, and then there was no drain to observe.
+            admitted_tokens = 400
 
             async def admitted_a() -> None:
-                body = {"input_ids": list(PROMPTS[0]), "sampling_params": greedy(64), "lora_path": name_a}
+                body = {
+                    "input_ids": list(PROMPTS[0]),
+                    "sampling_params": greedy(admitted_tokens),
+                    "lora_path": name_a,
+                }
                 async for chunk in w.clients["E0"].generate_stream({**body, "rid": f"inflight-{epoch}"}):
                     chunks.append(chunk)
 
@@ -415,7 +422,7 @@ async def test_rfc52_capacity_refusal_then_safe_reclaim_through_the_ray_actor(
             assert not in_flight.done(), "the admitted request ended too early to show the drain"
             done = await w.pub.reclaim_ready()
             await asyncio.wait_for(in_flight, 60)
-            assert len(chunks[-1]["output_ids"]) == 64, "the admitted request was cut"
+            assert len(chunks[-1]["output_ids"]) == admitted_tokens, "the admitted request was cut"
             assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
             assert len(done) == 1 and done[0].done, done
             assert dict(done[0].engines) == {"E0": "UNLOADED", "E1": "UNLOADED"}
