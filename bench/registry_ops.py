@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 from relax_glue.registry import LoRAVersionRegistry  # noqa: E402
 from relax_glue.registry_types import (  # noqa: E402
-    ReadyReceipt,
+    ReadyEvidence,
     SessionKey,
-    UnloadedReceipt,
+    UnloadEvidence,
     VersionKey,
 )
 from relax_glue.store import DurableRegistry  # noqa: E402
@@ -68,7 +68,7 @@ class Workload:
         key, dig = VersionKey(EPOCH, vid), _digest(vid)
         res = self.reg.reserve(key, dig, f"relax_policy_lora@{EPOCH}-{vid}-{dig[:12]}", f"req-{vid}")
         for engine in ENGINES:
-            self.reg.record_ready(engine, ReadyReceipt(key, dig, res.attempt_token, f"{engine}-i1"))
+            self.reg.record_ready(engine, ReadyEvidence(key, dig, res.attempt_token, f"{engine}-i1"))
         self.reg.commit(key, res.attempt_token, self.n_versions - 1)
         return key
 
@@ -83,7 +83,7 @@ class Workload:
         self.publish()
         claim = self.reg.claim_reclaim(retired)
         for engine in ENGINES:
-            self.reg.confirm_reclaim(retired, engine, UnloadedReceipt(claim.reclaim_id, f"{engine}-i1"))
+            self.reg.confirm_reclaim(retired, engine, UnloadEvidence(claim.reclaim_id, f"{engine}-i1"))
 
 
 def _timed(step: Callable[[], None], seconds: float, max_iters: int = 10**7) -> tuple[int, float]:

@@ -28,6 +28,7 @@ Build them with ``.in_process(registry_or_store)`` or ``.for_actor(handle)``.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
 from relax_glue.registry_ops import AsyncRegistryOps, RegistryOps
 from relax_glue.store import DurableRegistry, StoreError
 from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.names import MANAGED_CAPACITY
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -47,6 +49,7 @@ __all__ = [
     "AsyncRegistryClient",
     "RegistryActor",
     "RegistryClient",
+    "RegistryUnavailable",
     "actor_name",
     "get_registry_actor",
     "start_registry_actor",
@@ -73,6 +76,10 @@ def actor_name(epoch: str | int) -> str:
 # ------------------------------------------------------------------------------- the actor
 
 
+def _refused(exc: LoraVersionError) -> Envelope:
+    return ("err", exc.code.value, exc.message, exc.details)
+
+
 def _call_envelope(registry: Any, op: str, kwargs: dict[str, Any]) -> Envelope:
     """Run one registry call; a refusal travels back as data, not as a Ray task error."""
     if op not in _ALLOWED:
@@ -80,7 +87,18 @@ def _call_envelope(registry: Any, op: str, kwargs: dict[str, Any]) -> Envelope:
     try:
         return ("ok", getattr(registry, op)(**kwargs))
     except LoraVersionError as exc:
-        return ("err", exc.code.value, exc.message, exc.details)
+        return _refused(exc)
+
+
+async def _acall_envelope(registry: Any, op: str, kwargs: dict[str, Any]) -> Envelope:
+    """:func:`_call_envelope` for a registry object whose ops may be coroutine functions."""
+    envelope = _call_envelope(registry, op, kwargs)
+    if envelope[0] == "ok" and inspect.isawaitable(envelope[1]):
+        try:
+            return ("ok", await envelope[1])
+        except LoraVersionError as exc:
+            return _refused(exc)
+    return envelope
 
 
 def _unwrap(envelope: Envelope) -> Any:
@@ -139,7 +157,7 @@ def _remote_class() -> Any:
 def start_registry_actor(
     epoch: str | int,
     engines: Sequence[str],
-    capacity: int = 2,
+    capacity: int = MANAGED_CAPACITY,
     *,
     db_path: str | os.PathLike[str] | None = None,
     name: str | None = None,
@@ -269,12 +287,30 @@ class RegistryClient(_Describe, RegistryOps):
     _call = _dispatch  # the raw entry point (tests call it with ops outside the typed API)
 
 
-class AsyncRegistryClient(_Describe, AsyncRegistryOps):
-    """Async client with the registry's API, in-process or through the actor.
+class RegistryUnavailable(Exception):
+    """The registry could not be reached for ``op`` (after the client's retries). Its outcome
+    is unknown to the caller; every registry op is idempotent, so asking again is safe."""
 
-    In process, calls run on one dedicated worker thread: they are serialised (single writer)
-    and a durable store's fsync never blocks the event loop. Through Ray, the ObjectRef is
-    awaited directly. ``epoch`` / ``engines`` / ``capacity`` are fetched by :meth:`connect`.
+    def __init__(self, op: str, cause: BaseException) -> None:
+        super().__init__(f"registry {op}: {type(cause).__name__}: {cause}")
+        self.op = op
+        self.cause = cause
+
+
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, OSError)
+
+
+class AsyncRegistryClient(_Describe, AsyncRegistryOps):
+    """THE async face of the registry for the publisher and the session layer: the registry's
+    typed operations, in process or through the Ray actor, with an explicit :meth:`connect`.
+
+    In process, the in-memory registry runs inline (it never blocks), a durable store on one
+    dedicated worker thread (serialised, single writer; its fsync never blocks the event loop).
+    Through Ray, the ObjectRef is awaited directly. Transient failures (``transient`` errors, Ray's
+    own) are retried ``retries`` times, which is safe because every registry op is idempotent by
+    request id or natural key (a retry of a call whose reply was lost gets the first answer);
+    then :class:`RegistryUnavailable`. A :class:`LoraVersionError` is a decision of the registry
+    and is never retried.
     """
 
     def __init__(
@@ -282,47 +318,91 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         call: Callable[[str, dict[str, Any]], Any],
         describe: Callable[[], Any],
         executor: ThreadPoolExecutor | None = None,
+        *,
+        retries: int = 2,
+        retry_delay_s: float = 0.05,
+        transient: tuple[type[BaseException], ...] = TRANSIENT_ERRORS,
     ) -> None:
         self._acall = call
         self._adescribe = describe
         self._executor = executor
         self._describe = self._cached_only
+        self.retries = retries
+        self.retry_delay_s = retry_delay_s
+        self.transient = transient
 
     def _cached_only(self) -> dict[str, Any]:
         raise RuntimeError("await client.connect() before reading epoch / engines / capacity")
 
     @classmethod
-    def in_process(cls, registry: LoRAVersionRegistry | DurableRegistry) -> AsyncRegistryClient:
-        backend = _LocalBackend(registry)
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-registry")
+    def in_process(cls, registry: Any, *, offload: bool | None = None, **retry: Any) -> AsyncRegistryClient:
+        """``registry``: the in-memory registry, a durable store, or any object with the
+        registry's operations (sync or async). ``offload`` (default: for a durable store) runs the
+        calls on a worker thread."""
+        if offload is None:
+            offload = isinstance(registry, DurableRegistry)
+        executor: ThreadPoolExecutor | None = None
+        if offload:
+            backend = _LocalBackend(registry)
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-registry")
 
-        async def call(op: str, kwargs: dict[str, Any]) -> Envelope:
-            return await asyncio.get_running_loop().run_in_executor(executor, backend.call, op, kwargs)
+            async def call(op: str, kwargs: dict[str, Any]) -> Envelope:
+                return await asyncio.get_running_loop().run_in_executor(executor, backend.call, op, kwargs)
+
+        else:
+
+            async def call(op: str, kwargs: dict[str, Any]) -> Envelope:
+                return await _acall_envelope(registry, op, kwargs)
 
         async def describe() -> dict[str, Any]:
             return _local_describe(registry)()
 
-        return cls(call, describe, executor)
+        return cls(call, describe, executor, **retry)
 
     @classmethod
-    def for_actor(cls, handle: Any) -> AsyncRegistryClient:
+    def for_actor(cls, handle: Any, **retry: Any) -> AsyncRegistryClient:
         async def call(op: str, kwargs: dict[str, Any]) -> Envelope:
             return await handle.call.remote(op, kwargs)
 
         async def describe() -> dict[str, Any]:
             return await handle.describe.remote()
 
-        return cls(call, describe)
+        return cls(call, describe, **retry)
+
+    @classmethod
+    def of(cls, registry: Any, **retry: Any) -> AsyncRegistryClient:
+        """A client as given, or an in-process client around a registry object."""
+        return registry if isinstance(registry, cls) else cls.in_process(registry, **retry)
 
     async def connect(self) -> AsyncRegistryClient:
-        self._info = await self._adescribe()
+        """Fetch ``epoch`` / ``engines`` / ``capacity`` (once; later calls return at once)."""
+        if self._info is None:
+            self._info = await self._adescribe()
         return self
 
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
+    def _is_transient(self, exc: BaseException) -> bool:
+        # Ray's errors (actor died, task failed) are transient for an idempotent op; we do not
+        # import ray to recognise them.
+        return isinstance(exc, self.transient) or type(exc).__module__.startswith("ray.")
+
     async def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
-        return _unwrap(await self._acall(op, kwargs))
+        last: BaseException | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.retry_delay_s * attempt)
+            try:
+                return _unwrap(await self._acall(op, kwargs))
+            except LoraVersionError:
+                raise
+            except Exception as exc:
+                if not self._is_transient(exc):
+                    raise
+                last = exc
+        assert last is not None
+        raise RegistryUnavailable(op, last)
 
     _call = _dispatch

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from relax_glue.demo import run_demo
+        from lora_versions_demo.lifecycle import run_demo
 
         return run_demo(args.out)
     if args.command == "status":

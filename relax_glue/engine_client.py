@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import json
 import time
@@ -31,6 +32,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import quote
 
 import httpx
+from pydantic import BaseModel
 
 from sglang_ext.errors import LoraVersionError
 from sglang_ext.protocol import (
@@ -49,6 +51,7 @@ from sglang_ext.protocol import (
     UnloadedReceipt,
     VersionStatus,
     parse_begin_reply,
+    parse_cleanup_reply,
     parse_model,
     parse_reclaim_reply,
 )
@@ -57,12 +60,10 @@ __all__ = [
     "FORBIDDEN_PATHS",
     "AuditEntry",
     "AuditLog",
+    "CallOutcome",
     "ClientTimeouts",
     "EngineAPI",
     "EngineClient",
-    "FaultInjectingClient",
-    "FaultKind",
-    "InjectedFault",
     "OutcomeUnknown",
     "PoolLimits",
     "classify_outcome",
@@ -93,11 +94,25 @@ FORBIDDEN_PATHS: frozenset[str] = frozenset(
 _NOT_SENT_ERRORS: tuple[type[Exception], ...] = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
+class CallOutcome(StrEnum):
+    """How a call to an engine ended, as audited (a refusal's label also names its code)."""
+
+    OK = "ok"
+    ABORTED = "aborted"  # a generation the engine ended with finish_reason "abort": reply, no result
+    REFUSED = "refused"  # labelled "refused:<CODE>"
+    UNKNOWN = "unknown"  # the engine may or may not have acted on it
+    CANCELLED = "cancelled"  # our caller was cancelled mid-call
+
+
 def outcome_label(exc: LoraVersionError | OutcomeUnknown) -> str:
     """The audit label of a call that raised: the one mapping from outcome to label."""
     if isinstance(exc, LoraVersionError):
-        return f"refused:{exc.code.value}"
-    return "unknown"
+        return f"{CallOutcome.REFUSED.value}:{exc.code.value}"
+    return CallOutcome.UNKNOWN
+
+
+def generation_outcome(reply: Mapping[str, Any]) -> CallOutcome:
+    return CallOutcome.ABORTED if generation_aborted(reply) else CallOutcome.OK
 
 
 class OutcomeUnknown(Exception):
@@ -173,6 +188,9 @@ def classify_outcome(
         err = LoraVersionError.from_body(body)
         if err is not None:
             err.details.setdefault("engine_id", engine_id)
+            retry_after = response.headers.get("retry-after", "")
+            if retry_after.isdigit():
+                err.details.setdefault("retry_after_s", int(retry_after))
             raise err
         # A 4xx that is not ours (SGLang's own 400, an auth middleware, a proxy) carries no
         # promise that nothing changed: only our handlers make that promise.
@@ -230,8 +248,7 @@ class AuditEntry:
     path: str
     started_at: float  # unix seconds
     duration_s: float
-    # "ok" | "aborted" (a generation the engine ended with finish_reason "abort": its reply came,
-    # its result did not) | "refused:<CODE>" | "unknown" | "cancelled"
+    # a CallOutcome value, or "refused:<CODE>"
     outcome: str
     status_code: int | None
     detail: str  # lora_name / bucket index / rid: enough to read a log, never a payload
@@ -286,7 +303,7 @@ class EngineAPI(Protocol):
     async def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt: ...
     async def receive_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck: ...
     async def end(self, req: EndRequest) -> ReadyReceipt: ...
-    async def cleanup(self, req: CleanupRequest) -> CleanupReceipt: ...
+    async def cleanup(self, req: CleanupRequest) -> CleanupReceipt | DrainingReply: ...
     async def reclaim(self, req: ReclaimRequest) -> UnloadedReceipt | DrainingReply: ...
     async def status(self) -> EngineStatus: ...
     async def version_status(self, lora_name: str) -> VersionStatus: ...
@@ -355,35 +372,40 @@ class EngineClient:
         control_key = admin_key or api_key
         # Limits live on the transport's pool; give each client its own transport so the two
         # pools are really separate (a shared transport would be one pool).
-        self.control_http = httpx.AsyncClient(
-            base_url=self.base_url,
-            transport=control_transport
-            or httpx.AsyncHTTPTransport(
-                retries=0,
-                limits=httpx.Limits(
-                    max_connections=self.limits.control_connections,
-                    max_keepalive_connections=self.limits.control_connections,
-                    keepalive_expiry=self.limits.keepalive_expiry,
-                ),
-            ),
-            headers={"Authorization": f"Bearer {control_key}"} if control_key else None,
-            timeout=httpx.Timeout(t.status, connect=t.connect, pool=t.pool),
-            follow_redirects=False,  # a redirect would be a second request we never decided on
+        self.control_http = self._pool(
+            control_transport,
+            self.limits.control_connections,
+            control_key,
+            httpx.Timeout(t.status, connect=t.connect, pool=t.pool),
         )
-        self.generation_http = httpx.AsyncClient(
+        self.generation_http = self._pool(
+            generation_transport,
+            self.limits.generation_connections,
+            api_key,
+            httpx.Timeout(t.generate, connect=t.connect, pool=t.pool),
+        )
+
+    def _pool(
+        self,
+        transport: httpx.AsyncBaseTransport | None,
+        connections: int,
+        key: str | None,
+        timeout: httpx.Timeout,
+    ) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
             base_url=self.base_url,
-            transport=generation_transport
+            transport=transport
             or httpx.AsyncHTTPTransport(
                 retries=0,
                 limits=httpx.Limits(
-                    max_connections=self.limits.generation_connections,
-                    max_keepalive_connections=self.limits.generation_connections,
+                    max_connections=connections,
+                    max_keepalive_connections=connections,
                     keepalive_expiry=self.limits.keepalive_expiry,
                 ),
             ),
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
-            timeout=httpx.Timeout(t.generate, connect=t.connect, pool=t.pool),
-            follow_redirects=False,
+            headers={"Authorization": f"Bearer {key}"} if key else None,
+            timeout=timeout,
+            follow_redirects=False,  # a redirect would be a second request we never decided on
         )
 
     def __repr__(self) -> str:
@@ -449,7 +471,7 @@ class EngineClient:
         http = self.control_http if kind == "control" else self.generation_http
         started, t0 = time.time(), time.monotonic()
         status_code: int | None = None
-        outcome = "cancelled"  # what the audit says if we are cancelled mid-call
+        outcome: str = CallOutcome.CANCELLED  # what the audit says if we are cancelled mid-call
         abort_all = bool(isinstance(json_body, dict) and json_body.get("abort_all"))
         try:
             try:
@@ -462,7 +484,7 @@ class EngineClient:
                     timeout=self._timeout(read_timeout),
                 )
             except (httpx.HTTPError, OSError) as exc:
-                outcome = "unknown"
+                outcome = CallOutcome.UNKNOWN
                 classify_outcome(self.engine_id, op, error=exc)  # always raises OutcomeUnknown
                 raise
             status_code = response.status_code
@@ -471,29 +493,43 @@ class EngineClient:
             except (LoraVersionError, OutcomeUnknown) as exc:
                 outcome = outcome_label(exc)
                 raise
-            outcome = outcome_of(result) if outcome_of is not None else "ok"
+            outcome = outcome_of(result) if outcome_of is not None else CallOutcome.OK
             return result
         finally:
             self._record(kind, op, method, path, started, t0, outcome, status_code, detail, abort_all)
 
     # -------------------------------------------------------------------------- control
 
-    async def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
-        def parse(body: bytes) -> PreparedReceipt | ReadyReceipt:
-            reply = parse_begin_reply(body)
-            _check_same(reply, lora_name=req.lora_name, attempt_token=req.attempt_token, digest=req.digest)
+    async def _post_json(
+        self,
+        op: str,
+        route: str,
+        req: BaseModel,
+        parser: Callable[[bytes], T],
+        same: tuple[str, ...],
+        read_timeout: float,
+    ) -> T:
+        """A JSON control call whose reply must name what the request named (``same`` fields)."""
+
+        def parse(body: bytes) -> T:
+            reply = parser(body)
+            _check_same(reply, **{f: getattr(req, f) for f in same})
             return reply
 
         return await self._call(
             "control",
-            "begin",
+            op,
             "POST",
-            Routes.BEGIN,
+            route,
             parse,
-            read_timeout=self.timeouts.begin,
-            detail=req.lora_name,
+            read_timeout=read_timeout,
+            detail=getattr(req, "lora_name", ""),
             json_body=req.model_dump(mode="json"),
         )
+
+    async def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
+        same = ("lora_name", "attempt_token", "digest")
+        return await self._post_json("begin", Routes.BEGIN, req, parse_begin_reply, same, self.timeouts.begin)
 
     async def receive_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
         def parse(body: bytes) -> BucketAck:
@@ -517,55 +553,20 @@ class EngineClient:
         )
 
     async def end(self, req: EndRequest) -> ReadyReceipt:
-        def parse(body: bytes) -> ReadyReceipt:
-            reply = parse_model(ReadyReceipt, body)
-            _check_same(reply, lora_name=req.lora_name, attempt_token=req.attempt_token)
-            return reply
+        same = ("lora_name", "attempt_token")
+        parser = functools.partial(parse_model, ReadyReceipt)
+        return await self._post_json("end", Routes.END, req, parser, same, self.timeouts.end)
 
-        return await self._call(
-            "control",
-            "end",
-            "POST",
-            Routes.END,
-            parse,
-            read_timeout=self.timeouts.end,
-            detail=req.lora_name,
-            json_body=req.model_dump(mode="json"),
-        )
-
-    async def cleanup(self, req: CleanupRequest) -> CleanupReceipt:
-        def parse(body: bytes) -> CleanupReceipt:
-            reply = parse_model(CleanupReceipt, body)
-            _check_same(reply, lora_name=req.lora_name, attempt_token=req.attempt_token)
-            return reply
-
-        return await self._call(
-            "control",
-            "cleanup",
-            "POST",
-            Routes.CLEANUP,
-            parse,
-            read_timeout=self.timeouts.cleanup,
-            detail=req.lora_name,
-            json_body=req.model_dump(mode="json"),
+    async def cleanup(self, req: CleanupRequest) -> CleanupReceipt | DrainingReply:
+        same = ("lora_name", "attempt_token")
+        return await self._post_json(
+            "cleanup", Routes.CLEANUP, req, parse_cleanup_reply, same, self.timeouts.cleanup
         )
 
     async def reclaim(self, req: ReclaimRequest) -> UnloadedReceipt | DrainingReply:
-        def parse(body: bytes) -> UnloadedReceipt | DrainingReply:
-            reply = parse_reclaim_reply(body)
-            _check_same(reply, lora_name=req.lora_name, reclaim_id=req.reclaim_id)
-            return reply
-
-        return await self._call(
-            "control",
-            "reclaim",
-            "POST",
-            Routes.RECLAIM,
-            parse,
-            read_timeout=req.timeout_s + self.timeouts.reclaim_margin,
-            detail=req.lora_name,
-            json_body=req.model_dump(mode="json"),
-        )
+        same = ("lora_name", "reclaim_id")
+        read_timeout = req.timeout_s + self.timeouts.reclaim_margin
+        return await self._post_json("reclaim", Routes.RECLAIM, req, parse_reclaim_reply, same, read_timeout)
 
     async def status(self) -> EngineStatus:
         return await self._call(
@@ -627,7 +628,7 @@ class EngineClient:
             read_timeout=self.timeouts.generate,
             detail=str(body.get("rid", "")),
             json_body=dict(body),
-            outcome_of=lambda reply: "aborted" if generation_aborted(reply) else "ok",
+            outcome_of=generation_outcome,
         )
 
     async def generate_stream(self, body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -640,7 +641,7 @@ class EngineClient:
         op, rid = "generate_stream", str(body.get("rid", ""))
         payload = {**body, "stream": True}
         started, t0 = time.time(), time.monotonic()
-        outcome, status_code = "cancelled", None
+        outcome, status_code = CallOutcome.CANCELLED, None
         try:
             try:
                 async with self.generation_http.stream(
@@ -676,129 +677,12 @@ class EngineClient:
                         raise OutcomeUnknown(self.engine_id, op, "stream ended without [DONE]")
             except (httpx.HTTPError, OSError) as exc:
                 classify_outcome(self.engine_id, op, error=exc)
-            outcome = "aborted" if aborted else "ok"
+            outcome = CallOutcome.ABORTED if aborted else CallOutcome.OK
         except (LoraVersionError, OutcomeUnknown) as exc:
             outcome = outcome_label(exc)
             raise
         finally:
             self._record("generation", op, "POST", GENERATE_PATH, started, t0, outcome, status_code, rid)
-
-
-# --------------------------------------------------------------------------- fault injection
-
-
-class FaultKind(StrEnum):
-    DROP_REPLY = "DROP_REPLY"  # the request is sent and processed; its reply is discarded
-    FAIL_BEFORE_SEND = "FAIL_BEFORE_SEND"  # the request never leaves: the engine sees nothing
-
-
-@dataclasses.dataclass(frozen=True)
-class InjectedFault:
-    engine_id: str
-    op: str
-    nth: int
-    kind: FaultKind
-    real_outcome: str  # what the engine really answered ("ok", "refused:<CODE>", "unknown", "-")
-
-
-_WRAPPED_OPS = (
-    "begin",
-    "receive_bucket",
-    "end",
-    "cleanup",
-    "reclaim",
-    "status",
-    "version_status",
-    "generate",
-    "abort_request",
-)
-
-
-class FaultInjectingClient:
-    """Test-only wrapper around a REAL :class:`EngineClient` (or any :class:`EngineAPI`).
-
-    Fails exactly the configured (op, Nth call) pairs and passes every other call through
-    untouched, so everything the test observes besides the injected fault is the real
-    component's behaviour. Call counts are per op, starting at 1, over the wrapper's life.
-    """
-
-    def __init__(self, inner: EngineAPI) -> None:
-        self.inner = inner
-        self.engine_id = inner.engine_id
-        self._faults: dict[tuple[str, int], FaultKind] = {}
-        self.calls: collections.Counter[str] = collections.Counter()
-        self.injected: list[InjectedFault] = []
-
-    def __getattr__(self, name: str) -> Any:
-        # audit, aclose, generate_stream, timeouts, ... come from the real client.
-        return getattr(self.inner, name)
-
-    def drop_reply(self, op: str, nth: int = 1) -> FaultInjectingClient:
-        return self._add(op, nth, FaultKind.DROP_REPLY)
-
-    def fail_before_send(self, op: str, nth: int = 1) -> FaultInjectingClient:
-        return self._add(op, nth, FaultKind.FAIL_BEFORE_SEND)
-
-    def pending(self) -> list[tuple[str, int, FaultKind]]:
-        return [(op, n, kind) for (op, n), kind in sorted(self._faults.items())]
-
-    def _add(self, op: str, nth: int, kind: FaultKind) -> FaultInjectingClient:
-        if op not in _WRAPPED_OPS:
-            raise ValueError(f"unknown op {op!r}; one of {_WRAPPED_OPS}")
-        if nth < 1:
-            raise ValueError("nth counts from 1")
-        self._faults[(op, nth)] = kind
-        return self
-
-    async def _run(self, op: str, *args: Any) -> Any:
-        self.calls[op] += 1
-        nth = self.calls[op]
-        kind = self._faults.pop((op, nth), None)
-        if kind is FaultKind.FAIL_BEFORE_SEND:
-            self.injected.append(InjectedFault(self.engine_id, op, nth, kind, "-"))
-            raise OutcomeUnknown(
-                self.engine_id, op, f"injected: call {nth} failed before send", maybe_sent=False
-            )
-        if kind is None:
-            return await getattr(self.inner, op)(*args)
-        try:
-            await getattr(self.inner, op)(*args)
-            real = "ok"
-        except (LoraVersionError, OutcomeUnknown) as exc:
-            real = outcome_label(exc)
-        self.injected.append(InjectedFault(self.engine_id, op, nth, kind, real))
-        # Whatever the engine answered, the caller never hears it.
-        raise OutcomeUnknown(self.engine_id, op, f"injected: reply {nth} dropped")
-
-    async def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
-        return await self._run("begin", req)
-
-    async def receive_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
-        return await self._run("receive_bucket", meta, payload)
-
-    async def end(self, req: EndRequest) -> ReadyReceipt:
-        return await self._run("end", req)
-
-    async def cleanup(self, req: CleanupRequest) -> CleanupReceipt:
-        return await self._run("cleanup", req)
-
-    async def reclaim(self, req: ReclaimRequest) -> UnloadedReceipt | DrainingReply:
-        return await self._run("reclaim", req)
-
-    async def status(self) -> EngineStatus:
-        return await self._run("status")
-
-    async def version_status(self, lora_name: str) -> VersionStatus:
-        return await self._run("version_status", lora_name)
-
-    async def generate(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        return await self._run("generate", body)
-
-    def generate_stream(self, body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        return self.inner.generate_stream(body)
-
-    async def abort_request(self, rid: str) -> None:
-        return await self._run("abort_request", rid)
 
 
 def forbidden_calls(logs: Iterable[AuditLog]) -> list[AuditEntry]:

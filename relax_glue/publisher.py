@@ -26,129 +26,119 @@ another unknown outcome):
 engine (polling through DRAINING with a bounded wait per call) and confirmed per engine.
 
 The publisher never calls pause, flush or abort-all: the engine client has no such method.
-The registry may be the in-process registry (or durable store), the sync ``RegistryClient`` or
-the ``AsyncRegistryClient`` (in process or through the Ray actor): see :class:`AsyncRegistryAdapter`.
+The registry is reached through :class:`~relax_glue.actor.AsyncRegistryClient` (in process or
+through the Ray actor); a registry object given instead is wrapped in an in-process client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
-from relax_glue.engine_client import EngineAPI, OutcomeUnknown
+from relax_glue.actor import RegistryUnavailable
+from relax_glue.cohort import CohortDriver, EngineStep
+from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
+from relax_glue.reclaimer import Reclaimer, ReclaimResult
+from relax_glue.reconciler import Reconciler, RestoreResult
+from relax_glue.registry import holds_slot, is_committed
 from relax_glue.registry_types import (
     AttemptPhase,
-    CleanupReceipt,
+    CleanupEvidence,
     CommitReceipt,
-    PreparedReceipt,
-    ReadyReceipt,
-    ReclaimPhase,
-    UnloadedReceipt,
+    PreparedEvidence,
+    ReadyEvidence,
     VersionKey,
     VersionState,
     VersionView,
 )
 from relax_glue.snapshot import Snapshot
+from relax_glue.snapshot_store import SnapshotStore, live_digests
 from sglang_ext import protocol as wire
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
 __all__ = [
-    "AsyncRegistryAdapter",
+    "CommitEvidence",
     "EngineStep",
     "PublishOutcome",
     "PublishResult",
     "Publisher",
     "ReclaimResult",
     "RegistryUnavailable",
+    "ResolveAction",
+    "RestoreResult",
+    "commit_evidence",
 ]
 
-_COMMITTED = frozenset(
-    {VersionState.PUBLISHED, VersionState.RETIRED, VersionState.RECLAIMING, VersionState.RECLAIMED}
-)
-
+T = TypeVar("T")
 
 # ------------------------------------------------------------------------------ the registry
 
 
-class RegistryUnavailable(Exception):
-    """The registry could not be reached for ``op`` (after the adapter's retries). Its outcome
-    is unknown to the caller; every registry op is idempotent, so asking again is safe."""
+class ResolveAction(StrEnum):
+    """What ``resolve()`` does on one engine, decided from that engine's view of the attempt."""
 
-    def __init__(self, op: str, cause: BaseException) -> None:
-        super().__init__(f"registry {op}: {type(cause).__name__}: {cause}")
-        self.op = op
-        self.cause = cause
-
-
-class AsyncRegistryAdapter:
-    """One async face for every registry flavour: sync objects are called directly (the pure
-    registry never blocks), coroutine methods are awaited.
-
-    Transient failures (connection / timeout / OS errors, Ray errors) are retried ``retries``
-    times: every registry operation is idempotent by request id or natural key, so a retry of a
-    call whose reply was lost gets the first answer. A :class:`LoraVersionError` is a decision
-    of the registry and is never retried.
-    """
-
-    def __init__(
-        self,
-        registry: Any,
-        *,
-        retries: int = 2,
-        retry_delay_s: float = 0.05,
-        transient: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, OSError),
-    ) -> None:
-        self.registry = registry
-        self.retries = retries
-        self.retry_delay_s = retry_delay_s
-        self.transient = transient
-
-    def _is_transient(self, exc: BaseException) -> bool:
-        # Ray's errors (actor died, task failed) are transient for an idempotent op; we do not
-        # import ray to recognise them.
-        return isinstance(exc, self.transient) or type(exc).__module__.startswith("ray.")
-
-    async def call(self, op: str, /, **kwargs: Any) -> Any:
-        last: BaseException | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(self.retry_delay_s * attempt)
-            try:
-                result = getattr(self.registry, op)(**kwargs)
-                if inspect.isawaitable(result):
-                    result = await result
-                return result
-            except LoraVersionError:
-                raise
-            except Exception as exc:
-                if not self._is_transient(exc):
-                    raise
-                last = exc
-        assert last is not None
-        raise RegistryUnavailable(op, last)
-
-    async def describe(self) -> tuple[str, tuple[str, ...]]:
-        """``(epoch, engines)``; connects an AsyncRegistryClient first if needed."""
-        reg = self.registry
-        try:
-            return str(reg.epoch), tuple(reg.engines)
-        except RuntimeError:
-            connect = getattr(reg, "connect", None)
-            if connect is None:
-                raise
-            result = connect()
-            if inspect.isawaitable(result):
-                await result
-            return str(reg.epoch), tuple(reg.engines)
+    READY = "READY"  # READY for this attempt: record it
+    END = "END"  # every bucket is there (or the load runs): end alone finishes it
+    REDRIVE = "REDRIVE"  # begin again from the snapshot (never got begin, or lost it in a restart)
+    DOOMED = "DOOMED"  # this attempt cannot finish there: abort and clean up
 
 
-# ---------------------------------------------------------------------------------- results
+# Engine state of this attempt -> action (h11 style: a state missing here is an error). PREPARED
+# depends on whether every bucket arrived, so it is decided in resolve_action.
+_RESOLVE_BY_STATE: dict[wire.EngineVersionState, ResolveAction] = {
+    wire.EngineVersionState.READY_LOCAL: ResolveAction.READY,
+    wire.EngineVersionState.LOADING: ResolveAction.END,  # a repeated end joins the shielded load
+    wire.EngineVersionState.CLEANED: ResolveAction.DOOMED,  # tombstoned: never recreated
+    wire.EngineVersionState.FAILED: ResolveAction.DOOMED,  # only its cleanup frees it
+    wire.EngineVersionState.RECLAIMING: ResolveAction.DOOMED,
+    wire.EngineVersionState.UNLOADED: ResolveAction.DOOMED,
+}
+
+
+def resolve_action(vs: wire.VersionStatus | None, attempt_token: str, digest: str) -> ResolveAction:
+    """The one rule of resolve() per engine (pure): ``vs`` is the engine's status of the version,
+    None when it does not know the name."""
+    if vs is None:
+        return ResolveAction.REDRIVE
+    if vs.attempt_token != attempt_token or vs.digest != digest:
+        return ResolveAction.DOOMED  # another attempt owns the name there
+    if vs.state is wire.EngineVersionState.PREPARED:
+        complete = vs.buckets_total > 0 and vs.buckets_received == vs.buckets_total
+        return ResolveAction.END if complete else ResolveAction.REDRIVE
+    return _RESOLVE_BY_STATE[vs.state]
+
+
+class CommitEvidence(StrEnum):
+    """What one engine's status read, taken right before a commit, says about the attempt."""
+
+    READY = "READY"  # READY_LOCAL for this attempt and digest, in the incarnation it reports now
+    NOT_READY = "NOT_READY"  # it answered, and does not hold this attempt READY (e.g. restarted)
+    UNREACHABLE = "UNREACHABLE"  # no answer: refused connection, timeout, 5xx, 503 while booting
+
+
+def commit_evidence(
+    status: wire.EngineStatus | None, lora_name: str, attempt_token: str, digest: str
+) -> CommitEvidence:
+    """The one rule for "does this engine allow the commit now?" (RFC 3.3), for every path that
+    commits (publish, resolve, a fresh publisher). Only fresh, positive evidence counts:
+    ``status`` is the engine's answer read after its READY (None: it did not answer). A READY
+    remembered from before, or an engine that cannot be asked, never does."""
+    if status is None:
+        return CommitEvidence.UNREACHABLE
+    v = next((v for v in status.versions if v.lora_name == lora_name), None)
+    ready = (
+        v is not None
+        and v.state is wire.EngineVersionState.READY_LOCAL
+        and v.attempt_token == attempt_token
+        and v.digest == digest
+        and v.incarnation == status.incarnation
+    )
+    return CommitEvidence.READY if ready else CommitEvidence.NOT_READY
 
 
 class PublishOutcome(StrEnum):
@@ -160,18 +150,6 @@ class PublishOutcome(StrEnum):
     OUTCOME_UNKNOWN = "OUTCOME_UNKNOWN"  # an engine outcome is unknown; slot held; resolve()
     NOT_COMMITTED = "NOT_COMMITTED"  # the registry refused the commit; still LOADING; resolve()
     COMMIT_UNKNOWN = "COMMIT_UNKNOWN"  # the registry cannot be reached to learn about the commit
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStep:
-    """One engine call of a run and how it ended (or the registry's answer to its receipt)."""
-
-    engine_id: str
-    op: str
-    status: str  # "ok" | "refused" | "unknown"
-    source: str = "engine"  # "engine" | "registry": who refused
-    code: ErrorCode | None = None
-    detail: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,37 +173,10 @@ class PublishResult:
 
     @property
     def holds_slot(self) -> bool:
-        return self.registry_state is not None and self.registry_state not in (
-            VersionState.FAILED_CLEAN,
-            VersionState.RECLAIMED,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class ReclaimResult:
-    version_key: VersionKey
-    lora_name: str
-    reclaim_id: str | None
-    registry_state: VersionState | None
-    engines: Mapping[str, str]  # engine -> "UNLOADED" | "DRAINING:<in_flight>" | "UNKNOWN" | "REFUSED:<CODE>"
-    error: LoraVersionError | None = None  # the registry refused the claim
-    steps: tuple[EngineStep, ...] = ()
-    duration_s: float = 0.0
-
-    @property
-    def done(self) -> bool:
-        return self.registry_state is VersionState.RECLAIMED
+        return self.registry_state is not None and holds_slot(self.registry_state)
 
 
 # ------------------------------------------------------------------------------- internals
-
-
-class _RegistryRefused(Exception):
-    """The registry refused a receipt of an engine call that itself succeeded."""
-
-    def __init__(self, error: LoraVersionError) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 @dataclasses.dataclass
@@ -241,15 +192,9 @@ class _Attempt:
     phase_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-_Fanout = tuple[dict[str, Any], dict[str, LoraVersionError], dict[str, OutcomeUnknown]]
-
-
-def _reg_key(key: Any) -> VersionKey:
-    return VersionKey(str(key.epoch), str(key.version_id))
-
-
-class Publisher:
-    """Drives publications and reclaims over a fixed engine cohort.
+class Publisher(CohortDriver):
+    """Drives publications over a fixed engine cohort (and reclaims, through its
+    :class:`~relax_glue.reclaimer.Reclaimer`).
 
     ``engines`` maps every engine id of the registry's cohort to its client. One publication
     (or resolution) runs at a time per publisher; reclaims run under their own lock.
@@ -265,45 +210,65 @@ class Publisher:
         reclaim_poll_s: float = 0.1,
         reclaim_deadline_s: float = 60.0,
         verify_snapshot: bool = True,
-        verify_before_commit: bool = True,
         registry_retries: int = 2,
         registry_retry_delay_s: float = 0.05,
-        transient_registry_errors: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, OSError),
+        store: SnapshotStore | None = None,
     ) -> None:
-        self.registry = (
-            registry
-            if isinstance(registry, AsyncRegistryAdapter)
-            else AsyncRegistryAdapter(
-                registry,
-                retries=registry_retries,
-                retry_delay_s=registry_retry_delay_s,
-                transient=transient_registry_errors,
-            )
+        super().__init__(
+            registry,
+            engines,
+            registry_retries=registry_retries,
+            registry_retry_delay_s=registry_retry_delay_s,
         )
-        self.engines: dict[str, EngineAPI] = dict(engines)
         self.prefix = prefix
-        self.reclaim_wait_s = reclaim_wait_s
-        self.reclaim_poll_s = reclaim_poll_s
-        self.reclaim_deadline_s = reclaim_deadline_s
         self.verify_snapshot = verify_snapshot
-        self.verify_before_commit = verify_before_commit
-        self._epoch: str | None = None
-        self._cohort: tuple[str, ...] = ()
-        self._incarnations: dict[str, str] = {}  # last incarnation we registered per engine
         self._snapshots: dict[str, Snapshot] = {}  # attempt token -> snapshot, until it ends
         self._lock = asyncio.Lock()
-        self._reclaim_lock = asyncio.Lock()
+        # Reclaims run beside publications, under their own lock, sharing this cohort's client,
+        # engines and incarnation memory.
+        self.reclaimer = Reclaimer(
+            self.registry,
+            self.engines,
+            wait_s=reclaim_wait_s,
+            poll_s=reclaim_poll_s,
+            deadline_s=reclaim_deadline_s,
+            incarnations=self._incarnations,
+        )
+        # Snapshots of live versions on disk, so a restarted engine can get them back even after
+        # this process restarted (None: no restore is possible; publication works as before).
+        self.store = store
+        self.reconciler = (
+            Reconciler(self.registry, self.engines, store, incarnations=self._incarnations)
+            if store is not None
+            else None
+        )
 
-    async def _reg(self, op: str, /, **kwargs: Any) -> Any:
-        return await self.registry.call(op, **kwargs)
+    async def reclaim_ready(self, *, deadline_s: float | None = None) -> tuple[ReclaimResult, ...]:
+        """See :meth:`relax_glue.reclaimer.Reclaimer.reclaim_ready`; then drops the stored
+        snapshots of the versions that became RECLAIMED."""
+        results = await self.reclaimer.reclaim_ready(deadline_s=deadline_s)
+        await self._retain_live_snapshots()
+        return results
 
-    async def _setup(self) -> str:
-        if self._epoch is None:
-            epoch, cohort = await self.registry.describe()
-            if set(cohort) != set(self.engines):
-                raise ValueError(f"engine clients {sorted(self.engines)} != registry cohort {sorted(cohort)}")
-            self._epoch, self._cohort = epoch, cohort
-        return self._epoch
+    async def reconcile(self, engines: Sequence[str] | None = None) -> tuple[RestoreResult, ...]:
+        """Stage every live committed version onto each engine that lost it (a restart), from the
+        snapshot store. Runs under the publication and the reclaim lock: a restore never races a
+        publication or a reclaim of this publisher. See :mod:`relax_glue.reconciler`."""
+        if self.reconciler is None:
+            raise ValueError("reconcile needs a Publisher created with a SnapshotStore")
+        async with self._lock, self.reclaimer._reclaim_lock:
+            return await self.reconciler.reconcile(engines)
+
+    async def _retain_live_snapshots(self) -> None:
+        """The store keeps exactly the digests of versions that hold a slot. Skipped when the
+        registry cannot be asked: an entry is never deleted on a guess."""
+        if self.store is None:
+            return
+        try:
+            status = await self.registry.status()
+        except RegistryUnavailable:
+            return
+        self.store.retain(live_digests(status))
 
     # ============================================================================ publish
 
@@ -313,43 +278,54 @@ class Publisher:
         """Publish ``snapshot`` as ``(epoch, version_id)``. Returns a result for every protocol
         outcome; raises only :class:`RegistryUnavailable` (registry unreachable) and bugs."""
         async with self._lock:
-            epoch = await self._setup()
-            key = VersionKey(epoch, str(version_id))
-            lora_name = snapshot.lora_name(self.prefix, epoch, version_id)
-            att = _Attempt(key, lora_name, snapshot.digest, "", snapshot, expected_revision=0)
-            if self.verify_snapshot:
-                try:
-                    snapshot.verify()
-                except LoraVersionError as err:
-                    return await self._result(att, PublishOutcome.REFUSED, error=err, query=False)
-            # The revision we saw before reserving is the one the commit must still find: the
-            # default can only move by a commit, and only the pending attempt can commit.
-            status = await self._reg("status")
-            att.expected_revision = status.default_revision
-            t = time.monotonic()
             try:
-                res = await self._reg(
-                    "reserve",
-                    version_key=key,
-                    digest=snapshot.digest,
-                    lora_name=lora_name,
-                    request_id=request_id or f"pub-{uuid.uuid4().hex}",
-                )
+                return await self._publish(snapshot, version_id, request_id)
+            finally:
+                await self._retain_live_snapshots()
+
+    async def _publish(
+        self, snapshot: Snapshot, version_id: str | int, request_id: str | None
+    ) -> PublishResult:
+        epoch = await self._setup()
+        key = VersionKey(epoch, str(version_id))
+        lora_name = snapshot.lora_name(self.prefix, epoch, version_id)
+        att = _Attempt(key, lora_name, snapshot.digest, "", snapshot, expected_revision=0)
+        if self.verify_snapshot:
+            try:
+                snapshot.verify()
             except LoraVersionError as err:
                 return await self._result(att, PublishOutcome.REFUSED, error=err, query=False)
-            att.phase_s["reserve"] = time.monotonic() - t
-            att.token = res.attempt_token
-            if not res.created:
-                return await self._replay(att)
-            self._snapshots[att.token] = snapshot
-            return await self._run(att, list(self._cohort))
+        # The revision we saw before reserving is the one the commit must still find: the
+        # default can only move by a commit, and only the pending attempt can commit.
+        status = await self.registry.status()
+        att.expected_revision = status.default_revision
+        if self.store is not None:
+            # On disk before reserve: once the version can be committed, a restarted engine
+            # (or a restarted trainer) must be able to get exactly these bytes back.
+            self.store.put(snapshot)
+        t = time.monotonic()
+        try:
+            res = await self.registry.reserve(
+                version_key=key,
+                digest=snapshot.digest,
+                lora_name=lora_name,
+                request_id=request_id or f"pub-{uuid.uuid4().hex}",
+            )
+        except LoraVersionError as err:
+            return await self._result(att, PublishOutcome.REFUSED, error=err, query=False)
+        att.phase_s["reserve"] = time.monotonic() - t
+        att.token = res.attempt_token
+        if not res.created:
+            return await self._replay(att)
+        self._snapshots[att.token] = snapshot
+        return await self._run(att, list(self._cohort))
 
     async def _replay(self, att: _Attempt) -> PublishResult:
         """``reserve`` found this exact version already (same key, same digest)."""
-        view = await self._reg("version", version_key=att.key)
-        if view.state in _COMMITTED:
-            receipt = await self._reg(
-                "commit", version_key=att.key, attempt_token=att.token, expected_default_revision=0
+        view = await self.registry.version(version_key=att.key)
+        if is_committed(view.state):
+            receipt = await self.registry.commit(
+                version_key=att.key, attempt_token=att.token, expected_default_revision=0
             )  # a replayed commit returns the stored receipt and changes nothing
             return await self._result(att, PublishOutcome.ALREADY_PUBLISHED, commit=receipt)
         if view.state is VersionState.FAILED_CLEAN:
@@ -383,39 +359,6 @@ class Publisher:
 
     # --------------------------------------------------------------------------- phases
 
-    async def _fanout(
-        self,
-        att: _Attempt,
-        op: str,
-        engines: Sequence[str],
-        call: Callable[[str], Awaitable[Any]],
-        describe: Callable[[Any], str] = lambda _: "",
-    ) -> _Fanout:
-        """Run ``call`` on every engine concurrently and wait for *all* of them."""
-        results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
-        ok: dict[str, Any] = {}
-        refused: dict[str, LoraVersionError] = {}
-        unknown: dict[str, OutcomeUnknown] = {}
-        fatal: BaseException | None = None
-        for engine, r in zip(engines, results, strict=True):
-            if isinstance(r, _RegistryRefused):
-                refused[engine] = r.error
-                att.steps.append(EngineStep(engine, op, "refused", "registry", r.error.code, r.error.message))
-            elif isinstance(r, LoraVersionError):
-                refused[engine] = r
-                att.steps.append(EngineStep(engine, op, "refused", "engine", r.code, r.message))
-            elif isinstance(r, OutcomeUnknown):
-                unknown[engine] = r
-                att.steps.append(EngineStep(engine, op, "unknown", detail=r.cause))
-            elif isinstance(r, BaseException):
-                fatal = fatal or r
-            else:
-                ok[engine] = r
-                att.steps.append(EngineStep(engine, op, "ok", detail=describe(r)))
-        if fatal is not None:
-            raise fatal
-        return ok, refused, unknown
-
     async def _settle(
         self,
         att: _Attempt,
@@ -434,59 +377,32 @@ class Publisher:
             return await self._result(att, PublishOutcome.OUTCOME_UNKNOWN)
         return None
 
-    async def _mark_unknown(self, engine: str, ref: str, op: str, cause: str) -> None:
-        await self._reg("mark_engine_unknown", engine_id=engine, ref=ref, op=op, reason=cause[:1000] or op)
-
-    async def _note_incarnation(self, engine: str, incarnation: str) -> None:
-        """Tell the registry about an incarnation seen in a receipt (a restart invalidates that
-        engine's earlier PREPARED / READY). An earlier incarnation is left to the receipt's own
-        check, which refuses it."""
-        if self._incarnations.get(engine) == incarnation:
-            return
-        try:
-            await self._reg("register_engine_incarnation", engine_id=engine, incarnation=incarnation)
-        except LoraVersionError as err:
-            if err.code is not ErrorCode.STALE_INCARNATION:
-                raise
-            return
-        self._incarnations[engine] = incarnation
-
-    async def _record(self, op: str, /, **kwargs: Any) -> Any:
-        try:
-            return await self._reg(op, **kwargs)
-        except LoraVersionError as err:
-            raise _RegistryRefused(err) from None
-
-    def _ready_receipt(self, att: _Attempt, incarnation: str) -> ReadyReceipt:
-        return ReadyReceipt(att.key, att.digest, att.token, incarnation)
+    def _ready_receipt(self, att: _Attempt, incarnation: str) -> ReadyEvidence:
+        return ReadyEvidence(att.key, att.digest, att.token, incarnation)
 
     async def _begin_phase(self, att: _Attempt, engines: Sequence[str]) -> list[str] | PublishResult:
         assert att.snapshot is not None, "driving an engine from begin needs the snapshot"
         req = att.snapshot.begin_request(self.prefix, att.key.epoch, att.key.version_id, att.token)
 
-        async def one(engine: str) -> str:
+        async def one(engine: str) -> wire.EngineVersionState:
             reply = await self.engines[engine].begin(req)
             await self._note_incarnation(engine, reply.incarnation)
             if isinstance(reply, wire.ReadyReceipt):
                 # This engine already holds exactly this attempt, loaded: nothing to send.
-                await self._record(
-                    "record_ready", engine_id=engine, receipt=self._ready_receipt(att, reply.incarnation)
-                )
-                return "READY"
-            await self._record(
-                "record_prepared",
-                engine_id=engine,
-                receipt=PreparedReceipt(att.key, att.token, reply.incarnation),
-            )
-            return "PREPARED"
+                receipt = self._ready_receipt(att, reply.incarnation)
+                await self._record(self.registry.record_ready(engine_id=engine, receipt=receipt))
+                return wire.EngineVersionState.READY_LOCAL
+            prepared = PreparedEvidence(att.key, att.token, reply.incarnation)
+            await self._record(self.registry.record_prepared(engine_id=engine, receipt=prepared))
+            return wire.EngineVersionState.PREPARED
 
         t = time.monotonic()
-        ok, refused, unknown = await self._fanout(att, "begin", engines, one, str)
+        ok, refused, unknown = await self._fanout(att.steps, "begin", engines, one, str)
         att.phase_s["begin"] = att.phase_s.get("begin", 0.0) + time.monotonic() - t
         failed = await self._settle(att, "begin", refused, unknown)
         if failed is not None:
             return failed
-        return [e for e in engines if ok[e] == "PREPARED"]
+        return [e for e in engines if ok[e] is wire.EngineVersionState.PREPARED]
 
     async def _bucket_phase(self, att: _Attempt, engines: Sequence[str]) -> PublishResult | None:
         assert att.snapshot is not None
@@ -506,7 +422,7 @@ class Publisher:
                 return await self.engines[engine].receive_bucket(meta, payload)
 
             _, refused, unknown = await self._fanout(
-                att,
+                att.steps,
                 "receive_bucket",
                 engines,
                 one,
@@ -526,42 +442,64 @@ class Publisher:
             receipt = await self.engines[engine].end(req)
             await self._note_incarnation(engine, receipt.incarnation)
             # Recorded as soon as this engine answers, not after the slowest one (RFC 3.4).
-            return await self._record(
-                "record_ready", engine_id=engine, receipt=self._ready_receipt(att, receipt.incarnation)
-            )
+            ready = self._ready_receipt(att, receipt.incarnation)
+            return await self._record(self.registry.record_ready(engine_id=engine, receipt=ready))
 
         t = time.monotonic()
-        _, refused, unknown = await self._fanout(att, "end", engines, one)
+        _, refused, unknown = await self._fanout(att.steps, "end", engines, one)
         att.phase_s["end"] = att.phase_s.get("end", 0.0) + time.monotonic() - t
         return await self._settle(att, "end", refused, unknown)
 
-    async def _refresh_incarnations(self, att: _Attempt | None) -> None:
-        """Register each engine's current incarnation (a read; failures change nothing)."""
+    async def _read_statuses(self, att: _Attempt) -> dict[str, wire.EngineStatus | None]:
+        """Every cohort engine's status now (None: it did not answer); each incarnation seen is
+        registered, so a restart drops that engine's earlier PREPARED / READY in the registry."""
 
-        async def one(engine: str) -> str:
+        async def read(engine: str) -> wire.EngineStatus:
             status = await self.engines[engine].status()
             await self._note_incarnation(engine, status.incarnation)
-            return status.incarnation
+            return status
 
-        results = await asyncio.gather(*(one(e) for e in self._cohort), return_exceptions=True)
+        results = await asyncio.gather(*(read(e) for e in self._cohort), return_exceptions=True)
+        statuses: dict[str, wire.EngineStatus | None] = {}
         for engine, r in zip(self._cohort, results, strict=True):
-            if isinstance(r, LoraVersionError | OutcomeUnknown):
-                if att is not None:
-                    att.steps.append(EngineStep(engine, "status", "unknown", detail=str(r)))
-            elif isinstance(r, BaseException):
+            if isinstance(r, BaseException) and not isinstance(r, LoraVersionError | OutcomeUnknown):
                 raise r
-            elif att is not None:
-                att.steps.append(EngineStep(engine, "status", "ok", detail=r))
+            if isinstance(r, wire.EngineStatus):
+                statuses[engine] = r
+                att.steps.append(EngineStep(engine, "status", CallOutcome.OK, detail=r.incarnation))
+            else:
+                statuses[engine] = None
+                att.steps.append(EngineStep(engine, "status", CallOutcome.UNKNOWN, detail=str(r)))
+        return statuses
+
+    async def _commit_evidence(self, att: _Attempt) -> dict[str, CommitEvidence]:
+        """Every cohort engine's status read now, judged with :func:`commit_evidence`."""
+        statuses = await self._read_statuses(att)
+        return {e: commit_evidence(s, att.lora_name, att.token, att.digest) for e, s in statuses.items()}
 
     async def _commit(self, att: _Attempt) -> PublishResult:
         t = time.monotonic()
-        if self.verify_before_commit:
-            # An engine restarted after its READY must not count: registering its new
-            # incarnation drops that READY, and the commit below is refused (NOT_ALL_READY).
-            await self._refresh_incarnations(att)
+        evidence = await self._commit_evidence(att)
+        unreachable = sorted(e for e, ev in evidence.items() if ev is CommitEvidence.UNREACHABLE)
+        not_ready = sorted(e for e, ev in evidence.items() if ev is CommitEvidence.NOT_READY)
+        if unreachable or not_ready:
+            # No commit without fresh READY evidence from every engine. The slot stays held and
+            # the attempt pending; resolve() finishes it once every engine answers.
+            att.phase_s["commit"] = time.monotonic() - t
+            for engine in unreachable:
+                await self._mark_unknown(engine, att.token, "status", "no answer before commit")
+            if unreachable:
+                return await self._result(
+                    att, PublishOutcome.OUTCOME_UNKNOWN, unknown_engines=tuple(unreachable)
+                )
+            err = LoraVersionError(
+                ErrorCode.NOT_ALL_READY,
+                f"no fresh READY for this attempt from {not_ready} before the commit",
+                engines=not_ready,
+            )
+            return await self._result(att, PublishOutcome.NOT_COMMITTED, error=err)
         try:
-            receipt = await self._reg(
-                "commit",
+            receipt = await self.registry.commit(
                 version_key=att.key,
                 attempt_token=att.token,
                 expected_default_revision=att.expected_revision,
@@ -570,17 +508,17 @@ class Publisher:
             att.phase_s["commit"] = time.monotonic() - t
             return await self._result(att, PublishOutcome.NOT_COMMITTED, error=err)
         except RegistryUnavailable:
-            # The reply is lost (after the adapter's idempotent retries): ask what happened.
+            # The reply is lost (after the client's idempotent retries): ask what happened.
             att.phase_s["commit"] = time.monotonic() - t
             try:
-                view = await self._reg("version", version_key=att.key)
+                view = await self.registry.version(version_key=att.key)
             except RegistryUnavailable:
                 return await self._result(att, PublishOutcome.COMMIT_UNKNOWN, query=False)
             if view is None or view.commit_revision is None:
                 return await self._result(att, PublishOutcome.NOT_COMMITTED)
             try:
-                receipt = await self._reg(
-                    "commit", version_key=att.key, attempt_token=att.token, expected_default_revision=0
+                receipt = await self.registry.commit(
+                    version_key=att.key, attempt_token=att.token, expected_default_revision=0
                 )
             except RegistryUnavailable:
                 receipt = None
@@ -595,7 +533,7 @@ class Publisher:
     async def _abort_and_cleanup(
         self, att: _Attempt, reason: str, error: LoraVersionError | None
     ) -> PublishResult:
-        await self._reg("abort", attempt_token=att.token, reason=reason[:1000])
+        await self.registry.abort(attempt_token=att.token, reason=reason[:1000])
         # Every engine, including those that never answered begin: the cleanup tombstones the
         # attempt token there, so a late begin for it cannot resurrect the candidate.
         return await self._cleanup(att, list(self._cohort), error)
@@ -608,15 +546,18 @@ class Publisher:
         async def one(engine: str) -> Any:
             receipt = await self.engines[engine].cleanup(req)
             await self._note_incarnation(engine, receipt.incarnation)
+            if isinstance(receipt, wire.DrainingReply):
+                # Unregistered there, requests still running on it: not clean yet (resolve asks again).
+                raise OutcomeUnknown(
+                    engine, "cleanup", f"draining {receipt.in_flight} in-flight requests", maybe_sent=True
+                )
+            cleaned = CleanupEvidence(att.token, receipt.incarnation)
             return await self._record(
-                "record_cleanup",
-                engine_id=engine,
-                attempt_token=att.token,
-                receipt=CleanupReceipt(att.token, receipt.incarnation),
+                self.registry.record_cleanup(engine_id=engine, attempt_token=att.token, receipt=cleaned)
             )
 
         t = time.monotonic()
-        _, refused, unknown = await self._fanout(att, "cleanup", engines, one)
+        _, refused, unknown = await self._fanout(att.steps, "cleanup", engines, one)
         att.phase_s["cleanup"] = att.phase_s.get("cleanup", 0.0) + time.monotonic() - t
         # A cleanup that was refused is not a confirmed cleanup: like an unknown one it keeps
         # the slot until a later resolve() gets a receipt.
@@ -626,7 +567,7 @@ class Publisher:
             await self._mark_unknown(
                 engine, att.token, "cleanup", f"cleanup refused: {err.code.value}: {err.message}"
             )
-        view = await self._reg("version", version_key=att.key)
+        view = await self.registry.version(version_key=att.key)
         if view is not None and view.state is VersionState.FAILED_CLEAN:
             self._snapshots.pop(att.token, None)
             return await self._result(att, PublishOutcome.FAILED_CLEAN, error=error, view=view)
@@ -642,18 +583,18 @@ class Publisher:
         attempt counts as its READY receipt; LOADING, or PREPARED with every bucket, gets only
         ``end`` again (it joins the load); PREPARED with buckets missing, or unknown to the
         engine (never got begin, or restarted), is driven again from begin (duplicate buckets
-        are acknowledged), which needs the snapshot -- this publisher's memory of it, or
-        ``snapshot``; without it the attempt is aborted and cleaned (presumed abort). A CLEANED
-        tombstone or another attempt under the name also aborts. An engine that still cannot
-        answer leaves the outcome unknown. Then commit.
+        are acknowledged), which needs the snapshot -- ``snapshot``, this publisher's memory of
+        it, or the snapshot store's entry for the digest; without it the attempt is aborted and
+        cleaned (presumed abort). A CLEANED tombstone or another attempt under the name also
+        aborts. An engine that still cannot answer leaves the outcome unknown. Then commit.
         """
         async with self._lock:
             await self._setup()
-            status = await self._reg("status")
+            status = await self.registry.status()
             if status.pending_attempt is None:
                 return None
             view = next(v for v in status.versions if v.attempt_token == status.pending_attempt)
-            snap = snapshot or self._snapshots.get(view.attempt_token)
+            snap = snapshot or self._snapshots.get(view.attempt_token) or self._stored(view.digest)
             if snap is not None and snap.digest != view.digest:
                 raise ValueError(f"the snapshot's digest is not the pending attempt's ({view.version_key})")
             att = _Attempt(
@@ -664,7 +605,20 @@ class Publisher:
                 snap,
                 expected_revision=status.default_revision,
             )
-            return await self._resolve_attempt(att, view)
+            try:
+                return await self._resolve_attempt(att, view)
+            finally:
+                await self._retain_live_snapshots()
+
+    def _stored(self, digest: str) -> Snapshot | None:
+        """The snapshot of ``digest`` from the store (a fresh publisher finishing another
+        process's attempt); None when there is no store or no valid entry."""
+        if self.store is None:
+            return None
+        try:
+            return self.store.get(digest)
+        except LoraVersionError:
+            return None
 
     async def _resolve_attempt(self, att: _Attempt, view: VersionView) -> PublishResult:
         if view.state is VersionState.ABORTED:
@@ -672,39 +626,31 @@ class Publisher:
             return await self._cleanup(att, todo, None)
         if view.state is not VersionState.LOADING:
             done = (
-                PublishOutcome.ALREADY_PUBLISHED if view.state in _COMMITTED else PublishOutcome.FAILED_CLEAN
+                PublishOutcome.ALREADY_PUBLISHED if is_committed(view.state) else PublishOutcome.FAILED_CLEAN
             )
             return await self._result(att, done, view=view)
-        await self._refresh_incarnations(att)  # a restart must be known before READY is trusted
-        view = await self._reg("version", version_key=att.key)
+        await self._read_statuses(att)  # a restart must be known before READY is trusted
+        view = await self.registry.version(version_key=att.key)
         todo = [e for e in self._cohort if view.attempt_phases.get(e) is not AttemptPhase.READY]
 
-        async def ask(engine: str) -> str:
+        async def ask(engine: str) -> ResolveAction:
             try:
                 vs = await self.engines[engine].version_status(att.lora_name)
             except LoraVersionError as err:
-                if err.code is ErrorCode.UNKNOWN_VERSION:
-                    return "REDRIVE"  # never got begin, or lost it in a restart
-                # A refused *query* says nothing about the attempt: we still do not know.
-                raise OutcomeUnknown(engine, "version_status", f"refused: {err}") from None
-            if vs.attempt_token != att.token or vs.digest != att.digest:
-                return "DOOMED"
-            if vs.state is wire.EngineVersionState.READY_LOCAL:
+                if err.code is not ErrorCode.UNKNOWN_VERSION:
+                    # A refused *query* says nothing about the attempt: we still do not know.
+                    raise OutcomeUnknown(engine, "version_status", f"refused: {err}") from None
+                vs = None  # never got begin, or lost it in a restart
+            action = resolve_action(vs, att.token, att.digest)
+            if action is ResolveAction.READY:
+                assert vs is not None
                 await self._note_incarnation(engine, vs.incarnation)
-                await self._record(
-                    "record_ready", engine_id=engine, receipt=self._ready_receipt(att, vs.incarnation)
-                )
-                return "READY"
-            if vs.state is wire.EngineVersionState.LOADING:
-                return "END"  # a repeated end joins the running load (the engine shields it)
-            if vs.state is wire.EngineVersionState.PREPARED:
-                # Every bucket already there: end alone finishes it, no snapshot needed.
-                complete = vs.buckets_total > 0 and vs.buckets_received == vs.buckets_total
-                return "END" if complete else "REDRIVE"
-            return "DOOMED"  # CLEANED tombstone, or reclaimed: this attempt cannot finish here
+                ready = self._ready_receipt(att, vs.incarnation)
+                await self._record(self.registry.record_ready(engine_id=engine, receipt=ready))
+            return action
 
-        ok, refused, unknown = await self._fanout(att, "version_status", todo, ask, str)
-        doomed = [e for e, s in ok.items() if s == "DOOMED"] + list(refused)
+        ok, refused, unknown = await self._fanout(att.steps, "version_status", todo, ask, str)
+        doomed = [e for e, a in ok.items() if a is ResolveAction.DOOMED] + list(refused)
         if doomed:
             for engine, u in unknown.items():
                 await self._mark_unknown(engine, att.token, "version_status", u.cause)
@@ -714,90 +660,13 @@ class Publisher:
         if unknown:
             # Nothing new was learnt about these engines; earlier unknown marks stay as they are.
             return await self._result(att, PublishOutcome.OUTCOME_UNKNOWN, unknown_engines=tuple(unknown))
-        redrive = [e for e in todo if ok.get(e) == "REDRIVE"]
-        end_only = [e for e in todo if ok.get(e) == "END"]
+        redrive = [e for e in todo if ok.get(e) is ResolveAction.REDRIVE]
+        end_only = [e for e in todo if ok.get(e) is ResolveAction.END]
         if redrive and att.snapshot is None:
             return await self._abort_and_cleanup(
                 att, "the snapshot is not available to finish the attempt", None
             )
         return await self._run(att, redrive, end_only)
-
-    # ========================================================================== reclaim
-
-    async def reclaim_ready(self, *, deadline_s: float | None = None) -> tuple[ReclaimResult, ...]:
-        """Reclaim every RETIRED version without session refs, and continue every version
-        already RECLAIMING (an earlier run that hit its deadline or an unknown outcome)."""
-        async with self._reclaim_lock:
-            await self._setup()
-            status = await self._reg("status")
-            todo = [
-                v
-                for v in status.versions
-                if v.state is VersionState.RECLAIMING
-                or (v.state is VersionState.RETIRED and v.session_refs == 0)
-            ]
-            deadline = time.monotonic() + (self.reclaim_deadline_s if deadline_s is None else deadline_s)
-            return tuple([await self._reclaim_version(v, deadline) for v in todo])
-
-    async def _reclaim_version(self, view: VersionView, deadline: float) -> ReclaimResult:
-        t0 = time.monotonic()
-        try:
-            claim = await self._reg("claim_reclaim", version_key=view.version_key)
-        except LoraVersionError as err:  # e.g. a session still holds it
-            return ReclaimResult(view.version_key, view.lora_name, None, view.state, {}, error=err)
-        phases = dict(view.reclaim_phases)
-        todo = [e for e in self._cohort if phases.get(e) is not ReclaimPhase.UNLOADED]
-        att = _Attempt(view.version_key, view.lora_name, view.digest, claim.reclaim_id, None, 0)
-
-        async def one(engine: str) -> str:
-            polls = 0
-            while True:
-                wait = max(0.0, min(self.reclaim_wait_s, deadline - time.monotonic()))
-                reply = await self.engines[engine].reclaim(
-                    wire.ReclaimRequest(
-                        lora_name=claim.lora_name, reclaim_id=claim.reclaim_id, timeout_s=wait
-                    )
-                )
-                polls += 1
-                if isinstance(reply, wire.UnloadedReceipt):
-                    await self._note_incarnation(engine, reply.incarnation)
-                    await self._record(
-                        "confirm_reclaim",
-                        version_key=view.version_key,
-                        engine_id=engine,
-                        receipt=UnloadedReceipt(claim.reclaim_id, reply.incarnation),
-                    )
-                    return f"UNLOADED after {polls} call(s)"
-                # DRAINING: the name is unregistered, in-flight requests are finishing. Known
-                # state, not an unknown one: keep polling until the deadline, then report it.
-                if time.monotonic() + self.reclaim_poll_s >= deadline:
-                    return f"DRAINING:{reply.in_flight}"
-                await asyncio.sleep(self.reclaim_poll_s)
-
-        _, refused, unknown = await self._fanout(att, "reclaim", todo, one, str)
-        for engine, u in unknown.items():
-            await self._mark_unknown(engine, claim.reclaim_id, "reclaim", u.cause)
-        after = await self._reg("version", version_key=view.version_key)
-        engines: dict[str, str] = {}
-        for e in self._cohort:
-            if after is not None and after.reclaim_phases.get(e) is ReclaimPhase.UNLOADED:
-                engines[e] = "UNLOADED"
-            elif e in unknown:
-                engines[e] = "UNKNOWN"
-            elif e in refused:
-                engines[e] = f"REFUSED:{refused[e].code.value}"
-            else:
-                last = next((s for s in reversed(att.steps) if s.engine_id == e), None)
-                engines[e] = last.detail if last is not None else "PENDING"
-        return ReclaimResult(
-            view.version_key,
-            claim.lora_name,
-            claim.reclaim_id,
-            after.state if after is not None else None,
-            engines,
-            steps=tuple(att.steps),
-            duration_s=time.monotonic() - t0,
-        )
 
     # =========================================================================== results
 
@@ -814,7 +683,7 @@ class Publisher:
     ) -> PublishResult:
         if view is None and query:
             try:
-                view = await self._reg("version", version_key=att.key)
+                view = await self.registry.version(version_key=att.key)
             except RegistryUnavailable:
                 view = None
         marked = {e for e, p in (view.attempt_phases.items() if view else ()) if p is AttemptPhase.UNKNOWN}

@@ -33,13 +33,13 @@ from relax_glue.registry_types import (
     AbortResult,
     AttemptPhase,
     Binding,
-    CleanupReceipt,
+    CleanupEvidence,
     CommitReceipt,
     EngineAck,
     EngineRecord,
     IncarnationResult,
-    PreparedReceipt,
-    ReadyReceipt,
+    PreparedEvidence,
+    ReadyEvidence,
     ReclaimClaim,
     ReclaimPhase,
     ReserveResult,
@@ -49,7 +49,7 @@ from relax_glue.registry_types import (
     SessionView,
     StatusView,
     UnknownOutcome,
-    UnloadedReceipt,
+    UnloadEvidence,
     VersionKey,
     VersionRecord,
     VersionState,
@@ -59,6 +59,7 @@ from relax_glue.registry_types import (
     evolve,
 )
 from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.names import MANAGED_CAPACITY, NAME_PART_RE, SHA256_RE, TOKEN_RE
 
 __all__ = [
     "MUTATING_OPS",
@@ -90,10 +91,16 @@ def holds_slot(state: VersionState) -> bool:
     return state in _SLOT_STATES
 
 
-def may_start_reclaim(record: VersionRecord) -> bool:
+def may_start_reclaim(record: VersionRecord | VersionView) -> bool:
     """The one answer to "may this version enter RECLAIMING now?": retired and no session can
     still ask for it. In-flight requests are the engine's business (native refcount)."""
     return record.state is VersionState.RETIRED and record.session_refs == 0
+
+
+def is_committed(state: VersionState) -> bool:
+    """The one answer to "was this version ever committed?" (it then never returns to a
+    candidate state: PUBLISHED, RETIRED, RECLAIMING or RECLAIMED)."""
+    return state in _COMMITTED_STATES
 
 
 # A RECLAIMED or FAILED_CLEAN version never returns: both have no way out.
@@ -112,11 +119,6 @@ _COMMITTED_STATES = frozenset(
     {VersionState.PUBLISHED, VersionState.RETIRED, VersionState.RECLAIMING, VersionState.RECLAIMED}
 )
 
-# Same charset as sglang_ext.protocol (NamePart / Token); not imported from there because that
-# module pulls in torch and pydantic, and the registry must stay dependency-free.
-_NAME_PART_RE = re.compile(r"[A-Za-z0-9_.]{1,64}")
-_TOKEN_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
-_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _SPACE_RE = re.compile(r"\s")
 
 # The public operations, used by the durable store (journal) and the actor (dispatch allow-list).
@@ -162,7 +164,7 @@ def _epoch_text(value: Any) -> str:
     # The wire protocol carries the epoch as a name part (a string); accept ints for convenience.
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
-    return _text("epoch", value, _NAME_PART_RE)
+    return _text("epoch", value, NAME_PART_RE)
 
 
 class LoRAVersionRegistry:
@@ -177,7 +179,7 @@ class LoRAVersionRegistry:
         self,
         epoch: str | int,
         engines: Sequence[str],
-        capacity: int = 2,
+        capacity: int = MANAGED_CAPACITY,
         *,
         debug_checks: bool = __debug__,
     ) -> None:
@@ -219,7 +221,7 @@ class LoRAVersionRegistry:
         same key + other digest is VERSION_CONFLICT for the whole epoch.
         """
         key = self._key(version_key)
-        _text("digest", digest, _DIGEST_RE)
+        _text("digest", digest, SHA256_RE)
         _text("lora_name", lora_name)
         if ":" in lora_name or _SPACE_RE.search(lora_name):
             # OpenAI model="base:adapter" splits on ':'; whitespace never survives a header.
@@ -304,10 +306,10 @@ class LoRAVersionRegistry:
         self._accepted()
         return result
 
-    def record_prepared(self, engine_id: str, receipt: PreparedReceipt) -> EngineAck:
+    def record_prepared(self, engine_id: str, receipt: PreparedEvidence) -> EngineAck:
         """An engine accepted ``begin`` for the live attempt (observability; commit needs READY)."""
         eng = self._engine(engine_id)
-        receipt = self._receipt(receipt, PreparedReceipt)
+        receipt = self._receipt(receipt, PreparedEvidence)
         rec = self._attempt(receipt.attempt_token, receipt.version_key)
         self._current_incarnation(eng, receipt.incarnation)
         if rec.state is not VersionState.LOADING:
@@ -327,10 +329,10 @@ class LoRAVersionRegistry:
         self._accepted()
         return ack
 
-    def record_ready(self, engine_id: str, receipt: ReadyReceipt) -> EngineAck:
+    def record_ready(self, engine_id: str, receipt: ReadyEvidence) -> EngineAck:
         """READY_LOCAL from an engine's current incarnation for the live attempt."""
         eng = self._engine(engine_id)
-        receipt = self._receipt(receipt, ReadyReceipt)
+        receipt = self._receipt(receipt, ReadyEvidence)
         rec = self._attempt(receipt.attempt_token, receipt.version_key)
         if receipt.digest != rec.digest:
             _fail(
@@ -364,7 +366,7 @@ class LoRAVersionRegistry:
         nothing, even if the version has since been retired or reclaimed.
         """
         key = self._key(version_key)
-        _text("attempt_token", attempt_token, _TOKEN_RE)
+        _text("attempt_token", attempt_token, TOKEN_RE)
         if not isinstance(expected_default_revision, int) or isinstance(expected_default_revision, bool):
             _fail(ErrorCode.INVALID_REQUEST, "expected_default_revision must be an int")
         rec = self._version(key)
@@ -429,10 +431,10 @@ class LoRAVersionRegistry:
         self._accepted()
         return result
 
-    def record_cleanup(self, engine_id: str, attempt_token: str, receipt: CleanupReceipt) -> EngineAck:
+    def record_cleanup(self, engine_id: str, attempt_token: str, receipt: CleanupEvidence) -> EngineAck:
         """Cleanup confirmed on one engine; FAILED_CLEAN (slot freed) once every engine confirmed."""
         eng = self._engine(engine_id)
-        receipt = self._receipt(receipt, CleanupReceipt)
+        receipt = self._receipt(receipt, CleanupEvidence)
         if receipt.attempt_token != attempt_token:
             _fail(ErrorCode.INVALID_REQUEST, "cleanup receipt is for another attempt")
         rec = self._attempt(attempt_token)
@@ -460,7 +462,7 @@ class LoRAVersionRegistry:
         """A (re)started engine. A new incarnation drops that engine's PREPARED / READY for the
         pending attempt: a READY from an earlier incarnation never counts toward a commit."""
         eng = self._engine(engine_id)
-        _text("incarnation", incarnation, _TOKEN_RE)
+        _text("incarnation", incarnation, TOKEN_RE)
         nk = ("incarnation", engine_id, incarnation)
         if eng.incarnation == incarnation:
             return self._results[nk]
@@ -495,7 +497,7 @@ class LoRAVersionRegistry:
         that attempt no longer counts; new publications are refused (OUTCOME_UNKNOWN) until a
         READY, cleanup or UNLOADED receipt from that engine resolves it."""
         self._engine(engine_id)
-        _text("ref", ref, _TOKEN_RE)
+        _text("ref", ref, TOKEN_RE)
         _text("op", op, max_len=64)
         _text("reason", reason, max_len=1024)
         if ref in self._by_reclaim:
@@ -619,13 +621,13 @@ class LoRAVersionRegistry:
         return self._claim(new)
 
     def confirm_reclaim(
-        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadedReceipt
+        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadEvidence
     ) -> EngineAck:
         """UNLOADED on one engine; RECLAIMED (slot freed) once every engine confirmed. A late or
         duplicate receipt changes nothing."""
         key = self._key(version_key)
         eng = self._engine(engine_id)
-        receipt = self._receipt(receipt, UnloadedReceipt)
+        receipt = self._receipt(receipt, UnloadEvidence)
         rec = self._version(key)
         if rec.reclaim_id is None or receipt.reclaim_id != rec.reclaim_id:
             _fail(
@@ -823,7 +825,7 @@ class LoRAVersionRegistry:
         if not isinstance(value, tuple | list) or len(value) != 2:
             _fail(ErrorCode.INVALID_REQUEST, "version_key must be (epoch, version_id)")
         epoch = _epoch_text(value[0])
-        version_id = _text("version_id", value[1], _NAME_PART_RE)
+        version_id = _text("version_id", value[1], NAME_PART_RE)
         if epoch != self.epoch:
             _fail(ErrorCode.INVALID_REQUEST, f"version_key is of epoch {epoch}, registry is {self.epoch}")
         return VersionKey(epoch, version_id)
@@ -857,14 +859,14 @@ class LoRAVersionRegistry:
         return rec
 
     def _attempt(self, token: Any, version_key: VersionKey | None = None) -> VersionRecord:
-        _text("attempt_token", token, _TOKEN_RE)
+        _text("attempt_token", token, TOKEN_RE)
         key = self._by_token.get(token)
         if key is None or (version_key is not None and key != version_key):
             _fail(ErrorCode.STALE_ATTEMPT, f"{token} is not an attempt of this registry for that version")
         return self._versions[key]
 
     def _current_incarnation(self, eng: EngineRecord, incarnation: Any) -> None:
-        _text("incarnation", incarnation, _TOKEN_RE)
+        _text("incarnation", incarnation, TOKEN_RE)
         if eng.incarnation != incarnation:
             known = incarnation in eng.history
             _fail(
@@ -875,7 +877,7 @@ class LoRAVersionRegistry:
             )
 
     def _known_incarnation(self, eng: EngineRecord, incarnation: Any) -> None:
-        _text("incarnation", incarnation, _TOKEN_RE)
+        _text("incarnation", incarnation, TOKEN_RE)
         if incarnation not in eng.history:
             _fail(
                 ErrorCode.STALE_INCARNATION,

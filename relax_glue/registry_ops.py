@@ -22,18 +22,18 @@ from relax_glue.registry import MUTATING_OPS, QUERY_OPS
 from relax_glue.registry_types import (
     AbortResult,
     Binding,
-    CleanupReceipt,
+    CleanupEvidence,
     CommitReceipt,
     EngineAck,
     IncarnationResult,
-    PreparedReceipt,
-    ReadyReceipt,
+    PreparedEvidence,
+    ReadyEvidence,
     ReclaimClaim,
     ReserveResult,
     SessionKey,
     SessionView,
     StatusView,
-    UnloadedReceipt,
+    UnloadEvidence,
     VersionKey,
     VersionView,
 )
@@ -57,10 +57,10 @@ class RegistryOps:
             "reserve", version_key=version_key, digest=digest, lora_name=lora_name, request_id=request_id
         )
 
-    def record_prepared(self, engine_id: str, receipt: PreparedReceipt) -> EngineAck:
+    def record_prepared(self, engine_id: str, receipt: PreparedEvidence) -> EngineAck:
         return self._dispatch("record_prepared", engine_id=engine_id, receipt=receipt)
 
-    def record_ready(self, engine_id: str, receipt: ReadyReceipt) -> EngineAck:
+    def record_ready(self, engine_id: str, receipt: ReadyEvidence) -> EngineAck:
         return self._dispatch("record_ready", engine_id=engine_id, receipt=receipt)
 
     def commit(
@@ -76,7 +76,7 @@ class RegistryOps:
     def abort(self, attempt_token: str, reason: str) -> AbortResult:
         return self._dispatch("abort", attempt_token=attempt_token, reason=reason)
 
-    def record_cleanup(self, engine_id: str, attempt_token: str, receipt: CleanupReceipt) -> EngineAck:
+    def record_cleanup(self, engine_id: str, attempt_token: str, receipt: CleanupEvidence) -> EngineAck:
         return self._dispatch(
             "record_cleanup", engine_id=engine_id, attempt_token=attempt_token, receipt=receipt
         )
@@ -103,7 +103,7 @@ class RegistryOps:
         return self._dispatch("claim_reclaim", version_key=version_key)
 
     def confirm_reclaim(
-        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadedReceipt
+        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadEvidence
     ) -> EngineAck:
         return self._dispatch(
             "confirm_reclaim", version_key=version_key, engine_id=engine_id, receipt=receipt

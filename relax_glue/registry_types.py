@@ -75,11 +75,15 @@ class ReclaimPhase(StrEnum):
     UNLOADED = "UNLOADED"  # UNLOADED receipt for this reclaim id
 
 
-# ----------------------------------------------------------------------------------- receipts
+# ----------------------------------------------------------------------------------- evidence
+# What the registry records of an engine's reply, per engine and attempt. Distinct from the wire
+# receipts (sglang_ext.messages), which carry the engine's full answer: the registry keeps only
+# what its decisions need (which attempt, which incarnation), in plain dataclasses the journal
+# encodes by type name.
 
 
 @dataclasses.dataclass(frozen=True)
-class PreparedReceipt:
+class PreparedEvidence:
     """An engine accepted ``begin`` for this attempt (PREPARED)."""
 
     version_key: VersionKey
@@ -88,7 +92,7 @@ class PreparedReceipt:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReadyReceipt:
+class ReadyEvidence:
     """An engine finished ``end``: manifest verified, adapter loaded pinned, probe passed."""
 
     version_key: VersionKey
@@ -98,7 +102,7 @@ class ReadyReceipt:
 
 
 @dataclasses.dataclass(frozen=True)
-class CleanupReceipt:
+class CleanupEvidence:
     """An engine confirmed that nothing of this attempt is left (and tombstoned its token)."""
 
     attempt_token: str
@@ -106,7 +110,7 @@ class CleanupReceipt:
 
 
 @dataclasses.dataclass(frozen=True)
-class UnloadedReceipt:
+class UnloadEvidence:
     """An engine confirmed the physical unload for this reclaim id."""
 
     reclaim_id: str
@@ -289,10 +293,10 @@ _TYPES: dict[str, type] = {
         SessionState,
         AttemptPhase,
         ReclaimPhase,
-        PreparedReceipt,
-        ReadyReceipt,
-        CleanupReceipt,
-        UnloadedReceipt,
+        PreparedEvidence,
+        ReadyEvidence,
+        CleanupEvidence,
+        UnloadEvidence,
         ReserveResult,
         EngineAck,
         CommitReceipt,

@@ -39,6 +39,3 @@ class StickyRoundRobinRouter:
 
     def forget(self, session_key: Hashable) -> None:
         self._assigned.pop(session_key, None)
-
-    def assigned(self) -> dict[Hashable, str]:
-        return dict(self._assigned)

@@ -8,10 +8,15 @@
   lost reply returns the first binding.
 * Every backend request of the session carries the bound exact ``lora_path``; tool turns,
   explicit retries and abort/resume never read the current default again.
-* **No silent retries.** The engine client never re-sends; neither does this layer. A version
-  error from an engine surfaces as the typed :class:`LoraVersionError` (no fallback to the base
-  model or to the latest version); an :class:`OutcomeUnknown` surfaces as is, with the request id,
-  so the caller can abort that request before deciding on a retry.
+* **No silent retries of anything admitted.** The engine client never re-sends. This layer
+  re-sends only a request the engine refused *before admitting it* and said it will serve soon:
+  VERSION_NOT_READY (the engine is staging that exact version, e.g. restoring it after a
+  restart; it answers Retry-After), and UNKNOWN_VERSION when a recovery hook is configured
+  (``on_version_missing``: the engine lost the version and the hook starts its restore). The
+  same request, the same exact ``lora_path``, within ``not_ready_wait_s``; then the typed error
+  surfaces. Any other version error surfaces as the typed :class:`LoraVersionError` (no fallback
+  to the base model or to the latest version); an :class:`OutcomeUnknown` surfaces as is, with
+  the request id, so the caller can abort that request before deciding on a retry.
 * **Close** (RFC 4.3), exactly once however many callers ask: FINALIZING (no new dispatch) ->
   ``registry.begin_close`` (late open/bind are refused) -> wait for the binding task, abort the
   requests already sent (by rid, never abort-all) -> ``registry.close_and_release`` (the session
@@ -26,13 +31,20 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
-from relax_glue.engine_client import EngineAPI, OutcomeUnknown, generation_aborted, outcome_label
-from relax_glue.publisher import AsyncRegistryAdapter
+from relax_glue.actor import AsyncRegistryClient
+from relax_glue.engine_client import (
+    CallOutcome,
+    EngineAPI,
+    OutcomeUnknown,
+    generation_aborted,
+    generation_outcome,
+    outcome_label,
+)
 from relax_glue.registry_types import Binding, SessionKey, SessionView
 from relax_glue.router import Router, StickyRoundRobinRouter
 from sglang_ext.errors import ErrorCode, LoraVersionError
@@ -53,7 +65,7 @@ class RequestRecord:
     rid: str
     engine_id: str
     lora_path: str
-    outcome: str  # "ok" | "aborted" (finish_reason abort) | "refused:<CODE>" | "unknown" | "cancelled"
+    outcome: str  # a CallOutcome value, or "refused:<CODE>"
     started_at: float
     duration_s: float
 
@@ -91,6 +103,7 @@ class Session:
         self.name = name
         self.phase = SessionPhase.OPEN
         self.bind_calls = 0  # bind_first calls this session made (one, unless a bind failed)
+        self.resends = 0  # requests sent again after a not-yet-admitted refusal
         self.requests: list[RequestRecord] = []
         self.close_view: SessionView | None = None
         self._binding: Binding | None = None
@@ -134,7 +147,7 @@ class Session:
 
     async def _bind_once(self) -> Binding:
         self.bind_calls += 1
-        binding: Binding = await self._m.registry.call("bind_first", session_key=self.key)
+        binding: Binding = await self._m.registry.bind_first(session_key=self.key)
         return binding
 
     def _bind_done(self, task: asyncio.Task[Binding]) -> None:
@@ -197,10 +210,17 @@ class Session:
         self._check_open()
         req, engine_id = await self._dispatch_ready(body, rid)
         flight = self._in_flight[req["rid"]] = _InFlight(req["rid"], engine_id)
-        started, t0, outcome = time.time(), time.monotonic(), "cancelled"
+        started, t0, outcome = time.time(), time.monotonic(), CallOutcome.CANCELLED
+        deadline = t0 + self._m.not_ready_wait_s
         try:
-            result = await self._m.engines[engine_id].generate(req)
-            outcome = "aborted" if generation_aborted(result) else "ok"
+            while True:
+                try:
+                    result = await self._m.engines[engine_id].generate(req)
+                    break
+                except LoraVersionError as err:
+                    if not await self._wait_to_resend(err, engine_id, req["lora_path"], deadline):
+                        raise
+            outcome = generation_outcome(result)
             return result
         except (LoraVersionError, OutcomeUnknown) as exc:
             outcome = outcome_label(exc)
@@ -215,18 +235,50 @@ class Session:
         self._check_open()
         req, engine_id = await self._dispatch_ready(body, rid)
         flight = self._in_flight[req["rid"]] = _InFlight(req["rid"], engine_id)
-        started, t0, outcome = time.time(), time.monotonic(), "cancelled"
+        started, t0, outcome = time.time(), time.monotonic(), CallOutcome.CANCELLED
         aborted = False
+        deadline = t0 + self._m.not_ready_wait_s
         try:
-            async for chunk in self._m.engines[engine_id].generate_stream(req):
-                aborted = generation_aborted(chunk)
-                yield chunk
-            outcome = "aborted" if aborted else "ok"
+            while True:
+                streamed = False
+                try:
+                    async for chunk in self._m.engines[engine_id].generate_stream(req):
+                        streamed = True
+                        aborted = generation_aborted(chunk)
+                        yield chunk
+                    break
+                except LoraVersionError as err:
+                    # Only a refusal before the first chunk: nothing was admitted.
+                    if streamed or not await self._wait_to_resend(err, engine_id, req["lora_path"], deadline):
+                        raise
+            outcome = CallOutcome.ABORTED if aborted else CallOutcome.OK
         except (LoraVersionError, OutcomeUnknown) as exc:
             outcome = outcome_label(exc)
             raise
         finally:
             self._finish(flight, req["lora_path"], outcome, started, t0)
+
+    async def _wait_to_resend(
+        self, err: LoraVersionError, engine_id: str, lora_path: str, deadline: float
+    ) -> bool:
+        """True after waiting, when the refused request may be sent again (see the module
+        docstring); False when ``err`` is final or the bound has passed. Never changes the
+        request: the same rid and the same exact ``lora_path`` go out again."""
+        m = self._m
+        if err.code is ErrorCode.VERSION_NOT_READY:
+            wait = float(err.details.get("retry_after_s") or err.retry_after_s or m.resend_interval_s)
+        elif err.code is ErrorCode.UNKNOWN_VERSION and m.on_version_missing is not None:
+            await m.on_version_missing(engine_id, lora_path)
+            wait = m.resend_interval_s
+        else:
+            return False
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        await asyncio.sleep(min(wait, remaining))
+        self._check_open()  # a close that started meanwhile: no new dispatch
+        self.resends += 1
+        return True
 
     async def abort(self, rid: str) -> bool:
         """Abort one in-flight request of this session (temporary abort: the binding stays).
@@ -259,13 +311,13 @@ class Session:
 
     async def _close_once(self) -> SessionView:
         self.phase = SessionPhase.FINALIZING
-        await self._m.registry.call("begin_close", session_key=self.key)
+        await self._m.registry.begin_close(session_key=self.key)
         task = self._bind_task
         if task is not None:
             # Wait for the binding to land or fail; after begin_close it cannot start anew.
             await asyncio.wait([task])
         await self._abort_in_flight()
-        view: SessionView = await self._m.registry.call("close_and_release", session_key=self.key)
+        view: SessionView = await self._m.registry.close_and_release(session_key=self.key)
         self.close_view = view
         self.phase = SessionPhase.CLOSED
         self._m._drop(self)
@@ -304,9 +356,9 @@ class Session:
 class SessionManager:
     """Sessions of one rollout service over a fixed set of engines and one registry.
 
-    ``registry``: the in-process registry, a ``RegistryClient`` or an ``AsyncRegistryClient``
-    (in process or through the Ray actor). Registry calls are not retried here by default
-    (``registry_retries=0``): every retry is a visible decision of the caller.
+    ``registry``: an :class:`~relax_glue.actor.AsyncRegistryClient` (in process or through the Ray
+    actor), or a registry object, which is wrapped in an in-process client that does not retry
+    (``registry_retries=0``): every retry is then a visible decision of the caller.
     """
 
     def __init__(
@@ -318,16 +370,21 @@ class SessionManager:
         drain_timeout_s: float = 30.0,
         abort_interval_s: float = 0.5,
         registry_retries: int = 0,
+        not_ready_wait_s: float = 30.0,
+        resend_interval_s: float = 0.5,
+        on_version_missing: Callable[[str, str], Awaitable[Any]] | None = None,
     ) -> None:
-        self.registry = (
-            registry
-            if isinstance(registry, AsyncRegistryAdapter)
-            else AsyncRegistryAdapter(registry, retries=registry_retries)
-        )
+        # A registry object is wrapped in an in-process client; a client passed in keeps its own retries.
+        self.registry = AsyncRegistryClient.of(registry, retries=registry_retries)
         self.engines: dict[str, EngineAPI] = dict(engines)
         self.router: Router = router or StickyRoundRobinRouter(sorted(self.engines))
         self.drain_timeout_s = drain_timeout_s
         self.abort_interval_s = abort_interval_s
+        # Bound on re-sending a request refused before admission (VERSION_NOT_READY, or
+        # UNKNOWN_VERSION with on_version_missing(engine_id, lora_path), e.g. a reconcile trigger).
+        self.not_ready_wait_s = not_ready_wait_s
+        self.resend_interval_s = resend_interval_s
+        self.on_version_missing = on_version_missing
         self._epoch: str | None = None
         self._sessions: dict[SessionKey, Session] = {}
 
@@ -339,9 +396,9 @@ class SessionManager:
         """A new OPEN session without a version. The key carries a fresh nonce, so a reused
         name is a new lifecycle and never meets the tombstone of an earlier one."""
         if self._epoch is None:
-            self._epoch, _ = await self.registry.describe()
+            self._epoch = (await self.registry.connect()).epoch
         key = SessionKey(self._epoch, f"{name}.{uuid.uuid4().hex}")
-        await self.registry.call("open_session", session_key=key)
+        await self.registry.open_session(session_key=key)
         session = Session(self, key, name)
         self._sessions[key] = session
         return session

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.protocol import (
-    DEFAULT_MAX_BUCKET_BYTES,
+    BUCKET_TARGET_BYTES,
     BeginRequest,
     BucketSpec,
     Manifest,
@@ -66,7 +66,7 @@ class Snapshot:
         config: Mapping[str, Any],
         tensors: Mapping[str, torch.Tensor],
         *,
-        max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+        max_bucket_bytes: int = BUCKET_TARGET_BYTES,
     ) -> Snapshot:
         """Copy ``tensors`` (any device) to owned CPU tensors, then describe the copies."""
         # Copy first, hash the copies: hashing the live tensors and copying afterwards could
@@ -82,7 +82,7 @@ class Snapshot:
         )
 
     @classmethod
-    def from_peft_dir(cls, path: str | Path, *, max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES) -> Snapshot:
+    def from_peft_dir(cls, path: str | Path, *, max_bucket_bytes: int = BUCKET_TARGET_BYTES) -> Snapshot:
         config, tensors = read_peft_dir(path)
         return cls.from_tensors(config, tensors, max_bucket_bytes=max_bucket_bytes)
 

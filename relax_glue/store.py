@@ -49,6 +49,7 @@ from relax_glue.registry import MUTATING_OPS, LoRAVersionRegistry
 from relax_glue.registry_ops import RegistryOps
 from relax_glue.registry_types import dumps, loads
 from sglang_ext.errors import LoraVersionError
+from sglang_ext.names import MANAGED_CAPACITY
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -61,7 +62,8 @@ __all__ = [
     "StoreMismatchError",
 ]
 
-SCHEMA_VERSION = 1
+# 2: the registry's per-engine records renamed from *Receipt to *Evidence (journal type tags).
+SCHEMA_VERSION = 2
 # PRAGMA application_id: marks a file as ours, so a foreign SQLite file is refused, not adopted.
 APPLICATION_ID = 0x4C525631  # "LRV1"
 _SYNC_MODES = ("FULL", "NORMAL", "OFF")
@@ -109,7 +111,7 @@ class DurableRegistry(RegistryOps):
         path: str | os.PathLike[str],
         epoch: str | int,
         engines: Sequence[str],
-        capacity: int = 2,
+        capacity: int = MANAGED_CAPACITY,
         *,
         synchronous: str = "FULL",
         debug_checks: bool = __debug__,

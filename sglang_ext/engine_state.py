@@ -14,19 +14,42 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sglang_ext.names import MANAGED_CAPACITY
 from sglang_ext.protocol import EngineStatus
-from sglang_ext.setup_checks import MANAGED_CAPACITY
 
 if TYPE_CHECKING:
-    from sglang_ext.native_lora import NativeLora
+    from sglang_ext.native_lora import NativeEdge
     from sglang_ext.publication import PublicationService
     from sglang_ext.reclaim import ReclaimService
     from sglang_ext.version_table import StagingLimits, VersionTable
 
 MAX_VERSION_BYTES_ENV = "SGLANG_LORA_VERSIONS_MAX_VERSION_BYTES"
 MAX_BUCKET_BYTES_ENV = "SGLANG_LORA_VERSIONS_MAX_BUCKET_BYTES"
-DEFAULT_MAX_VERSION_BYTES = 2 * 1024**3
-DEFAULT_MAX_BUCKET_BYTES = 256 * 1024**2
+ENGINE_VERSION_CAP_BYTES = 2 * 1024**3
+ENGINE_BUCKET_CAP_BYTES = 256 * 1024**2
+BODY_IDLE_TIMEOUT_ENV = "SGLANG_LORA_VERSIONS_BODY_IDLE_TIMEOUT_S"
+BODY_TIMEOUT_ENV = "SGLANG_LORA_VERSIONS_BODY_TIMEOUT_S"
+MAX_JSON_BYTES_ENV = "SGLANG_LORA_VERSIONS_MAX_JSON_BYTES"
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """How a control request's body is read: every read has a deadline and a byte cap, so a
+    client that stalls, trickles or sends too much costs a bounded time and memory."""
+
+    idle_timeout_s: float = 30.0  # longest wait for the next chunk
+    total_timeout_s: float = 600.0  # longest whole read (a 256 MiB bucket at >= 0.5 MiB/s)
+    max_json_bytes: int = 8 * 1024**2  # a manifest of ~20k tensors with its bucket plan
+
+    @classmethod
+    def from_env(cls) -> BodyLimits:
+        env = os.environ
+        default = cls()
+        return cls(
+            idle_timeout_s=float(env.get(BODY_IDLE_TIMEOUT_ENV, default.idle_timeout_s)),
+            total_timeout_s=float(env.get(BODY_TIMEOUT_ENV, default.total_timeout_s)),
+            max_json_bytes=int(env.get(MAX_JSON_BYTES_ENV, default.max_json_bytes)),
+        )
 
 
 @dataclass
@@ -34,13 +57,13 @@ class EngineState:
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = field(default_factory=time.time)
     table: VersionTable | None = None
-    native: NativeLora | None = None
+    native: NativeEdge | None = None
     publication: PublicationService | None = None
     reclaim: ReclaimService | None = None
+    body_limits: BodyLimits = field(default_factory=BodyLimits.from_env)
 
     def attach(self, server_args: Any, tokenizer_manager: Any) -> None:
-        from sglang.srt.lora.utils import get_normalized_target_modules
-
+        from sglang_ext import lora_registry_patch as upstream
         from sglang_ext.native_lora import NativeLora
         from sglang_ext.publication import NameLocks, PublicationService
         from sglang_ext.reclaim import ReclaimService
@@ -48,7 +71,9 @@ class EngineState:
 
         self.native = NativeLora(tokenizer_manager)
         self.table = VersionTable(
-            self.incarnation, staging_limits(server_args), normalize_targets=get_normalized_target_modules
+            self.incarnation,
+            staging_limits(server_args, upstream.base_hf_config(tokenizer_manager)),
+            normalize_targets=upstream.normalized_target_modules,
         )
         locks = NameLocks()
         self.publication = PublicationService(self.table, self.native, locks)
@@ -69,19 +94,22 @@ class EngineState:
         )
 
 
-def staging_limits(server_args: Any) -> StagingLimits:
-    from sglang.srt.lora.utils import get_normalized_target_modules
-
+def staging_limits(server_args: Any, hf_config: Any) -> StagingLimits:
+    from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
+    from sglang_ext.lora_registry_patch import normalized_target_modules
     from sglang_ext.version_table import StagingLimits
 
     targets = server_args.lora_target_modules
-    normalized = get_normalized_target_modules(targets) if targets else {"all"}
+    normalized = normalized_target_modules(targets) if targets else {"all"}
     return StagingLimits(
         managed_capacity=min(MANAGED_CAPACITY, int(server_args.max_loras_per_batch) - 1),
-        max_lora_rank=int(server_args.max_lora_rank),
-        target_modules=None if "all" in normalized else frozenset(normalized),
-        max_version_bytes=int(os.environ.get(MAX_VERSION_BYTES_ENV, DEFAULT_MAX_VERSION_BYTES)),
-        max_bucket_bytes=int(os.environ.get(MAX_BUCKET_BYTES_ENV, DEFAULT_MAX_BUCKET_BYTES)),
+        lora=EngineLoraShape(
+            geometry=ModelGeometry.from_hf_config(hf_config),
+            max_lora_rank=int(server_args.max_lora_rank),
+            served_modules=None if "all" in normalized else frozenset(normalized),
+        ),
+        max_version_bytes=int(os.environ.get(MAX_VERSION_BYTES_ENV, ENGINE_VERSION_CAP_BYTES)),
+        max_bucket_bytes=int(os.environ.get(MAX_BUCKET_BYTES_ENV, ENGINE_BUCKET_CAP_BYTES)),
     )
 
 

@@ -18,6 +18,7 @@ class ErrorCode(StrEnum):
     PUBLICATION_IN_PROGRESS = "PUBLICATION_IN_PROGRESS"
     DEFAULT_REVISION_CONFLICT = "DEFAULT_REVISION_CONFLICT"
     STALE_ATTEMPT = "STALE_ATTEMPT"
+    ATTEMPT_MISMATCH = "ATTEMPT_MISMATCH"  # an attempt token used with another version than its own
     STALE_INCARNATION = "STALE_INCARNATION"
     NOT_ALL_READY = "NOT_ALL_READY"
     OUTCOME_UNKNOWN = "OUTCOME_UNKNOWN"
@@ -28,6 +29,10 @@ class ErrorCode(StrEnum):
     BUCKET_OUT_OF_ORDER = "BUCKET_OUT_OF_ORDER"
     INCOMPATIBLE_ADAPTER = "INCOMPATIBLE_ADAPTER"
     PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+    INCOMPLETE_BODY = "INCOMPLETE_BODY"  # a request body that stalled past its deadline or was cut short
+    # The native load or the exact-version probe failed: the version is not servable here and
+    # still holds its slot (PREPARED when nothing stayed loaded, FAILED when what was loaded could
+    # not be removed); only a cleanup of the attempt frees it.
     LOAD_FAILED = "LOAD_FAILED"
     # serving and sessions
     NO_PUBLISHED_VERSION = "NO_PUBLISHED_VERSION"
@@ -39,7 +44,6 @@ class ErrorCode(StrEnum):
     # guards
     MANAGED_ADAPTER = "MANAGED_ADAPTER"
     FORBIDDEN_FIELD = "FORBIDDEN_FIELD"
-    UNAUTHORIZED = "UNAUTHORIZED"
     INVALID_REQUEST = "INVALID_REQUEST"
 
 
@@ -51,6 +55,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.PUBLICATION_IN_PROGRESS: 409,
     ErrorCode.DEFAULT_REVISION_CONFLICT: 409,
     ErrorCode.STALE_ATTEMPT: 409,
+    ErrorCode.ATTEMPT_MISMATCH: 409,
     ErrorCode.STALE_INCARNATION: 409,
     ErrorCode.NOT_ALL_READY: 409,
     ErrorCode.OUTCOME_UNKNOWN: 409,
@@ -60,6 +65,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.BUCKET_OUT_OF_ORDER: 409,
     ErrorCode.INCOMPATIBLE_ADAPTER: 422,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.INCOMPLETE_BODY: 400,
     ErrorCode.LOAD_FAILED: 422,
     ErrorCode.NO_PUBLISHED_VERSION: 409,
     ErrorCode.VERSION_NOT_READY: 409,
@@ -69,11 +75,15 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SESSION_CLOSED: 409,
     ErrorCode.MANAGED_ADAPTER: 409,
     ErrorCode.FORBIDDEN_FIELD: 400,
-    ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.INVALID_REQUEST: 400,
 }
 
 assert set(HTTP_STATUS) == set(ErrorCode), "every error code needs exactly one HTTP status"
+
+# Refusals that say "nothing was admitted, ask again shortly" carry a Retry-After (seconds). Only
+# VERSION_NOT_READY: the engine is staging that exact version (a publication, or a restore onto a
+# restarted engine) and will serve it once READY. Every other refusal is final for that request.
+RETRY_AFTER_S: dict[ErrorCode, int] = {ErrorCode.VERSION_NOT_READY: 1}
 
 
 class LoraVersionError(Exception):
@@ -92,6 +102,11 @@ class LoraVersionError(Exception):
     @property
     def http_status(self) -> int:
         return HTTP_STATUS[self.code]
+
+    @property
+    def retry_after_s(self) -> int | None:
+        """Seconds after which the same request may be sent again (None: do not resend it)."""
+        return RETRY_AFTER_S.get(self.code)
 
     def to_body(self) -> dict[str, Any]:
         return {"error": {"code": self.code.value, "message": self.message, **self.details}}

@@ -1,37 +1,43 @@
 """HTTP routes of the plugin, mounted on SGLang's FastAPI app in the engine's main process.
 
-Every control route is ``ADMIN_OPTIONAL``, exactly like SGLang's own LoRA control endpoints: with
-``--admin-api-key`` set only that key opens them; with only ``--api-key`` that key does. Every
-refusal is a :class:`LoraVersionError`, turned into ``{"error": {...}}`` with its one status by
-the exception handler registered here (also for errors raised by our hooks inside SGLang routes).
-"""
+On an engine (:func:`mount`) every control route is ``ADMIN_OPTIONAL``, exactly like SGLang's own
+LoRA control endpoints: with ``--admin-api-key`` set only that key opens them; with only
+``--api-key`` that key does. Every refusal is a :class:`LoraVersionError`, turned into
+``{"error": {...}}`` with its one status by the exception handler registered here (also for errors
+raised by our hooks inside SGLang routes). :func:`install` mounts the same routes on any app (the
+trainer-side tests run the real routes and services in process, over a fake native edge)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 
-# Upstream symbol: sglang.srt.utils.auth.auth_level / AuthLevel (0.5.23).
-from sglang.srt.utils.auth import AuthLevel, auth_level
-
-from sglang_ext.engine_state import EngineState, engine_state
+from sglang_ext.engine_state import BodyLimits, EngineState, engine_state
 from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.plugin import log_line
 from sglang_ext.protocol import (
+    BUCKET_CONTENT_TYPE,
     BeginRequest,
     CleanupRequest,
+    DrainingReply,
     EndRequest,
     ReceiveBucketMeta,
     ReclaimRequest,
     Routes,
     parse_model,
 )
-from sglang_ext.publication import CleanupPending
 
 
 def error_response(err: LoraVersionError) -> JSONResponse:
-    return JSONResponse(err.to_body(), status_code=err.http_status)
+    retry = err.retry_after_s
+    headers = {"Retry-After": str(retry)} if retry is not None else None
+    return JSONResponse(err.to_body(), status_code=err.http_status, headers=headers)
 
 
 async def _lora_version_error_handler(_request: Request, exc: Exception) -> JSONResponse:
@@ -39,24 +45,73 @@ async def _lora_version_error_handler(_request: Request, exc: Exception) -> JSON
     return error_response(exc)
 
 
-async def _cleanup_pending_handler(_request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, CleanupPending)
-    # 503 on purpose: the outcome is not final, so the publisher must treat it as unknown and ask again.
-    return JSONResponse(
-        {"state": "DRAINING", "lora_name": exc.lora_name, "in_flight": exc.in_flight, "detail": str(exc)},
-        status_code=503,
-    )
-
-
 def _ok(model: Any) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json"))
 
 
-async def _json(request: Request) -> bytes:
-    return await request.body()
+def _removal_reply(reply: Any) -> JSONResponse:
+    """A reclaim or cleanup: 200 once done, 202 while DRAINING (not an error: it goes on)."""
+    status = 202 if isinstance(reply, DrainingReply) else 200
+    return JSONResponse(reply.model_dump(mode="json"), status_code=status)
+
+
+async def read_body(request: Request, cap: int, limits: BodyLimits, what: str) -> bytes:
+    """The request body, at most ``cap`` bytes, read under ``limits``' deadlines.
+
+    Refused before reading when Content-Length says it is too large (PAYLOAD_TOO_LARGE). A body
+    that stalls past its deadline or is cut short by the client is INCOMPLETE_BODY and one log
+    line (not an ASGI traceback); either way the caller changed nothing yet."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > cap:
+        raise LoraVersionError(
+            ErrorCode.PAYLOAD_TOO_LARGE, f"{what} body of {length} bytes exceeds {cap}", limit=cap
+        )
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.total_timeout_s
+    chunks: list[bytes] = []
+    size = 0
+    stream = request.stream()
+    try:
+        async with asyncio.timeout(None) as scope:
+            while True:
+                scope.reschedule(min(deadline, loop.time() + limits.idle_timeout_s))
+                try:
+                    chunk = await anext(stream)
+                except StopAsyncIteration:
+                    break
+                size += len(chunk)
+                if size > cap:
+                    raise LoraVersionError(
+                        ErrorCode.PAYLOAD_TOO_LARGE, f"{what} body exceeds {cap} bytes", limit=cap
+                    )
+                chunks.append(chunk)
+    except TimeoutError:
+        log_line(f"{what}: request body stalled after {size} bytes; read abandoned")
+        raise LoraVersionError(
+            ErrorCode.INCOMPLETE_BODY, f"{what} body stalled after {size} bytes", received=size
+        ) from None
+    except ClientDisconnect:
+        log_line(f"{what}: client disconnected after {size} bytes of the request body")
+        raise LoraVersionError(
+            ErrorCode.INCOMPLETE_BODY, f"{what} body cut short after {size} bytes", received=size
+        ) from None
+    finally:
+        await stream.aclose()
+    return b"".join(chunks)
+
+
+def _check_bucket_content_type(request: Request) -> None:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != BUCKET_CONTENT_TYPE:
+        raise LoraVersionError(
+            ErrorCode.INVALID_REQUEST,
+            f"a bucket body must be {BUCKET_CONTENT_TYPE} (safetensors bytes), "
+            f"got {content_type or 'none'!r}",
+        )
 
 
 S = TypeVar("S")
+M = TypeVar("M", bound=BaseModel)
 
 
 def _serving(service: S | None) -> S:
@@ -93,49 +148,48 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
     router = _Routes()
 
     @router.get(Routes.STATUS)
-    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def lora_versions_status() -> Any:
         return _ok(state.status())
 
+    async def json_body(request: Request, model: type[M]) -> M:
+        limits = state.body_limits
+        return parse_model(model, await read_body(request, limits.max_json_bytes, limits, model.__name__))
+
     @router.post(Routes.BEGIN)
-    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def lora_versions_begin(request: Request) -> Any:
-        req = parse_model(BeginRequest, await _json(request))
+        req = await json_body(request, BeginRequest)
         return _ok(await _serving(state.publication).begin(req))
 
     @router.post(Routes.RECEIVE_BUCKET)
-    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def lora_versions_receive_bucket(request: Request) -> Any:
         meta = ReceiveBucketMeta.from_headers(request.headers)
-        length = request.headers.get("content-length")
-        content_length = int(length) if length and length.isdigit() else None
-        return _ok(await _serving(state.publication).receive_bucket(meta, content_length, request.stream()))
+        _check_bucket_content_type(request)
+        service = _serving(state.publication)
+
+        async def read_bucket(cap: int) -> bytes:
+            return await read_body(
+                request, cap, state.body_limits, f"bucket {meta.index} of {meta.lora_name}"
+            )
+
+        return _ok(await service.receive_bucket(meta, read_bucket))
 
     @router.post(Routes.END)
-    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def lora_versions_end(request: Request) -> Any:
-        req = parse_model(EndRequest, await _json(request))
+        req = await json_body(request, EndRequest)
         return _ok(await _serving(state.publication).end(req))
 
     @router.post(Routes.CLEANUP)
-    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def lora_versions_cleanup(request: Request) -> Any:
-        req = parse_model(CleanupRequest, await _json(request))
-        return _ok(await _serving(state.publication).cleanup(req))
+        req = await json_body(request, CleanupRequest)
+        return _removal_reply(await _serving(state.publication).cleanup(req))
 
     @router.post(Routes.RECLAIM)
-    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def lora_versions_reclaim(request: Request) -> Any:
-        req = parse_model(ReclaimRequest, await _json(request))
-        reply = await _serving(state.reclaim).reclaim(req)
-        # DRAINING is not an error: the reclaim goes on. 202 says "accepted, not finished".
-        return JSONResponse(
-            reply.model_dump(mode="json"), status_code=200 if reply.state == "UNLOADED" else 202
-        )
+        req = await json_body(request, ReclaimRequest)
+        return _removal_reply(await _serving(state.reclaim).reclaim(req))
 
     # Declared last: "/lora_versions/{lora_name}" must not shadow the POST routes above.
     @router.get(Routes.VERSION_STATUS)
-    @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def lora_version_status(lora_name: str) -> Any:
         for version in state.status().versions:
             if version.lora_name == lora_name:
@@ -147,13 +201,21 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
     return router.routes
 
 
+def install(app: Any, state: EngineState, guard: Callable[[Any], Any] = lambda endpoint: endpoint) -> None:
+    """Mount the control routes of ``state`` and the typed-error handlers on ``app``; ``guard``
+    marks every route's auth level (identity for an app without SGLang's auth middleware)."""
+    app.add_exception_handler(LoraVersionError, _lora_version_error_handler)
+    for path, endpoint, methods in build_routes(state):
+        app.add_api_route(path, guard(endpoint), methods=methods)
+
+
 def mount(app: Any, server_args: Any, tokenizer_manager: Any) -> None:
+    """The engine's own mount: every control route ADMIN_OPTIONAL, like SGLang's LoRA endpoints."""
+    from sglang_ext.lora_registry_patch import admin_optional
+
     if getattr(app.state, "lora_versions_mounted", False):
         return
     state = engine_state()
     state.attach(server_args, tokenizer_manager)
-    app.add_exception_handler(LoraVersionError, _lora_version_error_handler)
-    app.add_exception_handler(CleanupPending, _cleanup_pending_handler)
-    for path, endpoint, methods in build_routes(state):
-        app.add_api_route(path, endpoint, methods=methods)
+    install(app, state, guard=admin_optional)
     app.state.lora_versions_mounted = True

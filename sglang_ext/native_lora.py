@@ -21,8 +21,9 @@ import contextlib
 import contextvars
 import pickle
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
+from sglang_ext import lora_registry_patch as upstream
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
 # Set while the plugin's own exact-version probe generates with a managed name that is still
@@ -33,8 +34,39 @@ managed_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 PROBE_INPUT_IDS = [1]
 
-# Messages of LoRAManager.validate_new_adapter that mean "this adapter does not fit this engine".
-_INCOMPATIBLE_MARKERS = ("incompatible with the current LoRA memory pool", "DoRA", "add tokens")
+
+class NativeEdge(Protocol):
+    """What the publication and reclaim services need from SGLang's LoRA machinery. The engine
+    implements it with :class:`NativeLora`; the trainer-side tests with an in-memory fake, so they
+    run the real services (tests/relax_glue/_fake_engine.py)."""
+
+    def lora_id_of(self, lora_name: str) -> str | None:
+        """The id SGLang's registry resolves ``lora_name`` to now (None: not registered)."""
+        ...
+
+    def in_flight(self, lora_id: str | None) -> int | None:
+        """Requests holding ``lora_id`` (None: nothing is loaded under it)."""
+        ...
+
+    async def load_pinned(self, lora_name: str, config: Mapping[str, Any], tensors: Mapping[str, Any]) -> str:
+        """Load and register, pinned; the new lora_id. Raises LoraVersionError, loading nothing."""
+        ...
+
+    async def probe(self, lora_name: str, expected_lora_id: str) -> None:
+        """Generate one token naming ``lora_name``; raise unless served by ``expected_lora_id``."""
+        ...
+
+    async def unregister(self, lora_name: str, lora_id: str) -> None:
+        """New requests can no longer acquire the name (idempotent); in-flight ones stay counted."""
+        ...
+
+    async def drain(self, lora_id: str, timeout_s: float) -> int | None:
+        """Wait at most ``timeout_s`` for zero in flight; the count left (None: already gone)."""
+        ...
+
+    async def physical_unload(self, lora_name: str, lora_id: str) -> None:
+        """Unload ``lora_id`` from every rank, exactly once per id."""
+        ...
 
 
 class NativeLora:
@@ -43,83 +75,65 @@ class NativeLora:
         # lora_id -> the one physical unload of that id (exactly once, shared by racing callers)
         self._unloads: dict[str, asyncio.Task[None]] = {}
 
-    # Upstream symbols: LoRARegistry._registry (name -> LoRARef) and ._counters (id -> counter).
     def lora_id_of(self, lora_name: str) -> str | None:
-        ref = self.tm.lora_registry._registry.get(lora_name)
-        return None if ref is None else ref.lora_id
+        return upstream.registered_lora_id(self.tm, lora_name)
 
     def in_flight(self, lora_id: str | None) -> int | None:
         if lora_id is None:
             return None
-        counter = self.tm.lora_registry._counters.get(lora_id)
+        counter = upstream.in_flight_counter(self.tm, lora_id)
         return None if counter is None else counter.value()
 
     async def load_pinned(self, lora_name: str, config: Mapping[str, Any], tensors: Mapping[str, Any]) -> str:
         """Load ``tensors`` under ``lora_name``, pinned, and register it; returns the new lora_id.
 
-        Upstream: LoRARef, LoadLoRAAdapterFromTensorsReqInput, TokenizerManager.
-        update_lora_adapter_communicator, tokenizer_control_mixin._merge_lora_update_results,
-        LoRARegistry.register. The payload is a by-value pickle of CPU tensors (SGLang's
-        SafeUnpickler admits torch storages): no shared memory, no fd that leaks if unconsumed.
-        Tensors were verified against the manifest on receipt; ``expected_checksums`` is not used
-        because a mismatch raises outside any try in the scheduler and takes the server down."""
-        from sglang.srt.lora.lora_registry import LoRARef
-        from sglang.srt.managers.io_struct import (
-            LoadLoRAAdapterFromTensorsReqInput,
-            UnloadLoRAAdapterReqInput,
-        )
-        from sglang.srt.managers.tokenizer_control_mixin import _merge_lora_update_results
-        from sglang.srt.runtime_context import get_parallel
-
-        tm = self.tm
-        tm.auto_create_handle_loop()
-        ref = LoRARef(lora_name=lora_name, lora_path="__tensor__", pinned=True)
+        The payload is a by-value pickle of CPU tensors (SGLang's SafeUnpickler admits torch
+        storages): no shared memory, no fd that leaks if unconsumed. Tensors were verified
+        against the manifest on receipt."""
+        ref = upstream.new_pinned_tensor_ref(lora_name)
         payload = pickle.dumps(
             {k: v.contiguous() for k, v in tensors.items()}, protocol=pickle.HIGHEST_PROTOCOL
         )
-        req = LoadLoRAAdapterFromTensorsReqInput(
-            lora_name=lora_name,
-            config_dict=dict(config),
-            serialized_named_tensors=[payload] * get_parallel().tp_size,
-            pinned=True,
-            lora_id=ref.lora_id,
+        result, ranks = await upstream.fan_out(
+            self.tm, upstream.load_from_tensors_request(ref, config, payload)
         )
-        ranks = await tm.update_lora_adapter_communicator(req)
-        result = _merge_lora_update_results(ranks)
         if not result.success:
-            if any(r.success or lora_name in (r.loaded_adapters or {}) for r in ranks):
-                # some rank loaded it: take it back out so nothing half-loaded stays behind
-                await tm.update_lora_adapter_communicator(
-                    UnloadLoRAAdapterReqInput(lora_name=lora_name, lora_id=ref.lora_id)
-                )
             message = result.error_message or "unknown error"
+            if any(r.success or lora_name in (r.loaded_adapters or {}) for r in ranks):
+                # Some rank loaded it: take it back out through the one unload path. If that
+                # fails too, name what stays loaded, so the caller keeps it visible (FAILED)
+                # instead of forgetting a pinned adapter.
+                try:
+                    await self.physical_unload(lora_name, ref.lora_id)
+                except Exception as exc:
+                    raise LoraVersionError(
+                        ErrorCode.LOAD_FAILED,
+                        f"SGLang refused the load ({message}) and its partial load could not be "
+                        f"taken back out ({exc})",
+                        lora_name=lora_name,
+                        leftover_lora_id=ref.lora_id,
+                    ) from None
             code = (
                 ErrorCode.INCOMPATIBLE_ADAPTER
-                if any(m in message for m in _INCOMPATIBLE_MARKERS)
+                if upstream.is_incompatible_message(message)
                 else ErrorCode.LOAD_FAILED
             )
             raise LoraVersionError(code, f"SGLang refused the load: {message}", lora_name=lora_name)
-        await tm.lora_registry.register(ref)
+        await upstream.register(self.tm, ref)
         return ref.lora_id
 
     async def probe(self, lora_name: str, expected_lora_id: str) -> None:
         """Exact-version probe: a 1-token greedy generation naming ``lora_name`` succeeds and was
         resolved by SGLang to exactly the adapter instance we loaded."""
-        from sglang.srt.managers.io_struct import GenerateReqInput
-
-        obj = GenerateReqInput(
-            input_ids=list(PROBE_INPUT_IDS),
-            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-            lora_path=lora_name,
-        )
+        request = upstream.generation_request(lora_name, PROBE_INPUT_IDS, max_new_tokens=1)
         token = managed_call.set(True)
         try:
-            outputs = [out async for out in self.tm.generate_request(obj, None)]
+            outputs = [out async for out in upstream.generate(self.tm, request)]
         finally:
             managed_call.reset(token)
         if not outputs or not outputs[-1].get("output_ids"):
             raise LoraVersionError(ErrorCode.LOAD_FAILED, "probe generated no token", lora_name=lora_name)
-        got = obj.lora_id if isinstance(obj.lora_id, str) else None
+        got = upstream.resolved_lora_id(request)
         if got != expected_lora_id:
             raise LoraVersionError(
                 ErrorCode.LOAD_FAILED,
@@ -129,18 +143,16 @@ class NativeLora:
 
     async def unregister(self, lora_name: str, lora_id: str) -> None:
         """Removal step 1: new requests can no longer acquire ``lora_name`` (idempotent). The
-        counter stays, so in-flight requests keep being counted. Upstream: LoRARegistry.unregister;
-        TokenizerManager.lora_ref_cache (forgotten, so a managed name is never implicitly reloaded)."""
-        tm = self.tm
-        tm.lora_ref_cache.pop(lora_name, None)
-        ref = tm.lora_registry._registry.get(lora_name)
-        if ref is not None and ref.lora_id == lora_id:
-            await tm.lora_registry.unregister(lora_name)
+        counter stays, so in-flight requests keep being counted; the cached ref is forgotten so a
+        managed name is never implicitly reloaded."""
+        upstream.forget_cached_ref(self.tm, lora_name)
+        if upstream.registered_lora_id(self.tm, lora_name) == lora_id:
+            await upstream.unregister(self.tm, lora_name)
 
     async def drain(self, lora_id: str, timeout_s: float) -> int | None:
         """Removal step 2: wait (bounded, holding NO lock) for the native in-flight count to reach
         zero. Returns the count left, or None when the counter is gone (already unloaded)."""
-        counter = self.tm.lora_registry._counters.get(lora_id)
+        counter = upstream.in_flight_counter(self.tm, lora_id)
         if counter is None:
             return None
         if counter.value() != 0:
@@ -158,18 +170,9 @@ class NativeLora:
         await asyncio.shield(task)
 
     async def _unload(self, lora_name: str, lora_id: str) -> None:
-        from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
-        from sglang.srt.managers.tokenizer_control_mixin import _merge_lora_update_results
-
-        tm = self.tm
-        # lora_id must be set: the scheduler builds a LoRARef from it and a None id raises there.
-        result = _merge_lora_update_results(
-            await tm.update_lora_adapter_communicator(
-                UnloadLoRAAdapterReqInput(lora_name=lora_name, lora_id=lora_id)
-            )
-        )
+        result, _ = await upstream.fan_out(self.tm, upstream.unload_request(lora_name, lora_id))
         if not result.success:
             raise LoraVersionError(
                 ErrorCode.LOAD_FAILED, f"SGLang failed to unload: {result.error_message}", lora_name=lora_name
             )
-        tm.lora_registry._counters.pop(lora_id, None)
+        upstream.drop_counter(self.tm, lora_id)

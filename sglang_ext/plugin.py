@@ -29,24 +29,23 @@ def is_enabled() -> bool:
     return os.environ.get(SWITCH_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _log(message: str) -> None:
-    # SGLang configures its logging only after load_plugins; stderr lands in the engine log.
+def log_line(message: str) -> None:
+    """One line in the engine log. stderr rather than ``logging``: SGLang configures its logging
+    only after load_plugins, and stderr lands in the engine log in every process."""
     print(f"[lora-versions] {message}", file=sys.stderr, flush=True)
 
 
 def process_role() -> str:
     """Which SGLang process is loading us: main, scheduler, detokenizer (or another child)."""
+    from sglang_ext.lora_registry_patch import PROCESS_ENTRY_FUNCTIONS
+
     if multiprocessing.parent_process() is None:
         return "main"
     frame = sys._getframe(1)
     while frame is not None:
-        name = frame.f_code.co_name
-        if name == "run_scheduler_process":
-            return "scheduler"
-        if name == "run_detokenizer_process":
-            return "detokenizer"
-        if name == "run_data_parallel_controller_process":
-            return "dp-controller"
+        role = PROCESS_ENTRY_FUNCTIONS.get(frame.f_code.co_name)
+        if role is not None:
+            return role
         frame = frame.f_back
     return "subprocess"
 
@@ -62,7 +61,7 @@ def refuse_to_start(message: str) -> NoReturn:
     would log and swallow an ordinary exception, and a SystemExit was seen to linger for minutes
     in interpreter shutdown (atexit work of modules imported by then) before the process ended.
     """
-    _log(f"REFUSED TO START: {message}")
+    log_line(f"REFUSED TO START: {message}")
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(REFUSED_EXIT_CODE)
@@ -86,8 +85,15 @@ def register() -> None:
     from sglang_ext.engine_state import engine_state
 
     incarnation = engine_state().incarnation if role == "main" else "-"
-    _log(f"plugin active in {role} process (pid {os.getpid()}, incarnation {incarnation})")
+    log_line(f"plugin active in {role} process (pid {os.getpid()}, incarnation {incarnation})")
 
-    from sglang_ext import hooks
+    from sglang_ext import hooks, lora_registry_patch
 
+    if role == "main":
+        problems = lora_registry_patch.surface_problems()
+        if problems:
+            refuse_to_start(
+                f"the installed SGLang lacks {len(problems)} internal(s) the plugin depends on: "
+                + "; ".join(problems)
+            )
     hooks.register_all(role)

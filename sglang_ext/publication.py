@@ -11,17 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import defaultdict
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.native_lora import NativeLora
+from sglang_ext.adapter_compat import check_tensor_values, sglang_load_config
+from sglang_ext.errors import LoraVersionError
+from sglang_ext.native_lora import NativeEdge
 from sglang_ext.protocol import (
     BeginRequest,
     BucketAck,
+    BucketSpec,
     CleanupReceipt,
     CleanupRequest,
+    DrainingReply,
     EndRequest,
+    Manifest,
     PreparedReceipt,
     ReadyReceipt,
     ReceiveBucketMeta,
@@ -38,6 +42,9 @@ from sglang_ext.version_table import (
     may_unload_now,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 
 class NameLocks:
     """One asyncio lock per managed name: operations on one name are serialised, others run on."""
@@ -50,7 +57,7 @@ class NameLocks:
 
 
 async def remove_version(
-    table: VersionTable, native: NativeLora, lora_name: str, lora_id: str | None, timeout_s: float
+    table: VersionTable, native: NativeEdge, lora_name: str, lora_id: str | None, timeout_s: float
 ) -> int | None:
     """Unregister -> drain (bounded, without any SGLang lock) -> physical unload, the last step
     only when :func:`may_unload_now` says so. Shared by reclaim, cleanup and a failed probe.
@@ -66,28 +73,29 @@ async def remove_version(
     return None
 
 
-class CleanupPending(Exception):
-    """The candidate is unregistered but requests still run on it; call cleanup again."""
-
-    def __init__(self, lora_name: str, in_flight: int | None) -> None:
-        super().__init__(f"cleanup of {lora_name!r} is still draining {in_flight} in-flight requests")
-        self.lora_name = lora_name
-        self.in_flight = in_flight
-
-
 # safetensors header slack on top of the tensor bytes a bucket may carry
 _HEADER_SLACK = 64 * 1024
 
 
+# A version's attempt: the stash and the running load belong to exactly this (name, token) pair.
+# The table binds a token to one name for good (ATTEMPT_MISMATCH), and keying by both keeps even
+# a table bug from letting one attempt's tensors reach another version.
+AttemptKey = tuple[str, str]
+
+# Reads a request body of at most the given number of bytes (the HTTP shell supplies it, with
+# its deadline and its handling of a client that goes away).
+BodyReader = Callable[[int], Awaitable[bytes]]
+
+
 class PublicationService:
-    def __init__(self, table: VersionTable, native: NativeLora, locks: NameLocks | None = None) -> None:
+    def __init__(self, table: VersionTable, native: NativeEdge, locks: NameLocks | None = None) -> None:
         self.table = table
         self.native = native
         self._locks = locks if locks is not None else NameLocks()
-        # attempt token -> tensors received so far (one bucket decoded at a time on top of it)
-        self._stash: dict[str, dict[str, Any]] = {}
-        # attempt token -> the running load+probe, shared by a racing end and by cleanup
-        self._loads: dict[str, asyncio.Task[ReadyReceipt]] = {}
+        # (name, attempt token) -> tensors received so far (one bucket decoded at a time on top)
+        self._stash: dict[AttemptKey, dict[str, Any]] = {}
+        # (name, attempt token) -> the running load+probe, shared by a racing end and by cleanup
+        self._loads: dict[AttemptKey, asyncio.Task[ReadyReceipt]] = {}
 
     # ----------------------------------------------------------------------------- begin
 
@@ -95,34 +103,33 @@ class PublicationService:
         async with self._locks[req.lora_name]:
             receipt = self.table.begin(req)
             if isinstance(receipt, PreparedReceipt):
-                self._stash.setdefault(req.attempt_token, {})
+                self._stash.setdefault((req.lora_name, req.attempt_token), {})
             return receipt
 
     # ----------------------------------------------------------------------------- buckets
 
-    async def receive_bucket(
-        self, meta: ReceiveBucketMeta, content_length: int | None, body: AsyncIterator[bytes]
-    ) -> BucketAck:
+    async def receive_bucket(self, meta: ReceiveBucketMeta, read_body: BodyReader) -> BucketAck:
         async with self._locks[meta.lora_name]:
             decision = self.table.check_bucket(meta)
             if decision is BucketDecision.DUPLICATE:
                 return BucketAck(index=meta.index, accepted=True, duplicate=True)
             v = self.table.get(meta.lora_name)
             assert v is not None
-            spec = self.table.bucket_spec(meta)
-            cap = min(max_payload_bytes(v.manifest, spec), self.table.limits.max_bucket_bytes) + _HEADER_SLACK
-            if content_length is not None and content_length > cap:
-                raise LoraVersionError(
-                    ErrorCode.PAYLOAD_TOO_LARGE,
-                    f"bucket body of {content_length} bytes exceeds {cap}",
-                    limit=cap,
-                )
-            payload = await _read_capped(body, cap)
-            tensors = decode_bucket(payload, expected_sha256=meta.sha256)
-            del payload
-            check_bucket_tensors(v.manifest, spec, tensors)
+            manifest, spec = v.manifest, self.table.bucket_spec(meta)
+        # The body is read and verified without the name lock: a slow or stalled upload must not
+        # block cleanup, end or begin of its version (the reader has a deadline of its own), and
+        # decoding and hashing run in a worker thread so generation keeps its event loop.
+        cap = min(max_payload_bytes(manifest, spec), self.table.limits.max_bucket_bytes) + _HEADER_SLACK
+        payload = await read_body(cap)
+        tensors = await asyncio.to_thread(_verified_bucket, payload, meta.sha256, manifest, spec)
+        del payload
+        async with self._locks[meta.lora_name]:
+            # Asked again: the attempt may have been cleaned up, or the bucket accepted by a
+            # concurrent upload of the same bytes, while this body was read.
+            if self.table.check_bucket(meta) is BucketDecision.DUPLICATE:
+                return BucketAck(index=meta.index, accepted=True, duplicate=True)
             # every check passed: only now does the attempt's state change
-            self._stash.setdefault(meta.attempt_token, {}).update(tensors)
+            self._stash.setdefault((meta.lora_name, meta.attempt_token), {}).update(tensors)
             self.table.accept_bucket(meta)
             return BucketAck(index=meta.index, accepted=True)
 
@@ -135,8 +142,9 @@ class PublicationService:
                 v = self.table.get(req.lora_name)
                 assert v is not None
                 return self.table.ready_receipt(v)
+            key = (req.lora_name, req.attempt_token)
             if decision is EndDecision.LOAD:
-                stash = self._stash.get(req.attempt_token, {})
+                stash = self._stash.get(key, {})
                 try:
                     v = self.table.get(req.lora_name)
                     assert v is not None
@@ -144,10 +152,8 @@ class PublicationService:
                 except BaseException:
                     self.table.fail_load(req.lora_name, req.attempt_token)
                     raise
-                self._loads[req.attempt_token] = asyncio.create_task(
-                    self._load_and_probe(req.lora_name, req.attempt_token)
-                )
-            task = self._loads[req.attempt_token]
+                self._loads[key] = asyncio.create_task(self._load_and_probe(req.lora_name, req.attempt_token))
+            task = self._loads[key]
         # Shielded: a client that disconnects mid-end must not cancel a native load half way.
         return await asyncio.shield(task)
 
@@ -156,29 +162,41 @@ class PublicationService:
         assert v is not None
         lora_id: str | None = None
         try:
-            lora_id = await self.native.load_pinned(lora_name, v.manifest.config, self._stash[attempt_token])
+            lora_id = await self.native.load_pinned(
+                lora_name, sglang_load_config(v.manifest.config), self._stash[(lora_name, attempt_token)]
+            )
             await self.native.probe(lora_name, lora_id)
-        except BaseException:
-            if lora_id is not None:
-                # Loaded but the probe failed: take it out again, never leave it half-published.
-                v.cleaning = True
-                with contextlib.suppress(Exception):
-                    await remove_version(self.table, self.native, lora_name, lora_id, timeout_s=30.0)
-                v.cleaning = False
-            self.table.fail_load(lora_name, attempt_token)
+        except BaseException as exc:
+            # What stayed loaded: the id the load returned (the probe failed), or the id of a
+            # partial load that native_lora could not take back out (LOAD_FAILED's details).
+            details = exc.details if isinstance(exc, LoraVersionError) else {}
+            leftover = lora_id or details.get("leftover_lora_id")
+            if leftover is not None:
+                # Take it out again through the one removal path; never forget it on a failure.
+                self.table.abandon_load(lora_name, attempt_token)
+                try:
+                    left = await remove_version(self.table, self.native, lora_name, leftover, timeout_s=30.0)
+                    if left is None:
+                        leftover = None  # removed: nothing stays loaded
+                except Exception:
+                    pass  # still loaded: FAILED below keeps it visible and its slot held
+            self.table.fail_load(lora_name, attempt_token, leftover_lora_id=leftover)
             raise
         receipt = self.table.finish_load(lora_name, attempt_token, lora_id)
-        self._stash.pop(attempt_token, None)  # the engine holds the weights now
+        self._stash.pop((lora_name, attempt_token), None)  # the engine holds the weights now
         return receipt
 
     # ----------------------------------------------------------------------------- cleanup
 
-    async def cleanup(self, req: CleanupRequest, drain_timeout_s: float = 30.0) -> CleanupReceipt:
+    async def cleanup(
+        self, req: CleanupRequest, drain_timeout_s: float = 30.0
+    ) -> CleanupReceipt | DrainingReply:
         while True:
             async with self._locks[req.lora_name]:
                 decision = self.table.plan_cleanup(req.lora_name, req.attempt_token)
+                key = (req.lora_name, req.attempt_token)
                 if decision is CleanupDecision.WAIT_FOR_LOAD:
-                    load = self._loads.get(req.attempt_token)
+                    load = self._loads.get(key)
                 else:
                     if decision is CleanupDecision.UNLOAD:
                         self.table.mark_cleaning(req.lora_name, req.attempt_token)
@@ -188,10 +206,15 @@ class PublicationService:
                             self.table, self.native, req.lora_name, v.lora_id, drain_timeout_s
                         )
                         if left is not None:
-                            # Unknown to the caller whether it will finish: a 5xx, never "clean".
-                            raise CleanupPending(req.lora_name, left)
-                    self._stash.pop(req.attempt_token, None)
-                    self._loads.pop(req.attempt_token, None)
+                            # Unregistered, not yet unloaded: never "clean" before the unload.
+                            return DrainingReply(
+                                lora_name=req.lora_name,
+                                attempt_token=req.attempt_token,
+                                in_flight=max(left, 0),
+                                incarnation=self.table.incarnation,
+                            )
+                    self._stash.pop(key, None)
+                    self._loads.pop(key, None)
                     return self.table.finish_cleanup(req.lora_name, req.attempt_token)
             if load is not None:
                 with contextlib.suppress(BaseException):
@@ -199,15 +222,13 @@ class PublicationService:
             else:
                 await asyncio.sleep(0.01)
 
-    # ----------------------------------------------------------------------------- status
 
-
-async def _read_capped(body: AsyncIterator[bytes], cap: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in body:
-        size += len(chunk)
-        if size > cap:
-            raise LoraVersionError(ErrorCode.PAYLOAD_TOO_LARGE, f"bucket body exceeds {cap} bytes", limit=cap)
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _verified_bucket(
+    payload: bytes, sha256: str, manifest: Manifest, spec: BucketSpec
+) -> dict[str, torch.Tensor]:
+    """The bucket's tensors, each exactly as the manifest describes it and finite."""
+    tensors = decode_bucket(payload, expected_sha256=sha256)
+    check_bucket_tensors(manifest, spec, tensors)
+    for name, tensor in tensors.items():
+        check_tensor_values(name, tensor)
+    return tensors

@@ -10,14 +10,14 @@ on, and a later call with the same ``reclaim_id`` resumes it. The wait never hol
 
 from __future__ import annotations
 
-from sglang_ext.native_lora import NativeLora
+from sglang_ext.native_lora import NativeEdge
 from sglang_ext.protocol import DrainingReply, ReclaimRequest, UnloadedReceipt
 from sglang_ext.publication import NameLocks, remove_version
 from sglang_ext.version_table import ReclaimDecision, VersionTable
 
 
 class ReclaimService:
-    def __init__(self, table: VersionTable, native: NativeLora, locks: NameLocks) -> None:
+    def __init__(self, table: VersionTable, native: NativeEdge, locks: NameLocks) -> None:
         self.table = table
         self.native = native
         self._locks = locks

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# Two managed versions stay pinned, and SGLang refuses a pin that would leave no free slot
-# (``LoRAManager.validate_new_adapter``: num_pinned >= max_loras_per_batch - 1), so 2 + 1.
-MANAGED_CAPACITY = 2
+from sglang_ext.names import MANAGED_CAPACITY
+
+# MANAGED_CAPACITY versions stay pinned, and SGLang refuses a pin that would leave no free slot
+# (``LoRAManager.validate_new_adapter``: num_pinned >= max_loras_per_batch - 1), so one more.
 MIN_LORAS_PER_BATCH = MANAGED_CAPACITY + 1
 
 

@@ -17,6 +17,7 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+from sglang_ext import lora_registry_patch as upstream
 from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.http_routes import error_response
 from sglang_ext.native_lora import managed_call
@@ -70,23 +71,15 @@ def lora_names(lora_path: Any) -> list[str]:
 
 
 def check_servable(names: list[str]) -> None:
-    """Raise the version error for the first managed name this engine may not serve now."""
+    """Raise the version error for the first managed name this engine may not serve now (the
+    rule is the table's; this only supplies what SGLang's registry says about the name)."""
     from sglang_ext.engine_state import engine_state
 
     state = engine_state()
-    if state.table is None:
+    if state.table is None or state.native is None:
         return
     for name in names:
-        if not is_managed_name(name):
-            continue
-        v = state.table.get(name)
-        if managed_call.get() and v is not None and v.state.value == "LOADING":
-            continue  # our own exact-version probe, while the version is being made READY
-        err = state.table.request_gate(name)
-        if err is None and state.native is not None and state.native.lora_id_of(name) != v.lora_id:
-            err = LoraVersionError(
-                ErrorCode.VERSION_RECLAIMED, f"{name!r} is no longer loaded here", lora_name=name
-            )
+        err = state.table.request_gate(name, state.native.lora_id_of(name), probing=managed_call.get())
         if err is not None:
             raise refuse(err.code, err.message, **err.details)
 
@@ -145,6 +138,44 @@ def refuse_mismatched_lora_path(self: Any, obj: Any, *args: Any, **kwargs: Any) 
     return None
 
 
+def refuse_inputs_that_crash_the_scheduler(
+    self: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any
+) -> None:
+    """BEFORE TokenizerManager._validate_one_request(obj, input_ids): runs once per (sub-)request
+    after tokenisation, on every route (/generate, OpenAI, Engine API) and before anything is
+    sent to the scheduler. Stock 0.5.23 forwards these inputs, and the scheduler process dies on
+    each of them (seen on CPU; tests/sglang_ext/test_control_hardening_engines.py), which takes the
+    whole engine and every session on it down:
+
+    - an empty prompt (``text: ""``, or ``[]`` inside a batch; stock refuses only a top-level
+      empty ``input_ids``);
+    - a token id outside ``[0, vocab_size)`` (a negative id crashes the embedding; an id past the
+      vocabulary silently embeds garbage on CPU and is a device-side assert on a GPU);
+    - ``top_logprobs_num`` larger than the vocabulary (``topk`` out of range in the scheduler).
+
+    The refusal is a ValueError, so the stock failure path releases whatever was acquired."""
+    if getattr(obj, "input_embeds", None) is not None or input_ids is None:
+        return None  # embeddings or a multimodal placeholder: not token ids
+    if len(input_ids) == 0:
+        raise refuse(ErrorCode.INVALID_REQUEST, "the prompt is empty: send at least one token")
+    vocab_size = upstream.vocab_size(self)
+    bad = next((t for t in input_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise refuse(
+            ErrorCode.INVALID_REQUEST,
+            f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+            vocab_size=vocab_size,
+        )
+    top = getattr(obj, "top_logprobs_num", None)
+    if getattr(obj, "return_logprob", False) and isinstance(top, int) and top > vocab_size:
+        raise refuse(
+            ErrorCode.INVALID_REQUEST,
+            f"top_logprobs_num {top} exceeds the vocabulary size {vocab_size}",
+            vocab_size=vocab_size,
+        )
+    return None
+
+
 async def serve_only_ready_managed_versions(
     original: Any, self: Any, obj: Any, *args: Any, **kwargs: Any
 ) -> Any:
@@ -165,28 +196,25 @@ async def serve_only_ready_managed_versions(
 def release_only_what_was_acquired(original: Any, self: Any, state: Any) -> Any:
     """AROUND TokenizerManager._release_lora_once: a request that failed before acquire has no
     lora_id; stock would schedule release(None) (a TypeError in a fire-and-forget task)."""
-    if not state.lora_released and getattr(state.obj, "lora_id", None) is None:
-        state.lora_released = True
+    if not upstream.lora_released(state) and upstream.acquired_lora_id(state) is None:
+        upstream.mark_lora_released(state)
         return None
     return original(self, state)
 
 
 async def lru_never_picks_managed(self: Any, exclude_pinned: bool = False) -> str | None:
-    """REPLACE LoRARegistry.lru_lora_name (same body as 0.5.23 plus the managed check): the
-    max_loaded_loras eviction path asks the same rule as reclaim (version_table.may_unload_now),
-    and a registered managed version is never unloadable."""
+    """REPLACE LoRARegistry.lru_lora_name: the max_loaded_loras eviction path asks the same rule
+    as reclaim (version_table.may_unload_now), and a registered managed version is never
+    unloadable."""
     from sglang_ext.engine_state import engine_state
     from sglang_ext.version_table import may_unload_now
 
     table = engine_state().table
-    async with self._registry_lock.reader_lock:
-        for name, ref in self._registry.items():
-            if exclude_pinned and ref.pinned:
-                continue
-            if is_managed_name(name) and not may_unload_now(table.get(name) if table else None, None):
-                continue
-            return name
-    return None
+
+    def may_evict(name: str) -> bool:
+        return not is_managed_name(name) or may_unload_now(table.get(name) if table else None, None)
+
+    return await upstream.lru_lora_name_never_managed(self, exclude_pinned, may_evict)
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,7 +258,7 @@ async def precheck_openai(
     """AROUND OpenAIServingBase.handle_request (/v1/completions, /v1/chat/completions, ...)."""
     try:
         if hasattr(request, "model") and hasattr(request, "lora_path"):
-            check_servable(lora_names(self._resolve_lora_path(request.model, request.lora_path)))
+            check_servable(lora_names(upstream.openai_lora_path(self, request)))
     except LoraVersionError as err:
         return error_response(err)
     return await _with_refusal_sink(lambda: original(self, request, raw_request, *args, **kwargs))

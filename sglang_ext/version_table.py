@@ -7,8 +7,9 @@ before it mutates anything: a refused call (a raised :class:`LoraVersionError`) 
 Per managed version (design.md, "Engine side")::
 
     PREPARED --end--> LOADING --load+probe ok--> READY_LOCAL --reclaim--> RECLAIMING --> UNLOADED
-        |               |--load failed--> PREPARED
-        +--cleanup------+----------------------------+--> CLEANED (attempt tombstoned)
+        |               |--failed, nothing left loaded--> PREPARED
+        |               |--failed, removal failed--> FAILED (pinned leftover, holds the slot)
+        +--cleanup------+----------------------------+-----------+--> CLEANED (attempt tombstoned)
 
 Attempt tokens that were cleaned up are remembered for the engine's lifetime, so a late begin,
 bucket or end of that attempt is ``STALE_ATTEMPT`` and never recreates anything.
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from sglang_ext.adapter_compat import EngineLoraShape, serving_problem
 from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.protocol import (
     BeginRequest,
@@ -42,7 +44,7 @@ S = EngineVersionState
 def holds_engine_slot(state: EngineVersionState) -> bool:
     """The one rule for engine capacity: a version holds a pinned slot from begin until it is
     physically unloaded or cleaned (a PREPARED version will pin at end, so it counts already)."""
-    return state in (S.PREPARED, S.LOADING, S.READY_LOCAL, S.RECLAIMING)
+    return state in (S.PREPARED, S.LOADING, S.READY_LOCAL, S.FAILED, S.RECLAIMING)
 
 
 def may_unload_now(v: ManagedVersion | None, in_flight: int | None) -> bool:
@@ -59,8 +61,7 @@ def may_unload_now(v: ManagedVersion | None, in_flight: int | None) -> bool:
 @dataclass(frozen=True)
 class StagingLimits:
     managed_capacity: int  # pinned managed versions this engine accepts (max_loras_per_batch - 1)
-    max_lora_rank: int
-    target_modules: frozenset[str] | None  # None: the engine serves every standard module
+    lora: EngineLoraShape  # what the engine serves exactly as PEFT computes it (adapter_compat)
     max_version_bytes: int
     max_bucket_bytes: int
 
@@ -124,6 +125,16 @@ def _err(code: ErrorCode, message: str, **details: object) -> LoraVersionError:
     return LoraVersionError(code, message, **details)
 
 
+def _failed(v: ManagedVersion) -> LoraVersionError:
+    return _err(
+        ErrorCode.LOAD_FAILED,
+        f"{v.lora_name!r} failed to load and what it loaded is still pinned here; clean up attempt "
+        f"{v.attempt_token} to remove it",
+        lora_name=v.lora_name,
+        state=S.FAILED.value,
+    )
+
+
 class VersionTable:
     def __init__(
         self,
@@ -139,6 +150,10 @@ class VersionTable:
         self._clock = clock
         self.versions: dict[str, ManagedVersion] = {}
         self.cleaned: dict[str, CleanupReceipt] = {}  # attempt token -> receipt (tombstones)
+        # attempt token -> the one lora_name it was ever used with in this incarnation. A name
+        # fixes its digest here for the incarnation's lifetime (VERSION_CONFLICT), so this binds
+        # the token to exactly one (name, digest): one attempt can never feed two versions.
+        self.attempt_owner: dict[str, str] = {}
 
     # ----------------------------------------------------------------------------- queries
 
@@ -156,7 +171,7 @@ class VersionTable:
             digest=v.digest,
             attempt_token=v.attempt_token,
             reclaim_id=v.reclaim_id,
-            pinned=v.state in (S.READY_LOCAL, S.RECLAIMING),
+            pinned=v.state in (S.READY_LOCAL, S.FAILED, S.RECLAIMING),
             lora_id=v.lora_id,
             # a negative count means a leaked release; it never reaches zero (may_unload_now)
             in_flight=None if in_flight is None else max(in_flight, 0),
@@ -184,15 +199,22 @@ class VersionTable:
             incarnation=self.incarnation,
         )
 
-    def request_gate(self, lora_name: str) -> LoraVersionError | None:
+    def request_gate(
+        self, lora_name: str, registered_lora_id: str | None, *, probing: bool = False
+    ) -> LoraVersionError | None:
         """Why a generation request naming ``lora_name`` must be refused (None: let it through).
 
+        ``registered_lora_id`` is the id SGLang's registry resolves the name to right now;
+        ``probing`` is true only for the plugin's own exact-version probe of a LOADING version.
         Names that do not look managed are left to stock SGLang. A managed-looking name is served
-        only while READY_LOCAL: never a fallback to the base model, never an implicit reload."""
+        only while READY_LOCAL under exactly the id this table loaded: never a fallback to the
+        base model, never an implicit reload."""
         if not is_managed_name(lora_name):
             return None
         v = self.versions.get(lora_name)
-        if v is None or v.state is S.CLEANED or v.cleaning:
+        if probing and v is not None and v.state is S.LOADING:
+            return None
+        if v is None or v.state in (S.CLEANED, S.FAILED) or v.cleaning:
             return _err(
                 ErrorCode.UNKNOWN_VERSION,
                 f"{lora_name!r} is not a version on this engine",
@@ -200,7 +222,7 @@ class VersionTable:
             )
         if v.state in (S.PREPARED, S.LOADING):
             return _err(ErrorCode.VERSION_NOT_READY, f"{lora_name!r} is still staging", lora_name=lora_name)
-        if v.state in (S.RECLAIMING, S.UNLOADED):
+        if v.state in (S.RECLAIMING, S.UNLOADED) or registered_lora_id != v.lora_id:
             return _err(
                 ErrorCode.VERSION_RECLAIMED, f"{lora_name!r} is reclaimed on this engine", lora_name=lora_name
             )
@@ -209,28 +231,10 @@ class VersionTable:
     # ----------------------------------------------------------------------------- begin
 
     def _compat_problem(self, req: BeginRequest) -> LoraVersionError | None:
-        cfg = req.manifest.config
         lim = self.limits
-        if cfg.get("use_dora"):
-            return _err(ErrorCode.INCOMPATIBLE_ADAPTER, "DoRA adapters are not served")
-        rank = int(cfg["r"])
-        ranks = [rank, *(int(r) for r in (cfg.get("rank_pattern") or {}).values())]
-        if max(ranks) > lim.max_lora_rank:
-            return _err(
-                ErrorCode.INCOMPATIBLE_ADAPTER,
-                f"adapter rank {max(ranks)} exceeds this engine's --max-lora-rank {lim.max_lora_rank}",
-                rank=max(ranks),
-                max_lora_rank=lim.max_lora_rank,
-            )
-        targets = cfg.get("target_modules")
-        if lim.target_modules is not None and isinstance(targets, list):
-            extra = sorted(self._normalize_targets(targets) - lim.target_modules)
-            if extra:
-                return _err(
-                    ErrorCode.INCOMPATIBLE_ADAPTER,
-                    f"target modules {extra} are not served by this engine (--lora-target-modules)",
-                    modules=extra,
-                )
+        problem = serving_problem(req.manifest, lim.lora, self._normalize_targets)
+        if problem is not None:
+            return problem
         if req.manifest.total_bytes > lim.max_version_bytes:
             return _err(
                 ErrorCode.PAYLOAD_TOO_LARGE,
@@ -247,7 +251,18 @@ class VersionTable:
             )
         return None
 
+    def _check_attempt_owner(self, lora_name: str, attempt_token: str) -> None:
+        owner = self.attempt_owner.get(attempt_token)
+        if owner is not None and owner != lora_name:
+            raise _err(
+                ErrorCode.ATTEMPT_MISMATCH,
+                f"attempt {attempt_token} belongs to {owner!r}, not to {lora_name!r}",
+                attempt_token=attempt_token,
+                owner=owner,
+            )
+
     def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
+        self._check_attempt_owner(req.lora_name, req.attempt_token)
         if req.attempt_token in self.cleaned:
             raise _err(
                 ErrorCode.STALE_ATTEMPT,
@@ -273,7 +288,10 @@ class VersionTable:
             if existing.attempt_token != req.attempt_token:
                 existing.attempt_token = req.attempt_token
                 existing.touch()
+            self.attempt_owner[req.attempt_token] = req.lora_name
             return self.ready_receipt(existing)
+        if existing is not None and existing.state is S.FAILED:
+            raise _failed(existing)
         if existing is not None and existing.state in (S.PREPARED, S.LOADING):
             if existing.attempt_token == req.attempt_token:
                 return self.prepared_receipt(existing)
@@ -305,11 +323,13 @@ class VersionTable:
             updated_at=now,
         )
         self.versions[req.lora_name] = v  # replaces a CLEANED record of an earlier attempt
+        self.attempt_owner[req.attempt_token] = req.lora_name
         return self.prepared_receipt(v)
 
     # ----------------------------------------------------------------------------- buckets
 
     def _current_attempt(self, lora_name: str, attempt_token: str) -> ManagedVersion:
+        self._check_attempt_owner(lora_name, attempt_token)
         if attempt_token in self.cleaned:
             raise _err(
                 ErrorCode.STALE_ATTEMPT,
@@ -378,6 +398,8 @@ class VersionTable:
             return EndDecision.READY
         if v.state is S.LOADING:
             return EndDecision.JOIN
+        if v.state is S.FAILED:
+            raise _failed(v)
         if v.state is not S.PREPARED:
             raise _err(ErrorCode.STALE_ATTEMPT, f"{lora_name!r} is {v.state.value}")
         if not v.all_buckets_received:
@@ -397,10 +419,27 @@ class VersionTable:
         v.touch(S.READY_LOCAL)
         return self.ready_receipt(v)
 
-    def fail_load(self, lora_name: str, attempt_token: str) -> None:
+    def abandon_load(self, lora_name: str, attempt_token: str) -> None:
+        """The native load ran but the probe failed: removing what it loaded starts now (the
+        version is unservable and :func:`may_unload_now` may say yes)."""
+        v = self._current_attempt(lora_name, attempt_token)
+        assert v.state is S.LOADING
+        v.cleaning = True
+        v.touch()
+
+    def fail_load(self, lora_name: str, attempt_token: str, leftover_lora_id: str | None = None) -> None:
+        """The load (or its probe) failed. With nothing left loaded the attempt is PREPARED again
+        (``end`` may be retried); when the removal of what it loaded did not finish
+        (``leftover_lora_id``), the version is FAILED: still pinned in SGLang, never servable,
+        holding its slot, and remembered so that only a cleanup that removes it frees the slot."""
         v = self.versions.get(lora_name)
         if v is not None and v.attempt_token == attempt_token and v.state is S.LOADING:
-            v.touch(S.PREPARED)
+            v.cleaning = False
+            if leftover_lora_id is not None:
+                v.lora_id = leftover_lora_id
+                v.touch(S.FAILED)
+            else:
+                v.touch(S.PREPARED)
 
     # ----------------------------------------------------------------------------- reclaim
 
@@ -438,6 +477,9 @@ class VersionTable:
     # ----------------------------------------------------------------------------- cleanup
 
     def plan_cleanup(self, lora_name: str, attempt_token: str) -> CleanupDecision:
+        # A cleanup naming another version than its token's would tombstone the token under the
+        # wrong name and leave the real candidate holding its pinned slot: refuse it.
+        self._check_attempt_owner(lora_name, attempt_token)
         if attempt_token in self.cleaned:
             return CleanupDecision.NOTHING
         v = self.versions.get(lora_name)
@@ -447,7 +489,7 @@ class VersionTable:
             return CleanupDecision.DROP_STASH
         if v.state is S.LOADING:
             return CleanupDecision.WAIT_FOR_LOAD
-        if v.state is S.READY_LOCAL:
+        if v.state in (S.READY_LOCAL, S.FAILED):
             return CleanupDecision.UNLOAD
         if v.state in (S.RECLAIMING, S.UNLOADED):
             # A committed version is reclaimed, never cleaned: refuse rather than guess.
@@ -456,12 +498,13 @@ class VersionTable:
 
     def mark_cleaning(self, lora_name: str, attempt_token: str) -> None:
         v = self._current_attempt(lora_name, attempt_token)
-        assert v.state is S.READY_LOCAL
+        assert v.state in (S.READY_LOCAL, S.FAILED)
         v.cleaning = True
         v.touch()
 
     def finish_cleanup(self, lora_name: str, attempt_token: str) -> CleanupReceipt:
         """Tombstone the attempt (also one never seen: a late begin must not recreate it)."""
+        self._check_attempt_owner(lora_name, attempt_token)
         receipt = self.cleaned.get(attempt_token)
         if receipt is not None:
             return receipt
@@ -474,4 +517,5 @@ class VersionTable:
             lora_name=lora_name, attempt_token=attempt_token, incarnation=self.incarnation
         )
         self.cleaned[attempt_token] = receipt
+        self.attempt_owner[attempt_token] = lora_name
         return receipt

@@ -33,12 +33,18 @@ def run_dir() -> Path:
 def engine_farm(fixtures: Fixtures, run_dir: Path) -> Iterator[dict]:
     """E0 and E1 with the plugin on, and ``stock`` with it off, started together in parallel."""
     from sglang_ext.devtools.launcher import EngineSpec, running_engines
+    from sglang_ext.engine_state import BODY_IDLE_TIMEOUT_ENV
 
     # E0/E1 run like a guarded deployment: control endpoints need the admin key.
     admin = ["--admin-api-key", ADMIN_KEY]
+    # A short body deadline so the stalled-upload test sees it fire (production default: 30 s).
+    env = {BODY_IDLE_TIMEOUT_ENV: "5"}
     specs = [
-        EngineSpec(name="E0", model_path=fixtures.model_dir, log_path=run_dir / "E0.log", extra_args=admin),
-        EngineSpec(name="E1", model_path=fixtures.model_dir, log_path=run_dir / "E1.log", extra_args=admin),
+        EngineSpec(
+            name=n, model_path=fixtures.model_dir, log_path=run_dir / f"{n}.log", extra_args=admin, env=env
+        )
+        for n in ("E0", "E1")
+    ] + [
         EngineSpec(name="stock", model_path=fixtures.model_dir, log_path=run_dir / "stock.log", plugin=False),
     ]
     t0 = time.monotonic()

@@ -195,19 +195,13 @@ def write_random_qwen3(model_dir: Path, shape: dict, *, seed: int, std: float) -
 
 
 def _module_shapes(config: dict) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of every LoRA target in one decoder layer."""
-    h, i = config["hidden_size"], config["intermediate_size"]
-    hd = config["head_dim"]
-    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    return {
-        "self_attn.q_proj": (h, q),
-        "self_attn.k_proj": (h, kv),
-        "self_attn.v_proj": (h, kv),
-        "self_attn.o_proj": (q, h),
-        "mlp.gate_proj": (h, i),
-        "mlp.up_proj": (h, i),
-        "mlp.down_proj": (i, h),
-    }
+    """(in_features, out_features) of every LoRA target in one decoder layer, by its path."""
+    from types import SimpleNamespace
+
+    from sglang_ext.adapter_compat import MODULE_PATHS, ModelGeometry
+
+    geometry = ModelGeometry.read(SimpleNamespace(**config), "Qwen3ForCausalLM")
+    return {path: geometry.in_out(module) for module, path in MODULE_PATHS.items()}
 
 
 def make_adapter_tensors(config: dict, *, seed: int, rank: int, std: float = 0.5) -> dict:

@@ -421,10 +421,6 @@ async def abort_and_resume(
     return partial, rest
 
 
-def adapter_map(mapping: Mapping[str, str]) -> dict[str, str]:
-    return dict(mapping)
-
-
 def version_key(epoch: str, vid: str) -> VersionKey:
     return VersionKey(epoch, vid)
 

@@ -14,14 +14,14 @@ from typing import Any
 
 from relax_glue.registry import MUTATING_OPS, LoRAVersionRegistry
 from relax_glue.registry_types import (
-    CleanupReceipt,
+    CleanupEvidence,
     CommitReceipt,
-    PreparedReceipt,
-    ReadyReceipt,
+    PreparedEvidence,
+    ReadyEvidence,
     ReclaimClaim,
     ReserveResult,
     SessionKey,
-    UnloadedReceipt,
+    UnloadEvidence,
     VersionKey,
     VersionState,
 )
@@ -123,13 +123,13 @@ class Publisher:
 
     def prepared(self, vid: str, engine: str) -> Any:
         return self.reg.record_prepared(
-            engine, PreparedReceipt(vk(vid), self.token(vid), self.incarnation[engine])
+            engine, PreparedEvidence(vk(vid), self.token(vid), self.incarnation[engine])
         )
 
     def ready(self, vid: str, engine: str, incarnation: str | None = None) -> Any:
         res = self.results[vid]
         inc = incarnation or self.incarnation[engine]
-        return self.reg.record_ready(engine, ReadyReceipt(vk(vid), res.digest, res.attempt_token, inc))
+        return self.reg.record_ready(engine, ReadyEvidence(vk(vid), res.digest, res.attempt_token, inc))
 
     def commit(self, vid: str, revision: int | None = None) -> CommitReceipt:
         rev = self.reg.status().default_revision if revision is None else revision
@@ -144,7 +144,7 @@ class Publisher:
 
     def cleanup(self, vid: str, engine: str) -> Any:
         tok = self.token(vid)
-        return self.reg.record_cleanup(engine, tok, CleanupReceipt(tok, self.incarnation[engine]))
+        return self.reg.record_cleanup(engine, tok, CleanupEvidence(tok, self.incarnation[engine]))
 
     def fail(self, vid: str) -> None:
         self.reserve(vid)
@@ -154,7 +154,7 @@ class Publisher:
 
     def unloaded(self, vid: str, engine: str, claim: ReclaimClaim) -> Any:
         return self.reg.confirm_reclaim(
-            vk(vid), engine, UnloadedReceipt(claim.reclaim_id, self.incarnation[engine])
+            vk(vid), engine, UnloadEvidence(claim.reclaim_id, self.incarnation[engine])
         )
 
     def reclaim(self, vid: str) -> ReclaimClaim:
@@ -216,13 +216,13 @@ def random_ops(reg: Any, rng: Any, limit: int = 100_000) -> Any:
                     },
                 )
             else:
-                receipt = ReadyReceipt(vk(vid), pending.digest, pending.attempt_token, inc)
+                receipt = ReadyEvidence(vk(vid), pending.digest, pending.attempt_token, inc)
                 yield "record_ready", {"engine_id": engine, "receipt": receipt}
         elif roll < 0.68 and pending is not None:  # ABORTED: clean up
             tok = pending.attempt_token
             yield (
                 "record_cleanup",
-                {"engine_id": engine, "attempt_token": tok, "receipt": CleanupReceipt(tok, inc)},
+                {"engine_id": engine, "attempt_token": tok, "receipt": CleanupEvidence(tok, inc)},
             )
         elif roll < 0.76:
             retired = [v for v in views.values() if v.state.value in ("RETIRED", "RECLAIMING")]
@@ -231,7 +231,7 @@ def random_ops(reg: Any, rng: Any, limit: int = 100_000) -> Any:
                 if v.reclaim_id is None:
                     yield "claim_reclaim", {"version_key": v.version_key}
                 else:
-                    receipt = UnloadedReceipt(v.reclaim_id, inc)
+                    receipt = UnloadEvidence(v.reclaim_id, inc)
                     yield (
                         "confirm_reclaim",
                         {"version_key": v.version_key, "engine_id": engine, "receipt": receipt},
@@ -272,7 +272,7 @@ async def async_scenario(client: Any) -> str:
     async def publish(vid: str, revision: int) -> None:
         dig = digest(vid)
         res = await client.reserve(vk(vid), dig, lora_name(vid, dig), f"req-{vid}")
-        receipts = [ReadyReceipt(vk(vid), dig, res.attempt_token, f"{e}-i1") for e in engines]
+        receipts = [ReadyEvidence(vk(vid), dig, res.attempt_token, f"{e}-i1") for e in engines]
         await asyncio.gather(*(client.record_ready(e, r) for e, r in zip(engines, receipts, strict=True)))
         await client.commit(vk(vid), res.attempt_token, revision)
 
@@ -291,7 +291,7 @@ async def async_scenario(client: Any) -> str:
     assert len(set(closes)) == 1 and (await client.version(vk("A"))).session_refs == 0
     claim = await client.claim_reclaim(vk("A"))
     await asyncio.gather(
-        *(client.confirm_reclaim(vk("A"), e, UnloadedReceipt(claim.reclaim_id, f"{e}-i1")) for e in engines)
+        *(client.confirm_reclaim(vk("A"), e, UnloadEvidence(claim.reclaim_id, f"{e}-i1")) for e in engines)
     )
     assert (await client.version(vk("A"))).state is VersionState.RECLAIMED
     return await client.dump()

@@ -46,9 +46,10 @@ from _e2e_helpers import (
     unload_lines,
     write_json,
 )
+from _fault_injection import FaultInjectingClient
 from conftest import ADMIN_KEY
 
-from relax_glue.engine_client import EngineAPI, FaultInjectingClient
+from relax_glue.engine_client import EngineAPI
 from relax_glue.publisher import Publisher, PublishOutcome, PublishResult
 from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.registry_types import AttemptPhase, VersionKey, VersionState
@@ -153,7 +154,7 @@ class World:
         return await self.pub.publish(snaps[adapter], vid)
 
     async def reg_call(self, op: str, **kw: Any) -> Any:
-        return await self.pub.registry.call(op, **kw)
+        return await getattr(self.pub.registry, op)(**kw)
 
     async def version(self, vid: str) -> Any:
         return await self.reg_call("version", version_key=self.key(vid))
@@ -168,12 +169,15 @@ class World:
             assert not names, f"{engine} starts with managed versions another test left behind: {names}"
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         try:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.sm.close_all(), 30)
             left = await purge(self.clients, self.marker)
             assert not any(left.values()), f"versions left on the engines: {left}"
+        except Exception:
+            if exc is None:
+                raise  # otherwise the test's own failure is the one to report, not the purge's
         finally:
             await self.refs.aclose()
             await aclose_all([*self.clients.values(), *self.extra_clients])
@@ -731,7 +735,10 @@ async def test_live_traffic_keeps_decoding_on_both_engines_during_publication(
 # ======================================================================= engine restart
 
 
-RESTART_TEST = "test_engine_restart_between_ready_and_commit_is_not_committed_until_ready_again"
+RESTART_TESTS = {
+    "test_engine_restart_between_ready_and_commit_is_not_committed_until_ready_again",
+    "test_engine_killed_between_ready_and_commit_blocks_the_commit_until_it_answers",
+}
 
 
 def _spare_spec(fixtures: Any, run_dir: Path, port: int | None = None, tag: str = "") -> Any:
@@ -752,7 +759,7 @@ def spare_engine(request, engines, fixtures, run_dir):
     boots while the other tests run (only when the restart test is selected)."""
     from sglang_ext.devtools.launcher import spawn_engine, stop_engine
 
-    if not any(item.name == RESTART_TEST for item in request.session.items):
+    if not any(item.name in RESTART_TESTS for item in request.session.items):
         yield None
         return
     holder = {"engine": spawn_engine(_spare_spec(fixtures, run_dir))}
@@ -812,13 +819,13 @@ async def test_engine_restart_between_ready_and_commit_is_not_committed_until_re
                 "commit", version_key=w.key("B"), attempt_token=res.attempt_token, expected_default_revision=1
             )
         assert err.value.code is ErrorCode.NOT_ALL_READY
-        from relax_glue.registry_types import ReadyReceipt
+        from relax_glue.registry_types import ReadyEvidence
 
         with pytest.raises(LoraVersionError) as err:
             await w.reg_call(
                 "record_ready",
                 engine_id="E2",
-                receipt=ReadyReceipt(w.key("B"), res.digest, res.attempt_token, old_inc),
+                receipt=ReadyEvidence(w.key("B"), res.digest, res.attempt_token, old_inc),
             )
         assert err.value.code is ErrorCode.STALE_INCARNATION
         # the A session routed to E2 gets a version error, never the base model
@@ -848,3 +855,56 @@ async def test_engine_restart_between_ready_and_commit_is_not_committed_until_re
         done = await w.pub.reclaim_ready()
         assert [r.version_key.version_id for r in done if r.done] == ["A"], done
         print(f"\n[restart] E2 restarted in {restart_s:.1f}s; incarnation {old_inc[:8]} -> {new_inc[:8]}")
+
+
+async def test_engine_killed_between_ready_and_commit_blocks_the_commit_until_it_answers(
+    engines, stock_engine, fixtures, snaps, run_dir, spare_engine
+) -> None:
+    """Issue 9 (1) on real engines. B is READY on E0 and E2; E2 is SIGKILLed before the commit and
+    cannot answer the pre-commit read: no commit (OUTCOME_UNKNOWN), A stays the default and B
+    keeps its slot. While E2 boots again on the same port, resolve() still cannot commit; once it
+    serves (a new incarnation that holds nothing), resolve() drives B onto it and commits.
+    Before the fix the unanswered read was "no news" and B was committed with E2 holding nothing."""
+    import os
+    import signal
+
+    from sglang_ext.devtools.launcher import spawn_engine
+
+    e2 = spare_engine["engine"]
+    await asyncio.to_thread(e2.wait_healthy, 300.0)
+    async with World((engines[0], e2), stock_engine, fixtures, cohort=("E0", "E2")) as w:
+        assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED
+        name_a = w.name_of["A"]
+        e2w = w.wrap("E2", Interceptor(w.clients["E2"]))
+        gate = Gate()
+        e2w.on("status", gate)  # the pre-commit read
+        pub = asyncio.create_task(w.publish(snaps, "B"))
+        await reach(gate, pub)
+        assert dict((await w.version("B")).attempt_phases) == {
+            "E0": AttemptPhase.READY,
+            "E2": AttemptPhase.READY,
+        }
+
+        os.killpg(e2.proc.pid, signal.SIGKILL)  # the whole engine, no goodbye
+        await asyncio.to_thread(e2.proc.wait, 60)
+        gate.open()
+        res = await asyncio.wait_for(pub, 120)
+        assert res.outcome is PublishOutcome.OUTCOME_UNKNOWN and res.unknown == ("E2",), res
+        st = await w.status()
+        assert st.default_lora_name == name_a and (await w.version("B")).state is VersionState.LOADING
+        assert (await w.version("B")).attempt_phases["E2"] is AttemptPhase.UNKNOWN
+
+        e2w.on("status", None)
+        e2 = await asyncio.to_thread(spawn_engine, _spare_spec(fixtures, run_dir, e2.port, "-killed"))
+        spare_engine["engine"] = e2  # the fixture stops whichever process runs now
+        booting = await w.pub.resolve()  # E2 is still booting: still nothing to commit on
+        assert booting is not None and booting.outcome is PublishOutcome.OUTCOME_UNKNOWN, booting
+        assert (await w.status()).default_lora_name == name_a
+
+        await asyncio.to_thread(e2.wait_healthy, 300.0)
+        settled = await w.pub.resolve()
+        assert settled is not None and settled.outcome is PublishOutcome.PUBLISHED, settled
+        on_e2 = await engine_versions(w.clients["E2"], w.marker)
+        assert on_e2[w.name_of["B"]].state is S.READY_LOCAL
+        assert (await w.status()).default_lora_name == w.name_of["B"]
+        assert_clean_audit(w.clients.values())

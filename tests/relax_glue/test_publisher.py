@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 from _fake_engine import Cluster, make_cluster, make_snapshot
+from _fault_injection import FaultInjectingClient
 from _rg_helpers import EPOCH, new_registry, refused, sk
 
 from relax_glue.actor import AsyncRegistryClient, RegistryClient
-from relax_glue.engine_client import FaultInjectingClient
 from relax_glue.publisher import Publisher, PublishOutcome, PublishResult
 from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
 from relax_glue.registry_types import AttemptPhase, ReclaimPhase, VersionKey, VersionState
@@ -453,6 +453,57 @@ async def test_engine_restart_between_ready_and_commit_is_refused_until_ready_ag
 # -------------------------------------------------------------------------------- reclaim
 
 
+@pytest.mark.parametrize("fault", ["503", "timeout"])
+async def test_no_commit_while_an_engine_cannot_answer_after_its_ready(world: World, fault: str) -> None:
+    """Issue 9 (1): an engine that restarted after its READY and is still booting (503) or cannot
+    be reached (timeout) must block the commit: only fresh READY evidence from every engine counts.
+    Before: the failed pre-commit read was "no news" and the publication committed."""
+    if fault == "503":
+        world.fakes["E1"].fail("status", 1, status=503)
+    else:
+        world.fakes["E1"].fail("status", 1, timeout=True)
+    result = await world.publish("A")
+    assert result.outcome is PublishOutcome.OUTCOME_UNKNOWN and result.unknown == ("E1",)
+    assert world.version("A").state is VersionState.LOADING and world.status().default is None
+    assert world.version("A").attempt_phases["E1"] is AttemptPhase.UNKNOWN  # its old READY no longer counts
+    blocked = await world.publish("B")  # the slot and the pending attempt block the next one
+    assert blocked.outcome is PublishOutcome.REFUSED and blocked.error.code is ErrorCode.OUTCOME_UNKNOWN
+    resolved = await world.pub.resolve()  # E1 answers now: READY in its current incarnation
+    assert resolved is not None and resolved.outcome is PublishOutcome.PUBLISHED
+    assert world.fakes["E1"].ops("begin") == ["begin"]  # learnt from its status, nothing re-sent
+
+
+def test_commit_evidence_is_fresh_and_positive_only():
+    import time as _time
+
+    from relax_glue.publisher import CommitEvidence, commit_evidence
+    from sglang_ext.protocol import EngineStatus, VersionKey, VersionStatus
+
+    name, token, digest = "p@e-v-aaaaaaaaaaaa", "tok", "a" * 64
+
+    def engine(state=EngineVersionState.READY_LOCAL, inc="i2", **kw):
+        v = VersionStatus(
+            lora_name=name,
+            state=state,
+            version_key=VersionKey(epoch="e", version_id="v"),
+            digest=digest,
+            attempt_token=token,
+            incarnation=inc,
+            created_at=_time.time(),
+            updated_at=_time.time(),
+            **kw,
+        )
+        return EngineStatus(incarnation="i2", versions=(v,))
+
+    assert commit_evidence(engine(), name, token, digest) is CommitEvidence.READY
+    assert commit_evidence(None, name, token, digest) is CommitEvidence.UNREACHABLE
+    assert commit_evidence(EngineStatus(incarnation="i3"), name, token, digest) is CommitEvidence.NOT_READY
+    assert commit_evidence(engine(inc="i1"), name, token, digest) is CommitEvidence.NOT_READY
+    assert commit_evidence(engine(), name, "other", digest) is CommitEvidence.NOT_READY
+    for state in set(EngineVersionState) - {EngineVersionState.READY_LOCAL}:
+        assert commit_evidence(engine(state=state), name, token, digest) is CommitEvidence.NOT_READY
+
+
 async def test_reclaim_polls_through_draining_and_unloads_once(world: World) -> None:
     await world.publish("A")
     e0 = world.fakes["E0"]
@@ -527,3 +578,48 @@ async def test_publishing_the_same_version_again_resumes_the_pending_attempt(wor
     assert again.outcome is PublishOutcome.PUBLISHED and again.attempt_token == first.attempt_token
     assert world.status().slots_used == 1 and world.status().default_revision == 1
     assert world.fakes["E1"].ops("end") == ["end"]
+
+
+def test_resolve_has_one_action_for_every_engine_state():
+    """The resolve table covers every engine state (a missing entry would be a KeyError)."""
+    import time as _time
+
+    from relax_glue.publisher import ResolveAction, resolve_action
+    from sglang_ext.protocol import EngineVersionState, VersionKey, VersionStatus
+
+    token, digest = "tok-1", "a" * 64
+
+    def status(state, **kw):
+        fields = dict(
+            lora_name="p@e-v-aaaaaaaaaaaa",
+            state=state,
+            version_key=VersionKey(epoch="e", version_id="v"),
+            digest=digest,
+            attempt_token=token,
+            incarnation="inc",
+            created_at=_time.time(),
+            updated_at=_time.time(),
+            buckets_received=2,
+            buckets_total=2,
+        )
+        return VersionStatus(**{**fields, **kw})
+
+    got = {s: resolve_action(status(s), token, digest) for s in EngineVersionState}
+    assert got == {
+        EngineVersionState.PREPARED: ResolveAction.END,
+        EngineVersionState.LOADING: ResolveAction.END,
+        EngineVersionState.READY_LOCAL: ResolveAction.READY,
+        EngineVersionState.RECLAIMING: ResolveAction.DOOMED,
+        EngineVersionState.UNLOADED: ResolveAction.DOOMED,
+        EngineVersionState.CLEANED: ResolveAction.DOOMED,
+        EngineVersionState.FAILED: ResolveAction.DOOMED,
+    }
+    assert (
+        resolve_action(status(EngineVersionState.PREPARED, buckets_received=1), token, digest)
+        is ResolveAction.REDRIVE
+    )
+    assert resolve_action(None, token, digest) is ResolveAction.REDRIVE
+    assert (
+        resolve_action(status(EngineVersionState.READY_LOCAL, attempt_token="other"), token, digest)
+        is ResolveAction.DOOMED
+    )

@@ -10,11 +10,11 @@ from _rg_helpers import EPOCH, Publisher, digest, lora_name, new_registry, refus
 from relax_glue.registry import _TRANSITIONS, LoRAVersionRegistry, holds_slot, may_start_reclaim
 from relax_glue.registry_types import (
     AttemptPhase,
-    CleanupReceipt,
-    PreparedReceipt,
-    ReadyReceipt,
+    CleanupEvidence,
+    PreparedEvidence,
+    ReadyEvidence,
     SessionKey,
-    UnloadedReceipt,
+    UnloadEvidence,
     VersionKey,
     VersionRecord,
     VersionState,
@@ -150,7 +150,7 @@ def test_unknown_engine_and_unregistered_incarnation_are_refused() -> None:
     reg = new_registry()
     pub = Publisher(reg)
     res = pub.reserve("A")
-    receipt = ReadyReceipt(vk("A"), res.digest, res.attempt_token, "E9-i1")
+    receipt = ReadyEvidence(vk("A"), res.digest, res.attempt_token, "E9-i1")
     refused(ErrorCode.UNKNOWN_ENGINE, reg.record_ready, "E9", receipt)
     refused(ErrorCode.UNKNOWN_ENGINE, reg.register_engine_incarnation, "E9", "E9-i1")
     refused(ErrorCode.STALE_INCARNATION, reg.record_ready, "E0", receipt)
@@ -168,9 +168,9 @@ def test_receipt_for_another_version_or_unknown_token_is_stale_attempt() -> None
         ErrorCode.STALE_ATTEMPT,
         reg.record_ready,
         "E0",
-        ReadyReceipt(vk("A"), res.digest, res.attempt_token, inc),
+        ReadyEvidence(vk("A"), res.digest, res.attempt_token, inc),
     )
-    refused(ErrorCode.STALE_ATTEMPT, reg.record_prepared, "E0", PreparedReceipt(vk("B"), "att-nope", inc))
+    refused(ErrorCode.STALE_ATTEMPT, reg.record_prepared, "E0", PreparedEvidence(vk("B"), "att-nope", inc))
     refused(ErrorCode.STALE_ATTEMPT, reg.abort, "att-nope", "x")
     refused(ErrorCode.STALE_ATTEMPT, reg.commit, vk("B"), "att-nope", 1)
     refused(ErrorCode.UNKNOWN_VERSION, reg.commit, vk("Z"), res.attempt_token, 1)
@@ -182,13 +182,13 @@ def test_cleanup_needs_abort_first_and_matching_token() -> None:
     pub = Publisher(reg)
     pub.reserve("A")
     tok = pub.token("A")
-    refused(ErrorCode.INVALID_REQUEST, reg.record_cleanup, "E0", tok, CleanupReceipt(tok, "E0-i1"))
+    refused(ErrorCode.INVALID_REQUEST, reg.record_cleanup, "E0", tok, CleanupEvidence(tok, "E0-i1"))
     reg.abort(tok, "x")
-    refused(ErrorCode.INVALID_REQUEST, reg.record_cleanup, "E0", tok, CleanupReceipt("att-other", "E0-i1"))
-    refused(ErrorCode.STALE_INCARNATION, reg.record_cleanup, "E0", tok, CleanupReceipt(tok, "E0-i9"))
+    refused(ErrorCode.INVALID_REQUEST, reg.record_cleanup, "E0", tok, CleanupEvidence("att-other", "E0-i1"))
+    refused(ErrorCode.STALE_INCARNATION, reg.record_cleanup, "E0", tok, CleanupEvidence(tok, "E0-i9"))
     # a cleanup confirmed by an earlier (registered) incarnation still counts
     pub.restart("E0")
-    reg.record_cleanup("E0", tok, CleanupReceipt(tok, "E0-i1"))
+    reg.record_cleanup("E0", tok, CleanupEvidence(tok, "E0-i1"))
     assert reg.version(vk("A")).attempt_phases["E0"] is AttemptPhase.CLEANED
 
 
@@ -324,7 +324,7 @@ def test_dump_load_round_trip_and_codec() -> None:
     pub.publish("B")
     reg.close_and_release(sk("s"))
     claim = reg.claim_reclaim(vk("A"))
-    reg.confirm_reclaim(vk("A"), "E0", UnloadedReceipt(claim.reclaim_id, pub.incarnation["E0"]))
+    reg.confirm_reclaim(vk("A"), "E0", UnloadEvidence(claim.reclaim_id, pub.incarnation["E0"]))
     pub.reserve("C")
     reg.mark_engine_unknown("E1", pub.token("C"), "begin", "timeout")
     text = reg.dump()

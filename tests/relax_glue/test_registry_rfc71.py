@@ -10,11 +10,11 @@ from __future__ import annotations
 from _rg_helpers import Publisher, digest, lora_name, new_registry, refused, sk, vk
 
 from relax_glue.registry_types import (
-    CleanupReceipt,
-    PreparedReceipt,
-    ReadyReceipt,
+    CleanupEvidence,
+    PreparedEvidence,
+    ReadyEvidence,
     SessionState,
-    UnloadedReceipt,
+    UnloadEvidence,
     VersionState,
 )
 from sglang_ext.errors import ErrorCode
@@ -111,7 +111,7 @@ def test_same_version_different_content_is_version_conflict_for_the_whole_epoch(
 
     # a READY that carries another digest for the live candidate is refused too
     res = pub.reserve("C")
-    bad = ReadyReceipt(vk("C"), digest("C-other"), res.attempt_token, pub.incarnation["E0"])
+    bad = ReadyEvidence(vk("C"), digest("C-other"), res.attempt_token, pub.incarnation["E0"])
     refused(ErrorCode.VERSION_CONFLICT, reg.record_ready, "E0", bad)
     assert reg.version(vk("C")).attempt_phases["E0"].value == "NONE"
 
@@ -137,7 +137,7 @@ def test_lost_commit_reply_is_answered_by_retry_and_blocks_cleanup_and_next_publ
     assert err.details["state"] == "PUBLISHED"
     tok = pub.token("B")
     refused(
-        ErrorCode.STALE_ATTEMPT, reg.record_cleanup, "E0", tok, CleanupReceipt(tok, pub.incarnation["E0"])
+        ErrorCode.STALE_ATTEMPT, reg.record_cleanup, "E0", tok, CleanupEvidence(tok, pub.incarnation["E0"])
     )
     # the retry returns the identical receipt and changes nothing
     seq = reg.status().seq
@@ -236,8 +236,8 @@ def test_late_control_messages_after_cleanup_recreate_nothing() -> None:
     tok, res = pub.token("B"), pub.results["B"]
     inc0 = pub.incarnation["E0"]
     # late PREPARED / READY / commit of the cleaned attempt: refused, nothing recreated
-    refused(ErrorCode.STALE_ATTEMPT, reg.record_prepared, "E0", PreparedReceipt(vk("B"), tok, inc0))
-    refused(ErrorCode.STALE_ATTEMPT, reg.record_ready, "E0", ReadyReceipt(vk("B"), res.digest, tok, inc0))
+    refused(ErrorCode.STALE_ATTEMPT, reg.record_prepared, "E0", PreparedEvidence(vk("B"), tok, inc0))
+    refused(ErrorCode.STALE_ATTEMPT, reg.record_ready, "E0", ReadyEvidence(vk("B"), res.digest, tok, inc0))
     refused(ErrorCode.STALE_ATTEMPT, pub.commit, "B")
     # duplicates of what was accepted answer identically and change nothing
     assert reg.abort(tok, "another reason") == abort
@@ -345,16 +345,14 @@ def test_duplicate_reclaim_returns_same_id_and_late_or_duplicate_unload_receipts
     pub.publish("A")
     refused(ErrorCode.VERSION_IN_USE, reg.claim_reclaim, vk("A"))  # the default is never reclaimed
     pub.publish("B")
-    refused(ErrorCode.STALE_ATTEMPT, reg.confirm_reclaim, vk("A"), "E0", UnloadedReceipt("rcl-x", "E0-i1"))
+    refused(ErrorCode.STALE_ATTEMPT, reg.confirm_reclaim, vk("A"), "E0", UnloadEvidence("rcl-x", "E0-i1"))
 
     claim = reg.claim_reclaim(vk("A"))
     assert reg.claim_reclaim(vk("A")) == claim
     first = pub.unloaded("A", "E0", claim)
     assert pub.unloaded("A", "E0", claim) == first
     assert _state(reg, "A") is VersionState.RECLAIMING
-    refused(
-        ErrorCode.STALE_ATTEMPT, reg.confirm_reclaim, vk("A"), "E1", UnloadedReceipt("rcl-other", "E1-i1")
-    )
+    refused(ErrorCode.STALE_ATTEMPT, reg.confirm_reclaim, vk("A"), "E1", UnloadEvidence("rcl-other", "E1-i1"))
     done = pub.unloaded("A", "E1", claim)
     assert done.complete and _state(reg, "A") is VersionState.RECLAIMED
 

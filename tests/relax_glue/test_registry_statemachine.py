@@ -36,12 +36,12 @@ from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.registry_types import (
     AttemptPhase,
     Binding,
-    CleanupReceipt,
-    PreparedReceipt,
-    ReadyReceipt,
+    CleanupEvidence,
+    PreparedEvidence,
+    ReadyEvidence,
     ReclaimPhase,
     SessionState,
-    UnloadedReceipt,
+    UnloadEvidence,
     VersionState,
 )
 from relax_glue.store import DurableRegistry
@@ -144,13 +144,15 @@ class RegistryMachine(RuleBasedStateMachine):
 
     @rule(vid=VIDS, engine=ENGINE, old=st.booleans())
     def prepared(self, vid: str, engine: str, old: bool) -> None:
-        self.call("record_prepared", engine, PreparedReceipt(vk(vid), self.token(vid), self.inc(engine, old)))
+        self.call(
+            "record_prepared", engine, PreparedEvidence(vk(vid), self.token(vid), self.inc(engine, old))
+        )
 
     @rule(vid=VIDS, engine=ENGINE, old=st.booleans(), wrong_digest=st.booleans())
     def ready(self, vid: str, engine: str, old: bool, wrong_digest: bool) -> None:
         dig = digest("bogus") if wrong_digest else self.first_digest.get(vid, digest(vid))
         inc = self.inc(engine, old)
-        res, err = self.call("record_ready", engine, ReadyReceipt(vk(vid), dig, self.token(vid), inc))
+        res, err = self.call("record_ready", engine, ReadyEvidence(vk(vid), dig, self.token(vid), inc))
         if res is not None:
             assert not wrong_digest and inc == self.inc(engine)
         elif wrong_digest and vid in self.tokens:
@@ -202,7 +204,7 @@ class RegistryMachine(RuleBasedStateMachine):
     @rule(vid=VIDS, engine=ENGINE, old=st.booleans())
     def cleanup(self, vid: str, engine: str, old: bool) -> None:
         tok = self.token(vid)
-        res, _ = self.call("record_cleanup", engine, tok, CleanupReceipt(tok, self.inc(engine, old)))
+        res, _ = self.call("record_cleanup", engine, tok, CleanupEvidence(tok, self.inc(engine, old)))
         if res is not None and res.state is VersionState.FAILED_CLEAN:
             _event("reached FAILED_CLEAN")
 
@@ -287,7 +289,7 @@ class RegistryMachine(RuleBasedStateMachine):
     @rule(vid=VIDS, engine=ENGINE, old=st.booleans(), wrong=st.booleans())
     def unloaded(self, vid: str, engine: str, old: bool, wrong: bool) -> None:
         rid = "rcl-wrong" if wrong or vid not in self.claims else self.claims[vid].reclaim_id
-        res, _ = self.call("confirm_reclaim", vk(vid), engine, UnloadedReceipt(rid, self.inc(engine, old)))
+        res, _ = self.call("confirm_reclaim", vk(vid), engine, UnloadEvidence(rid, self.inc(engine, old)))
         if res is not None and res.state is VersionState.RECLAIMED:
             _event("reached RECLAIMED")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from _rg_helpers import ENGINES, EPOCH, Publisher, refused, sk, vk
 
-from relax_glue.registry_types import UnloadedReceipt
+from relax_glue.registry_types import UnloadEvidence
 from relax_glue.store import (
     DurableRegistry,
     JournalDivergenceError,
@@ -78,7 +78,7 @@ def test_reopen_restores_identical_state_and_identical_answers(db: Path) -> None
         pub.publish("B")
         store.close_and_release(sk("s1"))
         claim = store.claim_reclaim(vk("A"))
-        ack = store.confirm_reclaim(vk("A"), "E0", UnloadedReceipt(claim.reclaim_id, pub.incarnation["E0"]))
+        ack = store.confirm_reclaim(vk("A"), "E0", UnloadEvidence(claim.reclaim_id, pub.incarnation["E0"]))
         refused(ErrorCode.CAPACITY_ERROR, pub.reserve, "C")  # A is still RECLAIMING on E1
         store.begin_close(sk("early"))
         before, seq = store.dump(), store.seq
@@ -92,12 +92,12 @@ def test_reopen_restores_identical_state_and_identical_answers(db: Path) -> None
         assert pub2.reserve("A") == results["A"]
         assert again.commit(vk("A"), results["A"].attempt_token, 0) == receipt_a
         assert again.claim_reclaim(vk("A")) == claim
-        assert again.confirm_reclaim(vk("A"), "E0", UnloadedReceipt(claim.reclaim_id, "E0-i1")) == ack
+        assert again.confirm_reclaim(vk("A"), "E0", UnloadEvidence(claim.reclaim_id, "E0-i1")) == ack
         assert again.binding_of(sk("s1")) == binding
         refused(ErrorCode.SESSION_CLOSED, again.bind_first, sk("early"))
         assert again.seq == seq
         # and the state machine goes on where it stopped
-        again.confirm_reclaim(vk("A"), "E1", UnloadedReceipt(claim.reclaim_id, "E1-i1"))
+        again.confirm_reclaim(vk("A"), "E1", UnloadEvidence(claim.reclaim_id, "E1-i1"))
         assert pub2.reserve("C").created
 
 
@@ -136,10 +136,21 @@ def test_database_of_another_epoch_cohort_or_capacity_is_refused(
 
 
 def test_newer_schema_is_refused_not_migrated(db: Path) -> None:
+    from relax_glue.store import SCHEMA_VERSION
+
     _open(db).close()
     with sqlite3.connect(db) as conn:
-        conn.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
-    with pytest.raises(SchemaVersionError, match=r"schema 2.*upgrade the code"):
+        conn.execute(f"UPDATE meta SET value='{SCHEMA_VERSION + 1}' WHERE key='schema_version'")
+    with pytest.raises(SchemaVersionError, match=rf"schema {SCHEMA_VERSION + 1}.*upgrade the code"):
+        _open(db)
+
+
+def test_older_schema_is_refused_not_misread(db: Path) -> None:
+    """Schema 1 journals tagged the per-engine records *Receipt: refused, never decoded wrongly."""
+    _open(db).close()
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
+    with pytest.raises(SchemaVersionError, match=r"schema 1.*no migration is defined"):
         _open(db)
 
 

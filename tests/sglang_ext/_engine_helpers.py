@@ -47,19 +47,22 @@ class Staged:
     def buckets(self) -> list:
         return list(self.snap.iter_buckets())
 
-    def send_bucket(
-        self, bucket, *, payload: bytes | None = None, sha: str | None = None, index: int | None = None
-    ) -> httpx.Response:
+    def bucket_headers(self, bucket, *, sha: str | None = None, index: int | None = None) -> dict[str, str]:
         meta = ReceiveBucketMeta(
             lora_name=self.name,
             attempt_token=self.attempt,
             index=bucket.spec.index if index is None else index,
             sha256=sha or bucket.sha256,
         )
+        return {**meta.to_headers(), **ADMIN}
+
+    def send_bucket(
+        self, bucket, *, payload: bytes | None = None, sha: str | None = None, index: int | None = None
+    ) -> httpx.Response:
         return httpx.post(
             f"{self.url}{Routes.RECEIVE_BUCKET}",
             content=payload if payload is not None else bucket.payload,
-            headers={**meta.to_headers(), **ADMIN},
+            headers=self.bucket_headers(bucket, sha=sha, index=index),
             timeout=60,
         )
 
@@ -92,6 +95,14 @@ def status(url: str) -> dict:
 
 def versions(url: str) -> dict[str, dict]:
     return {v["lora_name"]: v for v in status(url)["versions"]}
+
+
+def visible_state(url: str) -> dict:
+    """The engine state a refused call must not change (timestamps excluded)."""
+    return {
+        name: {k: v for k, v in ver.items() if k not in ("updated_at", "in_flight")}
+        for name, ver in versions(url).items()
+    }
 
 
 def error_code(r: httpx.Response) -> str | None:

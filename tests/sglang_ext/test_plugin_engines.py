@@ -168,6 +168,15 @@ REFUSED = {
         },
         "sglang==0.5.22 is installed but the lora-versions plugin is pinned to sglang==0.5.23",
     ),
+    "missing-internal": (
+        {
+            "command_prefix": [
+                sys.executable,
+                str(Path(__file__).parents[1] / "engine_wrappers" / "sglang_without_internal.py"),
+            ]
+        },
+        "sglang.srt.managers.tokenizer_control_mixin._merge_lora_update_results",
+    ),
     "tokenizer-workers": ({"extra_args": ["--tokenizer-worker-num", "2"]}, "tokenizer_worker_num=2 > 1"),
     "dp-size": ({"extra_args": ["--dp-size", "2"]}, "dp_size=2 > 1"),
     "max-loras-per-batch": (

@@ -322,7 +322,7 @@ def test_name_format_and_round_trip() -> None:
     assert name == "relax_policy_lora@3-v12-0123456789ab"
     parsed = p.parse_lora_name(name)
     assert parsed == ("relax_policy_lora", "3", "v12", "0123456789ab")
-    assert parsed is not None and parsed.version_key == p.VersionKey(epoch="3", version_id="v12")
+    assert parsed is not None and (parsed.epoch, parsed.version_id) == ("3", "v12")
     assert p.is_managed_name(name) and p.is_managed_name(name, "relax_policy_lora")
     assert not p.is_managed_name(name, "other")
 
@@ -685,6 +685,19 @@ def test_reply_unions() -> None:
     unloaded = p.parse_reclaim_reply(SAMPLES[p.UnloadedReceipt] | {"state": "UNLOADED"})
     assert isinstance(draining, p.DrainingReply) and draining.in_flight == 2
     assert isinstance(unloaded, p.UnloadedReceipt)
+    # one DRAINING reply for both removals: a cleanup names its attempt, a reclaim its reclaim id
+    cleanup_draining = {
+        **SAMPLES[p.DrainingReply],
+        "state": "DRAINING",
+        "reclaim_id": None,
+        "attempt_token": "t1",
+    }
+    assert p.parse_cleanup_reply(cleanup_draining).attempt_token == "t1"
+    cleaned = p.parse_cleanup_reply(SAMPLES[p.CleanupReceipt] | {"state": "CLEANED"})
+    assert isinstance(cleaned, p.CleanupReceipt)
+    for ids in ({"reclaim_id": None}, {"attempt_token": "t1"}):  # neither, or both
+        with expect_error(ErrorCode.INVALID_REQUEST):
+            p.parse_cleanup_reply({**SAMPLES[p.DrainingReply], "state": "DRAINING", **ids})
 
 
 def test_bucket_headers_round_trip() -> None:

@@ -21,6 +21,7 @@ from _engine_helpers import (
     snapshot_of,
     status,
     versions,
+    visible_state,
 )
 
 from sglang_ext.protocol import Routes
@@ -33,23 +34,6 @@ PROMPT = [302, 356, 417, 494, 439]
 @pytest.fixture(scope="module")
 def snaps(fixtures) -> dict:
     return {name: snapshot_of(fixtures.adapter_dir(name)) for name in ("A", "B", "C", "rank16")}
-
-
-@pytest.fixture
-def cleanup_after():
-    staged: list[Staged] = []
-    yield staged
-    for s in staged:
-        r = s.cleanup()
-        assert r.status_code == 200, r.text
-
-
-def visible_state(url: str) -> dict:
-    """The engine state a refused call must not change (timestamps excluded)."""
-    return {
-        name: {k: v for k, v in ver.items() if k not in ("updated_at", "in_flight")}
-        for name, ver in versions(url).items()
-    }
 
 
 def assert_publication_still_works(url: str, snap, cleanup_after: list) -> None:

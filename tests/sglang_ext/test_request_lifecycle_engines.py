@@ -82,6 +82,7 @@ def test_rfc_prevalidation_drain_then_unload_once(publish, snaps, engines):
         "state": "DRAINING",
         "lora_name": a.name,
         "reclaim_id": reclaim_id,
+        "attempt_token": None,  # a reclaim's DRAINING names its reclaim id, a cleanup's its attempt
         "in_flight": 1,
         "incarnation": r.json()["incarnation"],
     }

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from relax_glue.snapshot import Snapshot
+from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
 from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.protocol import ReceiveBucketMeta
 from sglang_ext.version_table import (
@@ -20,19 +21,27 @@ from sglang_ext.version_table import (
     holds_engine_slot,
 )
 
+GEOMETRY = ModelGeometry(
+    "Qwen3ForCausalLM", num_layers=3, hidden_size=16, intermediate_size=32, q_size=16, kv_size=8
+)
 LIMITS = StagingLimits(
-    managed_capacity=2, max_lora_rank=8, target_modules=None, max_version_bytes=10**9, max_bucket_bytes=10**8
+    managed_capacity=2,
+    lora=EngineLoraShape(GEOMETRY, max_lora_rank=8, served_modules=None),
+    max_version_bytes=10**9,
+    max_bucket_bytes=10**8,
 )
 CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
 
 
 def snap(seed: int, rank: int = 4) -> Snapshot:
     g = torch.Generator().manual_seed(seed)
-    tensors = {
-        f"base_model.model.layers.{i}.q_proj.lora_A.weight": torch.randn(rank, 16, generator=g)
-        for i in range(3)
-    }
-    return Snapshot.from_tensors({**CONFIG, "r": rank}, tensors, max_bucket_bytes=300)
+    tensors = {}
+    for i in range(3):
+        for module, out in (("q_proj", 16), ("v_proj", 8)):
+            stem = f"base_model.model.model.layers.{i}.self_attn.{module}"
+            tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, 16, generator=g)
+            tensors[f"{stem}.lora_B.weight"] = torch.randn(out, rank, generator=g)
+    return Snapshot.from_tensors({**CONFIG, "r": rank}, tensors, max_bucket_bytes=600)
 
 
 def begin_req(s: Snapshot, version_id: str = "1", attempt: str | None = None):
@@ -60,11 +69,11 @@ def staged_ready(table: VersionTable, s: Snapshot, version_id: str = "1"):
 
 
 def refused_without_trace(table: VersionTable, call, code: ErrorCode) -> None:
-    before = copy.deepcopy((table.versions, table.cleaned))
+    before = copy.deepcopy((table.versions, table.cleaned, table.attempt_owner))
     with pytest.raises(LoraVersionError) as info:
         call()
     assert info.value.code is code
-    assert (table.versions, table.cleaned) == before
+    assert (table.versions, table.cleaned, table.attempt_owner) == before
 
 
 @pytest.fixture
@@ -153,20 +162,40 @@ def test_cleanup_of_a_never_seen_attempt_blocks_its_late_begin(table):
     assert req.lora_name not in table.versions
 
 
+def gate(table: VersionTable, name: str, **kw):
+    """The gate as the engine asks it: with the id SGLang's registry holds for the name."""
+    v = table.get(name)
+    return table.request_gate(name, v.lora_id if v else None, **kw)
+
+
 def test_request_gate_never_falls_back(table):
-    assert table.request_gate("my-plain-adapter") is None
+    assert gate(table, "my-plain-adapter") is None
     missing = "relax_policy_lora@e1-9-abcdefabcdef"
-    assert table.request_gate(missing).code is ErrorCode.UNKNOWN_VERSION
+    assert gate(table, missing).code is ErrorCode.UNKNOWN_VERSION
     s = snap(6)
     req = begin_req(s)
     table.begin(req)
-    assert table.request_gate(req.lora_name).code is ErrorCode.VERSION_NOT_READY
+    assert gate(table, req.lora_name).code is ErrorCode.VERSION_NOT_READY
     ready = staged_ready(table, snap(7), "2")
-    assert table.request_gate(ready.lora_name) is None
+    assert gate(table, ready.lora_name) is None
+    # registered under another id than the one loaded (or not at all): never served
+    assert table.request_gate(ready.lora_name, "other-id").code is ErrorCode.VERSION_RECLAIMED
+    assert table.request_gate(ready.lora_name, None).code is ErrorCode.VERSION_RECLAIMED
     table.mark_cleaning(ready.lora_name, ready.attempt_token)
-    assert table.request_gate(ready.lora_name).code is ErrorCode.UNKNOWN_VERSION
+    assert gate(table, ready.lora_name).code is ErrorCode.UNKNOWN_VERSION
     table.finish_cleanup(ready.lora_name, ready.attempt_token)
-    assert table.request_gate(ready.lora_name).code is ErrorCode.UNKNOWN_VERSION
+    assert gate(table, ready.lora_name).code is ErrorCode.UNKNOWN_VERSION
+
+
+def test_only_the_plugins_own_probe_passes_the_gate_while_loading(table):
+    s = snap(19)
+    req = begin_req(s)
+    table.begin(req)
+    for m in metas(req, s):
+        table.accept_bucket(m)
+    table.start_end(req.lora_name, req.attempt_token)
+    assert table.request_gate(req.lora_name, "id-new").code is ErrorCode.VERSION_NOT_READY
+    assert table.request_gate(req.lora_name, "id-new", probing=True) is None
 
 
 def test_failed_load_returns_to_prepared_and_can_be_retried(table):
@@ -192,7 +221,7 @@ def test_reclaim_transitions_are_idempotent_by_reclaim_id(table):
     v = table.get(ready.lora_name)
     assert not may_unload_now(v, 0), "a READY version is never unloadable"
     assert table.start_reclaim(ready.lora_name, "r1") is ReclaimDecision.START
-    assert table.request_gate(ready.lora_name).code is ErrorCode.VERSION_RECLAIMED
+    assert gate(table, ready.lora_name).code is ErrorCode.VERSION_RECLAIMED
     assert not may_unload_now(v, 1) and not may_unload_now(v, -1) and not may_unload_now(v, None)
     assert may_unload_now(v, 0)
     assert table.start_reclaim(ready.lora_name, "r1") is ReclaimDecision.RESUME
@@ -213,3 +242,50 @@ def test_reclaim_of_a_name_this_incarnation_never_loaded_is_unloaded(table):
     refused_without_trace(
         table, lambda: table.start_reclaim(staging.lora_name, "r1"), ErrorCode.VERSION_NOT_READY
     )
+
+
+def test_an_attempt_token_feeds_exactly_one_version(table):
+    """Issue 15 (1): begin X and Y with one token, X's buckets, Y's buckets, end X served Y's
+    weights. The token is bound to X at X's begin; every call for Y with it is refused."""
+    x, y = snap(11), snap(12)
+    req_x = begin_req(x, "11", attempt="T" * 32)
+    req_y = begin_req(y, "12", attempt="T" * 32)
+    table.begin(req_x)
+    refused_without_trace(table, lambda: table.begin(req_y), ErrorCode.ATTEMPT_MISMATCH)
+    foreign = metas(req_x, x)[0].model_copy(update={"lora_name": req_y.lora_name})
+    refused_without_trace(table, lambda: table.check_bucket(foreign), ErrorCode.ATTEMPT_MISMATCH)
+    refused_without_trace(
+        table, lambda: table.start_end(req_y.lora_name, req_x.attempt_token), ErrorCode.ATTEMPT_MISMATCH
+    )
+
+
+def test_cleanup_naming_another_version_is_refused_and_the_real_cleanup_frees_the_slot(table):
+    """Issue 15 (3): a cleanup naming another version than its token's tombstoned the token under
+    the wrong name and left the candidate PREPARED, holding its slot, with a false CLEANED."""
+    v, other = begin_req(snap(13), "13"), begin_req(snap(14), "14")
+    table.begin(v)
+    refused_without_trace(
+        table, lambda: table.plan_cleanup(other.lora_name, v.attempt_token), ErrorCode.ATTEMPT_MISMATCH
+    )
+    refused_without_trace(
+        table, lambda: table.finish_cleanup(other.lora_name, v.attempt_token), ErrorCode.ATTEMPT_MISMATCH
+    )
+    assert table.plan_cleanup(v.lora_name, v.attempt_token) is CleanupDecision.DROP_STASH
+    receipt = table.finish_cleanup(v.lora_name, v.attempt_token)
+    assert receipt.lora_name == v.lora_name
+    assert table.get(v.lora_name).state == "CLEANED" and table.slots_in_use() == 0
+
+
+def test_a_token_first_seen_in_a_cleanup_is_bound_to_that_name(table):
+    req = begin_req(snap(15), "15")
+    table.finish_cleanup(req.lora_name, req.attempt_token)  # cleanup before begin
+    other = begin_req(snap(16), "16", attempt=req.attempt_token)
+    refused_without_trace(table, lambda: table.begin(other), ErrorCode.ATTEMPT_MISMATCH)
+
+
+def test_adopting_a_ready_version_binds_the_new_token(table):
+    ready = staged_ready(table, snap(17), "17")
+    adopt = ready.model_copy(update={"attempt_token": "a" * 32})
+    assert table.begin(adopt).state == "READY_LOCAL"
+    other = begin_req(snap(18), "18", attempt="a" * 32)
+    refused_without_trace(table, lambda: table.begin(other), ErrorCode.ATTEMPT_MISMATCH)

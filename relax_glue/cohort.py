@@ -1,0 +1,131 @@
+"""What the publisher and the reclaimer share: one registry client and the clients of a fixed
+engine cohort, an all-engines fan-out that sorts each engine's outcome (ok, refused, unknown),
+and the registry writes every engine step ends with (receipts, incarnations, unknown marks)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from relax_glue.actor import AsyncRegistryClient
+from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
+from sglang_ext.errors import ErrorCode, LoraVersionError
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStep:
+    """One engine call of a run and how it ended (or the registry's answer to its receipt)."""
+
+    engine_id: str
+    op: str
+    status: CallOutcome  # OK, REFUSED or UNKNOWN
+    source: str = "engine"  # "engine" | "registry": who refused
+    code: ErrorCode | None = None
+    detail: str = ""
+
+
+class RegistryRefused(Exception):
+    """The registry refused a receipt of an engine call that itself succeeded."""
+
+    def __init__(self, error: LoraVersionError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+Fanout = tuple[dict[str, Any], dict[str, LoraVersionError], dict[str, OutcomeUnknown]]
+
+
+class CohortDriver:
+    """Base of the publisher and the reclaimer (one cohort, one registry client)."""
+
+    def __init__(
+        self,
+        registry: Any,
+        engines: Mapping[str, EngineAPI],
+        *,
+        registry_retries: int = 2,
+        registry_retry_delay_s: float = 0.05,
+        incarnations: dict[str, str] | None = None,
+    ) -> None:
+        # A registry object is wrapped in an in-process client with these retries; a client that
+        # is passed in keeps its own.
+        self.registry = AsyncRegistryClient.of(
+            registry, retries=registry_retries, retry_delay_s=registry_retry_delay_s
+        )
+        self.engines: dict[str, EngineAPI] = dict(engines)
+        self._epoch: str | None = None
+        self._cohort: tuple[str, ...] = ()
+        # last incarnation registered per engine (shared by drivers of one cohort)
+        self._incarnations: dict[str, str] = incarnations if incarnations is not None else {}
+
+    async def _setup(self) -> str:
+        if self._epoch is None:
+            await self.registry.connect()
+            epoch, cohort = self.registry.epoch, self.registry.engines
+            if set(cohort) != set(self.engines):
+                raise ValueError(f"engine clients {sorted(self.engines)} != registry cohort {sorted(cohort)}")
+            self._epoch, self._cohort = epoch, cohort
+        return self._epoch
+
+    async def _fanout(
+        self,
+        steps: list[EngineStep],
+        op: str,
+        engines: Sequence[str],
+        call: Callable[[str], Awaitable[Any]],
+        describe: Callable[[Any], str] = lambda _: "",
+    ) -> Fanout:
+        """Run ``call`` on every engine concurrently and wait for *all* of them."""
+        results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
+        ok: dict[str, Any] = {}
+        refused: dict[str, LoraVersionError] = {}
+        unknown: dict[str, OutcomeUnknown] = {}
+        fatal: BaseException | None = None
+        for engine, r in zip(engines, results, strict=True):
+            if isinstance(r, RegistryRefused):
+                refused[engine] = r.error
+                steps.append(
+                    EngineStep(engine, op, CallOutcome.REFUSED, "registry", r.error.code, r.error.message)
+                )
+            elif isinstance(r, LoraVersionError):
+                refused[engine] = r
+                steps.append(EngineStep(engine, op, CallOutcome.REFUSED, "engine", r.code, r.message))
+            elif isinstance(r, OutcomeUnknown):
+                unknown[engine] = r
+                steps.append(EngineStep(engine, op, CallOutcome.UNKNOWN, detail=r.cause))
+            elif isinstance(r, BaseException):
+                fatal = fatal or r
+            else:
+                ok[engine] = r
+                steps.append(EngineStep(engine, op, CallOutcome.OK, detail=describe(r)))
+        if fatal is not None:
+            raise fatal
+        return ok, refused, unknown
+
+    async def _mark_unknown(self, engine: str, ref: str, op: str, cause: str) -> None:
+        await self.registry.mark_engine_unknown(engine_id=engine, ref=ref, op=op, reason=cause[:1000] or op)
+
+    async def _note_incarnation(self, engine: str, incarnation: str) -> None:
+        """Tell the registry about an incarnation seen in a receipt (a restart invalidates that
+        engine's earlier PREPARED / READY). An earlier incarnation is left to the receipt's own
+        check, which refuses it."""
+        if self._incarnations.get(engine) == incarnation:
+            return
+        try:
+            await self.registry.register_engine_incarnation(engine_id=engine, incarnation=incarnation)
+        except LoraVersionError as err:
+            if err.code is not ErrorCode.STALE_INCARNATION:
+                raise
+            return
+        self._incarnations[engine] = incarnation
+
+    async def _record(self, call: Awaitable[T]) -> T:
+        """A registry recording inside an engine step: its refusal is the step's refusal."""
+        try:
+            return await call
+        except LoraVersionError as err:
+            raise RegistryRefused(err) from None

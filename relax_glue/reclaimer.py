@@ -1,0 +1,124 @@
+"""Reclaim of committed versions across the cohort (RFC 5): every RETIRED version with no
+session refs is claimed in the registry (from then on requests for it are refused), reclaimed on
+every engine (polling through DRAINING with a bounded wait per call while SGLang's native
+in-flight count drains) and confirmed per engine; the registry frees the slot only when every
+engine confirmed the physical unload."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from relax_glue.cohort import CohortDriver, EngineStep
+from relax_glue.engine_client import EngineAPI
+from relax_glue.registry import may_start_reclaim
+from relax_glue.registry_types import ReclaimPhase, UnloadEvidence, VersionKey, VersionState, VersionView
+from sglang_ext import protocol as wire
+from sglang_ext.errors import LoraVersionError
+
+
+@dataclasses.dataclass(frozen=True)
+class ReclaimResult:
+    version_key: VersionKey
+    lora_name: str
+    reclaim_id: str | None
+    registry_state: VersionState | None
+    engines: Mapping[str, str]  # engine -> "UNLOADED" | "DRAINING:<in_flight>" | "UNKNOWN" | "REFUSED:<CODE>"
+    error: LoraVersionError | None = None  # the registry refused the claim
+    steps: tuple[EngineStep, ...] = ()
+    duration_s: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.registry_state is VersionState.RECLAIMED
+
+
+class Reclaimer(CohortDriver):
+    def __init__(
+        self,
+        registry: Any,
+        engines: Mapping[str, EngineAPI],
+        *,
+        wait_s: float = 2.0,
+        poll_s: float = 0.1,
+        deadline_s: float = 60.0,
+        **driver: Any,
+    ) -> None:
+        super().__init__(registry, engines, **driver)
+        self.reclaim_wait_s = wait_s
+        self.reclaim_poll_s = poll_s
+        self.reclaim_deadline_s = deadline_s
+        self._reclaim_lock = asyncio.Lock()
+
+    async def reclaim_ready(self, *, deadline_s: float | None = None) -> tuple[ReclaimResult, ...]:
+        """Reclaim every RETIRED version without session refs, and continue every version
+        already RECLAIMING (an earlier run that hit its deadline or an unknown outcome)."""
+        async with self._reclaim_lock:
+            await self._setup()
+            status = await self.registry.status()
+            todo = [v for v in status.versions if v.state is VersionState.RECLAIMING or may_start_reclaim(v)]
+            deadline = time.monotonic() + (self.reclaim_deadline_s if deadline_s is None else deadline_s)
+            return tuple([await self._reclaim_version(v, deadline) for v in todo])
+
+    async def _reclaim_version(self, view: VersionView, deadline: float) -> ReclaimResult:
+        t0 = time.monotonic()
+        try:
+            claim = await self.registry.claim_reclaim(version_key=view.version_key)
+        except LoraVersionError as err:  # e.g. a session still holds it
+            return ReclaimResult(view.version_key, view.lora_name, None, view.state, {}, error=err)
+        phases = dict(view.reclaim_phases)
+        todo = [e for e in self._cohort if phases.get(e) is not ReclaimPhase.UNLOADED]
+        steps: list[EngineStep] = []
+
+        async def one(engine: str) -> str:
+            polls = 0
+            while True:
+                wait = max(0.0, min(self.reclaim_wait_s, deadline - time.monotonic()))
+                reply = await self.engines[engine].reclaim(
+                    wire.ReclaimRequest(
+                        lora_name=claim.lora_name, reclaim_id=claim.reclaim_id, timeout_s=wait
+                    )
+                )
+                polls += 1
+                if isinstance(reply, wire.UnloadedReceipt):
+                    await self._note_incarnation(engine, reply.incarnation)
+                    unloaded = UnloadEvidence(claim.reclaim_id, reply.incarnation)
+                    await self._record(
+                        self.registry.confirm_reclaim(
+                            version_key=view.version_key, engine_id=engine, receipt=unloaded
+                        )
+                    )
+                    return f"UNLOADED after {polls} call(s)"
+                # DRAINING: the name is unregistered, in-flight requests are finishing. Known
+                # state, not an unknown one: keep polling until the deadline, then report it.
+                if time.monotonic() + self.reclaim_poll_s >= deadline:
+                    return f"DRAINING:{reply.in_flight}"
+                await asyncio.sleep(self.reclaim_poll_s)
+
+        _, refused, unknown = await self._fanout(steps, "reclaim", todo, one, str)
+        for engine, u in unknown.items():
+            await self._mark_unknown(engine, claim.reclaim_id, "reclaim", u.cause)
+        after = await self.registry.version(version_key=view.version_key)
+        engines: dict[str, str] = {}
+        for e in self._cohort:
+            if after is not None and after.reclaim_phases.get(e) is ReclaimPhase.UNLOADED:
+                engines[e] = "UNLOADED"
+            elif e in unknown:
+                engines[e] = "UNKNOWN"
+            elif e in refused:
+                engines[e] = f"REFUSED:{refused[e].code.value}"
+            else:
+                last = next((s for s in reversed(steps) if s.engine_id == e), None)
+                engines[e] = last.detail if last is not None else "PENDING"
+        return ReclaimResult(
+            view.version_key,
+            claim.lora_name,
+            claim.reclaim_id,
+            after.state if after is not None else None,
+            engines,
+            steps=tuple(steps),
+            duration_s=time.monotonic() - t0,
+        )

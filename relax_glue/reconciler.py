@@ -1,0 +1,275 @@
+"""Restoring committed versions onto engines that lost them (an engine restart after a commit).
+
+The registry is the source of truth for which versions must be served: the default, and every
+RETIRED version that sessions still hold (session refs > 0: their requests will keep naming it).
+An engine that restarted (a new incarnation) holds none of them. The reconciler compares what the
+registry wants with what each engine reports (``GET /lora_versions``) and stages each missing
+version onto that engine through the same begin -> buckets -> end protocol as a publication,
+with a fresh attempt token of its own and the snapshot read back from the on-disk
+:class:`~relax_glue.snapshot_store.SnapshotStore` (its bytes checked against the digest).
+
+* Default first, then retired versions by commit order (newest first): a new session binds the
+  default, so it matters most.
+* The registry is not changed: a restore does not create, commit or free anything, it only makes
+  an engine hold again what the registry already says is live. Reclaim is unaffected: an engine
+  that never got a version back answers a reclaim with an authoritative UNLOADED.
+* A restore that fails is cleaned up on that engine (its own token) and retried by the next
+  reconcile; leftovers of an interrupted restore (PREPARED or FAILED under a token the engine
+  reports) are cleaned the same way. Nothing the registry counts is freed by this module.
+* Until an engine holds a version again, requests for it there are refused with
+  VERSION_NOT_READY (while staging) or UNKNOWN_VERSION (not begun yet): never the base model.
+
+:func:`restore_plan` is the pure rule; :class:`Reconciler` does the IO. The publisher runs it
+under its publication and reclaim locks (:meth:`relax_glue.publisher.Publisher.reconcile`), so a
+restore never races a publication or a reclaim driven by the same publisher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
+from typing import Any
+
+from relax_glue.cohort import CohortDriver, EngineStep
+from relax_glue.engine_client import EngineAPI, OutcomeUnknown
+from relax_glue.registry_types import StatusView, VersionKey, VersionState, VersionView
+from relax_glue.snapshot import Snapshot
+from relax_glue.snapshot_store import SnapshotStore
+from sglang_ext import protocol as wire
+from sglang_ext.errors import LoraVersionError
+
+__all__ = [
+    "Reconciler",
+    "RestoreAction",
+    "RestoreOutcome",
+    "RestoreResult",
+    "restore_plan",
+    "wanted_versions",
+]
+
+S = wire.EngineVersionState
+
+
+class RestoreAction(StrEnum):
+    """What one engine needs for one wanted version (the pure rule's answer)."""
+
+    HELD = "HELD"  # READY_LOCAL with the registry's digest: nothing to do
+    RESTORE = "RESTORE"  # unknown there (restarted), or a CLEANED tombstone: stage it
+    CLEAN_THEN_RESTORE = "CLEAN_THEN_RESTORE"  # an interrupted restore (PREPARED / FAILED) holds the name
+    WAIT = "WAIT"  # LOADING: a load is running there; look again next round
+    CONFLICT = "CONFLICT"  # another digest, or being reclaimed there: never touched, reported
+
+
+class RestoreOutcome(StrEnum):
+    HELD = "HELD"
+    RESTORED = "RESTORED"
+    FAILED = "FAILED"  # a step was refused or its outcome is unknown; cleaned (or to clean) there
+    WAITING = "WAITING"
+    CONFLICT = "CONFLICT"
+    NO_SNAPSHOT = "NO_SNAPSHOT"  # the store has no (valid) entry for the digest
+    UNREACHABLE = "UNREACHABLE"  # the engine's status could not be read
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+    engine_id: str
+    version_key: VersionKey | None  # None for an UNREACHABLE engine (nothing was planned)
+    lora_name: str
+    outcome: RestoreOutcome
+    incarnation: str | None = None
+    detail: str = ""
+    duration_s: float = 0.0
+
+
+def wanted_versions(status: StatusView) -> tuple[VersionView, ...]:
+    """The versions every engine must hold: the default, then every RETIRED version that
+    sessions still hold (newest commit first). RECLAIMING ones are not: their requests are
+    refused anyway, and reclaim treats an engine that does not hold them as unloaded."""
+    default = [v for v in status.versions if v.state is VersionState.PUBLISHED]
+    retired = sorted(
+        (v for v in status.versions if v.state is VersionState.RETIRED and v.session_refs > 0),
+        key=lambda v: -(v.commit_revision or 0),
+    )
+    return (*default, *retired)
+
+
+def restore_plan(
+    wanted: Sequence[VersionView], engine: wire.EngineStatus
+) -> list[tuple[VersionView, RestoreAction, wire.VersionStatus | None]]:
+    """For each wanted version, what ``engine`` needs (pure)."""
+    held = {v.lora_name: v for v in engine.versions}
+    plan: list[tuple[VersionView, RestoreAction, wire.VersionStatus | None]] = []
+    for want in wanted:
+        vs = held.get(want.lora_name)
+        if vs is None or vs.state is S.CLEANED:
+            action = RestoreAction.RESTORE
+        elif vs.digest != want.digest or vs.state in (S.RECLAIMING, S.UNLOADED):
+            action = RestoreAction.CONFLICT
+        elif vs.state is S.READY_LOCAL:
+            action = RestoreAction.HELD
+        elif vs.state is S.LOADING:
+            action = RestoreAction.WAIT
+        else:  # PREPARED or FAILED under some attempt: clean it, then stage afresh
+            action = RestoreAction.CLEAN_THEN_RESTORE
+        plan.append((want, action, vs))
+    return plan
+
+
+class Reconciler(CohortDriver):
+    def __init__(
+        self,
+        registry: Any,
+        engines: Mapping[str, EngineAPI],
+        store: SnapshotStore,
+        **driver: Any,
+    ) -> None:
+        super().__init__(registry, engines, **driver)
+        self.store = store
+        self.steps: list[EngineStep] = []  # every engine call of the last reconcile, for audits
+
+    async def reconcile(self, engines: Sequence[str] | None = None) -> tuple[RestoreResult, ...]:
+        """One pass over ``engines`` (default: the whole cohort). Idempotent: an engine that
+        holds every wanted version gets only a status read."""
+        await self._setup()
+        self.steps = []
+        status = await self.registry.status()
+        wanted = wanted_versions(status)
+        todo = list(self._cohort if engines is None else engines)
+        snapshots: dict[str, Snapshot | LoraVersionError] = {}
+        ok, refused, unknown = await self._fanout(
+            self.steps, "reconcile", todo, lambda e: self._reconcile_engine(e, wanted, snapshots)
+        )
+        results: list[RestoreResult] = []
+        for engine in todo:
+            if engine in ok:
+                results.extend(ok[engine])
+            else:
+                exc = refused.get(engine) or unknown.get(engine)
+                results.append(RestoreResult(engine, None, "", RestoreOutcome.UNREACHABLE, detail=str(exc)))
+        return tuple(results)
+
+    def _snapshot(
+        self, view: VersionView, cache: dict[str, Snapshot | LoraVersionError]
+    ) -> Snapshot | LoraVersionError:
+        if view.digest not in cache:
+            try:
+                cache[view.digest] = self.store.get(view.digest)
+            except LoraVersionError as err:
+                cache[view.digest] = err
+        return cache[view.digest]
+
+    async def _reconcile_engine(
+        self,
+        engine: str,
+        wanted: Sequence[VersionView],
+        snapshots: dict[str, Snapshot | LoraVersionError],
+    ) -> list[RestoreResult]:
+        status = await self.engines[engine].status()  # refused / unknown: the whole engine is UNREACHABLE
+        await self._note_incarnation(engine, status.incarnation)
+        results = []
+        for view, action, vs in restore_plan(wanted, status):
+            t0 = time.monotonic()
+
+            def result(
+                outcome: RestoreOutcome, detail: str = "", view: VersionView = view, t0: float = t0
+            ) -> RestoreResult:
+                return RestoreResult(
+                    engine,
+                    view.version_key,
+                    view.lora_name,
+                    outcome,
+                    status.incarnation,
+                    detail,
+                    time.monotonic() - t0,
+                )
+
+            if action is RestoreAction.HELD:
+                results.append(result(RestoreOutcome.HELD))
+                continue
+            if action is RestoreAction.WAIT:
+                results.append(result(RestoreOutcome.WAITING, "a load is running there"))
+                continue
+            if action is RestoreAction.CONFLICT:
+                assert vs is not None
+                results.append(
+                    result(RestoreOutcome.CONFLICT, f"engine holds it {vs.state.value} digest {vs.digest}")
+                )
+                continue
+            snap = self._snapshot(view, snapshots)
+            if isinstance(snap, LoraVersionError):
+                results.append(result(RestoreOutcome.NO_SNAPSHOT, str(snap)))
+                continue
+            if action is RestoreAction.CLEAN_THEN_RESTORE:
+                assert vs is not None and vs.attempt_token is not None
+                if not await self._clean(engine, view.lora_name, vs.attempt_token):
+                    results.append(
+                        result(RestoreOutcome.FAILED, "an interrupted restore could not be cleaned yet")
+                    )
+                    continue
+            outcome, detail = await self._restore(engine, view, snap)
+            results.append(result(outcome, detail))
+        return results
+
+    async def _restore(self, engine: str, view: VersionView, snap: Snapshot) -> tuple[RestoreOutcome, str]:
+        """begin -> every bucket -> end on one engine under a fresh attempt token."""
+        client = self.engines[engine]
+        token = f"rst-{uuid.uuid4().hex}"
+        # The exact name the registry committed: a restore never invents another identity.
+        req = wire.parse_model(
+            wire.BeginRequest,
+            {
+                "lora_name": view.lora_name,
+                "version_key": wire.VersionKey(
+                    epoch=view.version_key.epoch, version_id=view.version_key.version_id
+                ),
+                "digest": view.digest,
+                "attempt_token": token,
+                "manifest": snap.manifest,
+                "bucket_plan": snap.bucket_plan,
+            },
+        )
+        op = "begin"
+        try:
+            reply = await client.begin(req)
+            self._step(engine, "restore_begin", reply.incarnation)
+            if isinstance(reply, wire.ReadyReceipt):
+                return RestoreOutcome.RESTORED, f"already loaded; adopted in {reply.incarnation}"
+            op = "receive_bucket"
+            for bucket in snap.iter_buckets():
+                meta = wire.ReceiveBucketMeta(
+                    lora_name=view.lora_name,
+                    attempt_token=token,
+                    index=bucket.spec.index,
+                    sha256=bucket.sha256,
+                )
+                await client.receive_bucket(meta, bucket.payload)
+            op = "end"
+            ready = await client.end(wire.EndRequest(lora_name=view.lora_name, attempt_token=token))
+            self._step(engine, "restore_end", ready.incarnation)
+            await self._note_incarnation(engine, ready.incarnation)
+            return RestoreOutcome.RESTORED, f"READY in {ready.incarnation}"
+        except (LoraVersionError, OutcomeUnknown) as exc:
+            # Whatever part of it landed there is removed under our own token (or left for the
+            # next reconcile to find and clean: the engine reports it with that token).
+            cleaned = await self._clean(engine, view.lora_name, token)
+            return RestoreOutcome.FAILED, f"{op}: {exc}; {'cleaned' if cleaned else 'cleanup pending'}"
+
+    async def _clean(self, engine: str, lora_name: str, token: str) -> bool:
+        try:
+            reply = await self.engines[engine].cleanup(
+                wire.CleanupRequest(lora_name=lora_name, attempt_token=token)
+            )
+        except (LoraVersionError, OutcomeUnknown) as exc:
+            self._step(engine, "restore_cleanup", f"not confirmed: {exc}")
+            return False
+        done = not isinstance(reply, wire.DrainingReply)
+        self._step(engine, "restore_cleanup", "cleaned" if done else "draining")
+        return done
+
+    def _step(self, engine: str, op: str, detail: str) -> None:
+        from relax_glue.engine_client import CallOutcome
+
+        self.steps.append(EngineStep(engine, op, CallOutcome.OK, detail=detail))

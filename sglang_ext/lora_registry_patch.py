@@ -1,0 +1,334 @@
+"""The one module that touches SGLang 0.5.23 internals.
+
+Every upstream symbol the plugin imports, every private or instance attribute it reads, every
+upstream message it matches, and every hook target it patches is named here, behind a small
+accessor. No other module of the plugin imports ``sglang.*`` (``plugin.py``, which must stay
+import-light, and ``devtools/`` excepted). :func:`surface_problems` resolves all of it, and the
+plugin refuses to start naming whatever is missing, so moving the pin is a diff of this file that
+fails closed instead of a hunt through the package that fails open.
+
+Nothing from SGLang is imported at module import time: the plugin loads this module in every
+SGLang process, and the trainer side never does.
+
+When the pin moves: upstream's later ``LoRARef.reloadable`` expresses the rule that
+:func:`lru_lora_name_never_managed` adds here (a managed version is never an eviction candidate);
+delete that override then, and re-read every accessor below against the new source.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+# ------------------------------------------------------------------------------ hook targets
+# Patched through SGLang's own HookRegistry (sglang.srt.plugins.hook_registry), main process only.
+
+CHECK_SERVER_ARGS = "sglang.srt.server_args.ServerArgs.check_server_args"
+SETUP_HTTP_SERVER = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
+_MIXIN = "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin"
+LOAD_ADAPTER = f"{_MIXIN}.load_lora_adapter"
+LOAD_ADAPTER_FROM_TENSORS = f"{_MIXIN}.load_lora_adapter_from_tensors"
+UNLOAD_ADAPTER = f"{_MIXIN}.unload_lora_adapter"
+_TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+GENERATE_REQUEST = f"{_TM}.generate_request"
+INIT_REQ_STATE = f"{_TM}._init_req_state"
+VALIDATE_ONE_REQUEST = f"{_TM}._validate_one_request"
+RESOLVE_LORA_PATH = f"{_TM}._resolve_lora_path"
+RELEASE_LORA_ONCE = f"{_TM}._release_lora_once"
+LRU_LORA_NAME = "sglang.srt.lora.lora_registry.LoRARegistry.lru_lora_name"
+SERVE_GENERATE = "sglang.srt.entrypoints.http_server.serve_generate_request"
+OPENAI_HANDLE_REQUEST = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
+
+MAIN_PROCESS_TARGETS = (
+    CHECK_SERVER_ARGS,
+    SETUP_HTTP_SERVER,
+    LOAD_ADAPTER,
+    LOAD_ADAPTER_FROM_TENSORS,
+    UNLOAD_ADAPTER,
+    GENERATE_REQUEST,
+    INIT_REQ_STATE,
+    VALIDATE_ONE_REQUEST,
+    RESOLVE_LORA_PATH,
+    RELEASE_LORA_ONCE,
+    LRU_LORA_NAME,
+    SERVE_GENERATE,
+    OPENAI_HANDLE_REQUEST,
+)
+
+# ------------------------------------------------------------------------------ symbols
+
+# name -> (module, attribute): everything the plugin imports from SGLang.
+SYMBOLS: dict[str, tuple[str, str]] = {
+    "HookRegistry": ("sglang.srt.plugins.hook_registry", "HookRegistry"),
+    "HookType": ("sglang.srt.plugins.hook_registry", "HookType"),
+    "resolving_view": ("sglang.srt.arg_groups.model_override_base", "resolving_view"),
+    "http_app": ("sglang.srt.entrypoints.http_server", "app"),
+    "auth_level": ("sglang.srt.utils.auth", "auth_level"),
+    "AuthLevel": ("sglang.srt.utils.auth", "AuthLevel"),
+    "LoRARef": ("sglang.srt.lora.lora_registry", "LoRARef"),
+    "LoRARegistry": ("sglang.srt.lora.lora_registry", "LoRARegistry"),
+    "GenerateReqInput": ("sglang.srt.managers.io_struct", "GenerateReqInput"),
+    "LoadLoRAAdapterFromTensorsReqInput": (
+        "sglang.srt.managers.io_struct",
+        "LoadLoRAAdapterFromTensorsReqInput",
+    ),
+    "UnloadLoRAAdapterReqInput": ("sglang.srt.managers.io_struct", "UnloadLoRAAdapterReqInput"),
+    "merge_lora_update_results": (
+        "sglang.srt.managers.tokenizer_control_mixin",
+        "_merge_lora_update_results",
+    ),
+    "get_parallel": ("sglang.srt.runtime_context", "get_parallel"),
+    "get_normalized_target_modules": ("sglang.srt.lora.utils", "get_normalized_target_modules"),
+    "ReqState": ("sglang.srt.managers.tokenizer_manager", "ReqState"),
+    "TokenizerManager": ("sglang.srt.managers.tokenizer_manager", "TokenizerManager"),
+    "OpenAIServingBase": ("sglang.srt.entrypoints.openai.serving_base", "OpenAIServingBase"),
+    "ConcurrentCounter": ("sglang.srt.utils.common", "ConcurrentCounter"),
+}
+
+# (symbol, attribute) that must exist on the class itself.
+CLASS_ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("TokenizerManager", "auto_create_handle_loop"),
+    ("TokenizerManager", "generate_request"),
+    ("OpenAIServingBase", "_resolve_lora_path"),
+    ("LoRARegistry", "register"),
+    ("LoRARegistry", "unregister"),
+    ("ConcurrentCounter", "value"),
+    ("ConcurrentCounter", "wait_for_zero"),
+    ("HookRegistry", "register"),
+    ("HookRegistry", "_patched"),
+)
+# Set in LoRARegistry.__init__ (checked on a fresh instance).
+LORA_REGISTRY_ATTRIBUTES = ("_registry", "_counters", "_registry_lock")
+# ReqState dataclass fields read by the release guard.
+REQ_STATE_FIELDS = ("obj", "lora_released")
+# Set in TokenizerManager.__init__ / init_communicators (checked on the live instance, see
+# tokenizer_manager_problems).
+TOKENIZER_MANAGER_ATTRIBUTES = (
+    "lora_registry",
+    "lora_ref_cache",
+    "model_config",
+    "update_lora_adapter_communicator",
+)
+
+# Function names on the stack that tell which SGLang process loads the plugin
+# (sglang.srt.managers.scheduler / detokenizer_manager / data_parallel_controller).
+PROCESS_ENTRY_FUNCTIONS = {
+    "run_scheduler_process": "scheduler",
+    "run_detokenizer_process": "detokenizer",
+    "run_data_parallel_controller_process": "dp-controller",
+}
+
+# Texts of LoRAManager.validate_new_adapter (sglang.srt.lora.lora_manager) that mean "this adapter
+# does not fit this engine" rather than "the load failed".
+INCOMPATIBLE_MESSAGE_MARKERS = ("incompatible with the current LoRA memory pool", "DoRA", "add tokens")
+
+
+def symbol(name: str) -> Any:
+    module, attribute = SYMBOLS[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _resolve_dotted(path: str) -> Any:
+    """Import the longest importable module prefix of ``path`` and walk the rest as attributes."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            obj = getattr(obj, attribute)
+        return obj
+    raise ImportError(path)
+
+
+def surface_problems() -> list[str]:
+    """Every upstream symbol, attribute and hook target of this module that cannot be resolved
+    in the installed SGLang, by name. Empty on the pinned version."""
+    problems: list[str] = []
+    for name, (module, attribute) in SYMBOLS.items():
+        try:
+            getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{module}.{attribute} ({name}): {exc}")
+    for owner, attribute in CLASS_ATTRIBUTES:
+        try:
+            if not hasattr(symbol(owner), attribute):
+                problems.append(f"{SYMBOLS[owner][1]}.{attribute} is missing")
+        except (ImportError, AttributeError):
+            pass  # already reported above
+    for target in MAIN_PROCESS_TARGETS:
+        try:
+            _resolve_dotted(target)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"hook target {target}: {exc!r}")
+    try:
+        registry = symbol("LoRARegistry")()
+        problems += [
+            f"LoRARegistry().{a} is missing" for a in LORA_REGISTRY_ATTRIBUTES if not hasattr(registry, a)
+        ]
+    except Exception as exc:  # a constructor that changed shape is a problem too
+        problems.append(f"LoRARegistry() cannot be built: {exc!r}")
+    try:
+        fields = getattr(symbol("ReqState"), "__dataclass_fields__", {})
+        problems += [f"ReqState.{f} is missing" for f in REQ_STATE_FIELDS if f not in fields]
+    except (ImportError, AttributeError):
+        pass
+    return problems
+
+
+def tokenizer_manager_problems(tm: Any) -> list[str]:
+    """The instance attributes of the live TokenizerManager this module reads."""
+    return [f"TokenizerManager.{a} is missing" for a in TOKENIZER_MANAGER_ATTRIBUTES if not hasattr(tm, a)]
+
+
+# ------------------------------------------------------------------------------ accessors
+# The tokenizer manager's LoRA registry (sglang.srt.lora.lora_registry.LoRARegistry): names ->
+# LoRARef in ``_registry``, lora_id -> ConcurrentCounter of in-flight requests in ``_counters``.
+
+
+def registered_lora_id(tm: Any, lora_name: str) -> str | None:
+    ref = tm.lora_registry._registry.get(lora_name)
+    return None if ref is None else ref.lora_id
+
+
+def in_flight_counter(tm: Any, lora_id: str) -> Any | None:
+    """The ConcurrentCounter of ``lora_id`` (``value()``, ``wait_for_zero()``), or None once gone."""
+    return tm.lora_registry._counters.get(lora_id)
+
+
+def drop_counter(tm: Any, lora_id: str) -> None:
+    tm.lora_registry._counters.pop(lora_id, None)
+
+
+def forget_cached_ref(tm: Any, lora_name: str) -> None:
+    """TokenizerManager.lora_ref_cache feeds the implicit reload of an unregistered name."""
+    tm.lora_ref_cache.pop(lora_name, None)
+
+
+async def register(tm: Any, ref: Any) -> None:
+    await tm.lora_registry.register(ref)
+
+
+async def unregister(tm: Any, lora_name: str) -> None:
+    await tm.lora_registry.unregister(lora_name)
+
+
+def new_pinned_tensor_ref(lora_name: str) -> Any:
+    """A LoRARef for tensors loaded in memory (path ``__tensor__``: never implicitly reloadable)."""
+    return symbol("LoRARef")(lora_name=lora_name, lora_path="__tensor__", pinned=True)
+
+
+def load_from_tensors_request(ref: Any, config: Mapping[str, Any], payload: bytes) -> Any:
+    """One serialised payload per TP rank; ``expected_checksums`` left unset on purpose: a
+    mismatch raises outside any try in the 0.5.23 scheduler and takes the server down."""
+    return symbol("LoadLoRAAdapterFromTensorsReqInput")(
+        lora_name=ref.lora_name,
+        config_dict=dict(config),
+        serialized_named_tensors=[payload] * symbol("get_parallel")().tp_size,
+        pinned=True,
+        lora_id=ref.lora_id,
+    )
+
+
+def unload_request(lora_name: str, lora_id: str) -> Any:
+    # lora_id must be set: the scheduler builds a LoRARef from it and a None id raises there.
+    return symbol("UnloadLoRAAdapterReqInput")(lora_name=lora_name, lora_id=lora_id)
+
+
+async def fan_out(tm: Any, request: Any) -> tuple[Any, list[Any]]:
+    """Send a load/unload to every scheduler rank: (merged result, per-rank results)."""
+    tm.auto_create_handle_loop()
+    ranks = await tm.update_lora_adapter_communicator(request)
+    return symbol("merge_lora_update_results")(ranks), ranks
+
+
+def generation_request(lora_name: str, input_ids: list[int], max_new_tokens: int) -> Any:
+    return symbol("GenerateReqInput")(
+        input_ids=list(input_ids),
+        sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0},
+        lora_path=lora_name,
+    )
+
+
+def generate(tm: Any, request: Any) -> AsyncIterator[dict]:
+    return tm.generate_request(request, None)
+
+
+def resolved_lora_id(request: Any) -> str | None:
+    """The lora_id SGLang resolved a generation to (set at its acquire point)."""
+    lora_id = getattr(request, "lora_id", None)
+    return lora_id if isinstance(lora_id, str) else None
+
+
+def base_hf_config(tm: Any) -> Any:
+    return tm.model_config.hf_config
+
+
+def vocab_size(tm: Any) -> int:
+    return int(tm.model_config.vocab_size)
+
+
+def normalized_target_modules(targets: Any) -> set[str]:
+    return symbol("get_normalized_target_modules")(targets)
+
+
+def is_incompatible_message(message: str) -> bool:
+    return any(marker in message for marker in INCOMPATIBLE_MESSAGE_MARKERS)
+
+
+def lora_released(state: Any) -> bool:
+    return bool(state.lora_released)
+
+
+def mark_lora_released(state: Any) -> None:
+    state.lora_released = True
+
+
+def acquired_lora_id(state: Any) -> Any:
+    return getattr(state.obj, "lora_id", None)
+
+
+def openai_lora_path(serving: Any, request: Any) -> Any:
+    """The lora_path an OpenAI request resolves to (``model="base:adapter"`` or ``lora_path``)."""
+    return serving._resolve_lora_path(request.model, request.lora_path)
+
+
+def resolved_server_args(server_args: Any) -> Any:
+    return symbol("resolving_view")(server_args)
+
+
+def http_app() -> Any:
+    return symbol("http_app")
+
+
+def admin_optional(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    """Guard a route like SGLang's own LoRA control endpoints (ADMIN_OPTIONAL)."""
+    return symbol("auth_level")(symbol("AuthLevel").ADMIN_OPTIONAL)(endpoint)
+
+
+def register_hook(target: str, hook: Callable[..., Any], kind: str) -> None:
+    """``kind``: BEFORE, AFTER, AROUND or REPLACE (sglang.srt.plugins.hook_registry.HookType)."""
+    symbol("HookRegistry").register(target, hook, getattr(symbol("HookType"), kind))
+
+
+def unapplied_hooks(targets: tuple[str, ...]) -> list[str]:
+    """HookRegistry.apply_hooks logs and skips a target it cannot patch; we fail closed instead."""
+    patched = symbol("HookRegistry")._patched
+    return [t for t in targets if t not in patched]
+
+
+async def lru_lora_name_never_managed(
+    registry: Any, exclude_pinned: bool, may_evict: Callable[[str], bool]
+) -> str | None:
+    """LoRARegistry.lru_lora_name (0.5.23) with one more rule: a name ``may_evict`` refuses is
+    skipped. Same body as upstream otherwise (reader lock, LRU order)."""
+    async with registry._registry_lock.reader_lock:
+        for name, ref in registry._registry.items():
+            if exclude_pinned and ref.pinned:
+                continue
+            if not may_evict(name):
+                continue
+            return name
+    return None

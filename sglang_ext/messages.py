@@ -1,0 +1,252 @@
+"""The engine control messages: routes, requests, receipts, replies and status, as pydantic
+models, with parsing that answers typed errors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, TypeAdapter, model_validator
+
+from sglang_ext.identity import Manifest, manifest_digest
+from sglang_ext.names import DIGEST_PREFIX_LEN, parse_lora_name
+from sglang_ext.transport import (
+    ATTEMPT_TOKEN_HEADER,
+    BUCKET_CONTENT_TYPE,
+    BUCKET_INDEX_HEADER,
+    BUCKET_SHA256_HEADER,
+    LORA_NAME_HEADER,
+    BucketSpec,
+    plan_problem,
+)
+from sglang_ext.wire import (
+    LoraName,
+    NamePart,
+    NonNegInt,
+    Sha256Hex,
+    Token,
+    WireModel,
+    invalid,
+    mismatch,
+    parse_model,
+    validate_data,
+)
+
+DEFAULT_LORA_PREFIX = "relax_policy_lora"
+
+
+# --------------------------------------------------------------------------------------------
+# Engine control models
+# --------------------------------------------------------------------------------------------
+
+
+class Routes:
+    """Engine control endpoint paths (mounted by the plugin in the engine's main process)."""
+
+    BEGIN = "/lora_versions/begin"
+    RECEIVE_BUCKET = "/lora_versions/receive_bucket"
+    END = "/lora_versions/end"
+    CLEANUP = "/lora_versions/cleanup"
+    RECLAIM = "/lora_versions/reclaim"
+    STATUS = "/lora_versions"
+    VERSION_STATUS = "/lora_versions/{lora_name}"
+
+
+class VersionKey(WireModel):
+    # Registries may keep epoch / version_id as ints; 3 and "3" are the same key on the wire.
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+    epoch: NamePart
+    version_id: NamePart
+
+
+class BeginRequest(WireModel):
+    """Fixes identity, attempt, manifest and bucket plan. Self-consistent by construction: the
+    name matches the key and digest, the digest is the manifest's, the plan covers the manifest."""
+
+    lora_name: LoraName
+    version_key: VersionKey
+    digest: Sha256Hex
+    attempt_token: Token
+    manifest: Manifest
+    bucket_plan: tuple[BucketSpec, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BeginRequest:
+        parsed = parse_lora_name(self.lora_name)
+        assert parsed is not None  # LoraName already validated the shape
+        if (parsed.epoch, parsed.version_id) != (self.version_key.epoch, self.version_key.version_id):
+            raise ValueError("lora_name does not match version_key")
+        if parsed.digest_prefix != self.digest[:DIGEST_PREFIX_LEN]:
+            raise ValueError("lora_name does not match digest")
+        if manifest_digest(self.manifest) != self.digest:
+            raise mismatch("digest is not the sha256 of the canonical manifest")
+        problem = plan_problem(self.manifest, self.bucket_plan)
+        if problem:
+            raise mismatch(problem)
+        return self
+
+
+class PreparedReceipt(WireModel):
+    state: Literal["PREPARED"] = "PREPARED"
+    lora_name: LoraName
+    digest: Sha256Hex
+    attempt_token: Token
+    incarnation: Token
+
+
+class ReceiveBucketMeta(WireModel):
+    """The metadata of ``POST receive_bucket``; sent as headers, the body is the payload."""
+
+    lora_name: LoraName
+    attempt_token: Token
+    index: NonNegInt
+    sha256: Sha256Hex
+
+    def to_headers(self) -> dict[str, str]:
+        return {
+            LORA_NAME_HEADER: self.lora_name,
+            ATTEMPT_TOKEN_HEADER: self.attempt_token,
+            BUCKET_INDEX_HEADER: str(self.index),
+            BUCKET_SHA256_HEADER: self.sha256,
+            "Content-Type": BUCKET_CONTENT_TYPE,
+        }
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str]) -> ReceiveBucketMeta:
+        """Parse from request headers (case-insensitive); INVALID_REQUEST when absent or bad."""
+        lowered = {k.lower(): v for k, v in headers.items()}
+        fields = {
+            "lora_name": LORA_NAME_HEADER,
+            "attempt_token": ATTEMPT_TOKEN_HEADER,
+            "index": BUCKET_INDEX_HEADER,
+            "sha256": BUCKET_SHA256_HEADER,
+        }
+        missing = [h for h in fields.values() if h.lower() not in lowered]
+        if missing:
+            raise invalid(f"missing headers {missing}", missing=missing)
+        return parse_model(cls, {f: lowered[h.lower()] for f, h in fields.items()})
+
+
+class BucketAck(WireModel):
+    index: NonNegInt
+    accepted: bool
+    duplicate: bool = False  # an already accepted bucket again: acknowledged, not rewritten
+
+
+class EndRequest(WireModel):
+    lora_name: LoraName
+    attempt_token: Token
+
+
+class ReadyReceipt(WireModel):
+    state: Literal["READY_LOCAL"] = "READY_LOCAL"
+    lora_name: LoraName
+    version_key: VersionKey
+    digest: Sha256Hex
+    attempt_token: Token
+    incarnation: Token
+
+
+class CleanupRequest(WireModel):
+    lora_name: LoraName
+    attempt_token: Token
+
+
+class CleanupReceipt(WireModel):
+    state: Literal["CLEANED"] = "CLEANED"
+    lora_name: LoraName
+    attempt_token: Token
+    incarnation: Token
+
+
+class ReclaimRequest(WireModel):
+    lora_name: LoraName
+    reclaim_id: Token
+    # How long the engine may wait for in-flight requests before answering DRAINING.
+    timeout_s: Annotated[float, Field(ge=0.0, le=3600.0)] = 0.0
+
+
+class UnloadedReceipt(WireModel):
+    state: Literal["UNLOADED"] = "UNLOADED"
+    lora_name: LoraName
+    reclaim_id: Token
+    incarnation: Token
+
+
+class DrainingReply(WireModel):
+    """A removal (reclaim, or cleanup of a loaded candidate) that has started but still waits for
+    ``in_flight`` admitted requests: accepted, not finished (HTTP 202). Ask again with the same
+    ``reclaim_id`` or ``attempt_token``; the engine goes on draining meanwhile."""
+
+    state: Literal["DRAINING"] = "DRAINING"
+    lora_name: LoraName
+    in_flight: NonNegInt
+    incarnation: Token
+    reclaim_id: Token | None = None  # set for a reclaim
+    attempt_token: Token | None = None  # set for a cleanup
+
+    @model_validator(mode="after")
+    def _one_removal(self) -> DrainingReply:
+        if (self.reclaim_id is None) == (self.attempt_token is None):
+            raise ValueError("a DRAINING reply names either a reclaim_id or an attempt_token")
+        return self
+
+
+class EngineVersionState(StrEnum):
+    """Engine-local lifecycle of one managed version (see design.md, "Engine side")."""
+
+    PREPARED = "PREPARED"  # begin accepted; buckets arriving into the attempt's stash
+    LOADING = "LOADING"  # end in progress: native load and exact-version probe
+    READY_LOCAL = "READY_LOCAL"  # loaded, pinned, probed
+    FAILED = "FAILED"  # the load or probe failed and what it loaded could not be removed: still
+    # pinned in SGLang under lora_id, never servable, holds its slot until a cleanup removes it
+    RECLAIMING = "RECLAIMING"  # unregistered; in-flight requests draining
+    UNLOADED = "UNLOADED"  # physically unloaded (tombstone)
+    CLEANED = "CLEANED"  # attempt cleaned up (tombstone: late calls are STALE_ATTEMPT)
+
+
+class VersionStatus(WireModel):
+    lora_name: LoraName
+    state: EngineVersionState
+    version_key: VersionKey | None = None
+    digest: Sha256Hex | None = None
+    attempt_token: Token | None = None
+    reclaim_id: Token | None = None
+    pinned: bool = False
+    lora_id: str | None = None  # engine-local; differs between engines and between loads
+    in_flight: NonNegInt | None = None  # SGLang's native request refcount, when loaded
+    buckets_received: NonNegInt = 0
+    buckets_total: NonNegInt = 0
+    incarnation: Token
+    created_at: float  # unix seconds
+    updated_at: float
+
+
+class EngineStatus(WireModel):
+    incarnation: Token
+    versions: tuple[VersionStatus, ...] = ()
+    managed_capacity: NonNegInt | None = None  # pinned managed versions this engine accepts
+    server_time: float | None = None  # unix seconds, for reading the timestamps above
+
+
+BeginReply = Annotated[PreparedReceipt | ReadyReceipt, Field(discriminator="state")]
+ReclaimReply = Annotated[UnloadedReceipt | DrainingReply, Field(discriminator="state")]
+CleanupReply = Annotated[CleanupReceipt | DrainingReply, Field(discriminator="state")]
+_BEGIN_REPLY: TypeAdapter[PreparedReceipt | ReadyReceipt] = TypeAdapter(BeginReply)
+_RECLAIM_REPLY: TypeAdapter[UnloadedReceipt | DrainingReply] = TypeAdapter(ReclaimReply)
+_CLEANUP_REPLY: TypeAdapter[CleanupReceipt | DrainingReply] = TypeAdapter(CleanupReply)
+
+
+def parse_begin_reply(data: Any) -> PreparedReceipt | ReadyReceipt:
+    """``begin`` answers PREPARED, or READY_LOCAL when this exact version is already loaded."""
+    return validate_data(_BEGIN_REPLY.validate_json, _BEGIN_REPLY.validate_python, data, "begin reply")
+
+
+def parse_reclaim_reply(data: Any) -> UnloadedReceipt | DrainingReply:
+    return validate_data(_RECLAIM_REPLY.validate_json, _RECLAIM_REPLY.validate_python, data, "reclaim reply")
+
+
+def parse_cleanup_reply(data: Any) -> CleanupReceipt | DrainingReply:
+    return validate_data(_CLEANUP_REPLY.validate_json, _CLEANUP_REPLY.validate_python, data, "cleanup reply")

@@ -1,0 +1,77 @@
+"""The one module that reads SGLang internals resolves all of them on the pinned version, and
+names exactly what is missing when one is taken away (what a pin bump would hit)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from sglang_ext import lora_registry_patch as upstream
+
+PKG = Path(upstream.__file__).parent
+
+
+def test_every_internal_resolves_on_the_pinned_sglang():
+    assert upstream.surface_problems() == []
+
+
+def test_a_missing_module_symbol_is_named(monkeypatch):
+    import sglang.srt.managers.io_struct as io_struct
+
+    monkeypatch.delattr(io_struct, "UnloadLoRAAdapterReqInput")
+    problems = upstream.surface_problems()
+    assert len(problems) == 1 and "sglang.srt.managers.io_struct.UnloadLoRAAdapterReqInput" in problems[0]
+
+
+def test_a_missing_private_attribute_is_named(monkeypatch):
+    from sglang.srt.lora.lora_registry import LoRARegistry
+
+    real_init = LoRARegistry.__init__
+
+    def init_without_counters(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        del self._counters
+
+    monkeypatch.setattr(LoRARegistry, "__init__", init_without_counters)
+    assert upstream.surface_problems() == ["LoRARegistry()._counters is missing"]
+
+
+def test_a_missing_hook_target_and_method_are_named(monkeypatch):
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    monkeypatch.delattr(TokenizerManager, "_release_lora_once")
+    monkeypatch.delattr(TokenizerManager, "auto_create_handle_loop")
+    problems = upstream.surface_problems()
+    assert any(upstream.RELEASE_LORA_ONCE in p for p in problems), problems
+    assert "TokenizerManager.auto_create_handle_loop is missing" in problems
+
+
+def test_the_live_tokenizer_manager_is_checked_too():
+    tm = SimpleNamespace(lora_registry=object())
+    assert upstream.tokenizer_manager_problems(tm) == [
+        "TokenizerManager.lora_ref_cache is missing",
+        "TokenizerManager.model_config is missing",
+        "TokenizerManager.update_lora_adapter_communicator is missing",
+    ]
+
+
+def test_no_other_plugin_module_reads_sglang_internals():
+    """The issue's rule, as a test: outside this module, plugin.py and devtools/, no `sglang.`."""
+    out = subprocess.run(
+        ["grep", "-rn", "--include=*.py", r"sglang\.", str(PKG)], capture_output=True, text=True, check=False
+    ).stdout.splitlines()
+    allowed = {"lora_registry_patch.py", "plugin.py"}
+    offenders = [
+        line for line in out if Path(line.split(":", 1)[0]).name not in allowed and "/devtools/" not in line
+    ]
+    assert offenders == []
+
+
+def test_importing_the_module_imports_no_sglang():
+    code = (
+        "import sys, sglang_ext.lora_registry_patch; print(any(m.startswith('sglang.') for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

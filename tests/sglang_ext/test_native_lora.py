@@ -1,0 +1,60 @@
+"""NativeLora's partial-load path against a stand-in tokenizer manager that answers like SGLang's
+scheduler fan-out (real ``LoRAUpdateOutput`` replies merged by SGLang's own merge function)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_ext import lora_registry_patch as upstream
+from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.native_lora import NativeLora
+
+NAME = "p@e-v-aaaaaaaaaaaa"
+
+
+def tm_answering(*replies):
+    from sglang.srt.managers.io_struct import LoRAUpdateOutput
+
+    queue = [[LoRAUpdateOutput(**r) for r in rank_replies] for rank_replies in replies]
+    sent = []
+
+    async def communicator(req):
+        sent.append(type(req).__name__)
+        return queue.pop(0)
+
+    tm = SimpleNamespace(
+        auto_create_handle_loop=lambda: None,
+        update_lora_adapter_communicator=communicator,
+        lora_registry=SimpleNamespace(_counters={}),
+    )
+    return tm, sent
+
+
+@pytest.fixture(autouse=True)
+def no_tp_group(monkeypatch):
+    # The load request needs the TP size of a running server; its shape is not under test here.
+    monkeypatch.setattr(upstream, "load_from_tensors_request", lambda ref, config, payload: SimpleNamespace())
+
+
+async def test_a_partial_load_whose_undo_fails_names_its_leftover():
+    tm, sent = tm_answering(
+        [{"success": False, "error_message": "rank 1 failed", "loaded_adapters": {NAME: "__tensor__"}}],
+        [{"success": False, "error_message": "unload failed"}],
+    )
+    with pytest.raises(LoraVersionError) as info:
+        await NativeLora(tm).load_pinned(NAME, {}, {})
+    assert info.value.code is ErrorCode.LOAD_FAILED and info.value.details["leftover_lora_id"]
+    assert sent == ["SimpleNamespace", "UnloadLoRAAdapterReqInput"]
+
+
+async def test_a_partial_load_that_is_taken_back_leaves_nothing():
+    tm, sent = tm_answering(
+        [{"success": False, "error_message": "rank 1 failed", "loaded_adapters": {NAME: "__tensor__"}}],
+        [{"success": True, "error_message": ""}],
+    )
+    with pytest.raises(LoraVersionError) as info:
+        await NativeLora(tm).load_pinned(NAME, {}, {})
+    assert info.value.code is ErrorCode.LOAD_FAILED and "leftover_lora_id" not in info.value.details
+    assert sent == ["SimpleNamespace", "UnloadLoRAAdapterReqInput"]
