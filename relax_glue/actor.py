@@ -120,6 +120,9 @@ class RegistryActor:
         synchronous: str,
     ) -> None:
         self._db_path = db_path
+        # The cohort the actor was opened with (an engine declared lost later leaves the
+        # registry's cohort, not the identity this actor is started and found under).
+        self._opened_with = tuple(engines)
         self._registry: LoRAVersionRegistry | DurableRegistry
         if db_path is None:
             self._registry = LoRAVersionRegistry(epoch, engines, capacity)
@@ -133,7 +136,8 @@ class RegistryActor:
         reg = self._registry
         return {
             "epoch": reg.epoch,
-            "engines": tuple(reg.engines),
+            "engines": self._opened_with,
+            "cohort": tuple(reg.engines),
             "capacity": reg.capacity,
             "db_path": self._db_path,
             "pid": os.getpid(),

@@ -65,10 +65,13 @@ class CohortDriver:
     async def _setup(self) -> str:
         if self._epoch is None:
             await self.registry.connect()
-            epoch, cohort = self.registry.epoch, self.registry.engines
-            if set(cohort) != set(self.engines):
-                raise ValueError(f"engine clients {sorted(self.engines)} != registry cohort {sorted(cohort)}")
-            self._epoch, self._cohort = epoch, cohort
+            self._epoch = self.registry.epoch
+        # Read on every run: an engine an operator declared lost has left the cohort since (its
+        # client may stay in ``engines``; it is no longer driven).
+        cohort = tuple((await self.registry.status()).engines)
+        if not set(cohort) <= set(self.engines):
+            raise ValueError(f"engine clients {sorted(self.engines)} miss registry cohort {sorted(cohort)}")
+        self._cohort = cohort
         return self._epoch
 
     async def _fanout(

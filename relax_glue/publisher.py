@@ -33,6 +33,7 @@ through the Ray actor); a registry object given instead is wrapped in an in-proc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -258,6 +259,14 @@ class Publisher(CohortDriver):
             raise ValueError("reconcile needs a Publisher created with a SnapshotStore")
         async with self._lock, self.reclaimer._reclaim_lock:
             return await self.reconciler.reconcile(engines)
+
+    async def reconcile_forever(self, interval_s: float = 5.0) -> None:
+        """Poll: one :meth:`reconcile` every ``interval_s`` until cancelled (run it as a task).
+        A registry that cannot be reached is asked again at the next tick."""
+        while True:
+            with contextlib.suppress(RegistryUnavailable):
+                await self.reconcile()
+            await asyncio.sleep(interval_s)
 
     async def _retain_live_snapshots(self) -> None:
         """The store keeps exactly the digests of versions that hold a slot. Skipped when the

@@ -36,6 +36,7 @@ from relax_glue.registry_types import (
     CleanupEvidence,
     CommitReceipt,
     EngineAck,
+    EngineLostResult,
     EngineRecord,
     IncarnationResult,
     PreparedEvidence,
@@ -131,6 +132,7 @@ MUTATING_OPS: tuple[str, ...] = (
     "record_cleanup",
     "register_engine_incarnation",
     "mark_engine_unknown",
+    "declare_engine_lost",
     "open_session",
     "bind_first",
     "begin_close",
@@ -206,6 +208,7 @@ class LoRAVersionRegistry:
         self._sessions: dict[SessionKey, SessionRecord] = {}
         self._engines: dict[str, EngineRecord] = {e: EngineRecord(e) for e in cohort}
         self._unknown: dict[tuple[str, str], UnknownOutcome] = {}  # (engine, token|reclaim id)
+        self._lost: dict[str, str] = {}  # engines declared lost -> the operator's reason
         self._reserve_requests: dict[str, tuple[tuple[VersionKey, str, str], ReserveResult]] = {}
         self._results: dict[tuple[str, ...], Any] = {}  # first answers to receipts, by natural key
         self._seq = 0  # accepted transitions; the store journals a call iff this moved
@@ -521,6 +524,54 @@ class LoRAVersionRegistry:
         self._accepted()
         return ack
 
+    def declare_engine_lost(self, engine_id: str, reason: str) -> EngineLostResult:
+        """An operator's declaration that ``engine_id`` is gone for good (its host died, its
+        disk was wiped): it leaves the cohort for the rest of the epoch.
+
+        Until this call, an engine that cannot answer blocks commit, cleanup and reclaim, and
+        nothing it may hold is freed: a silent engine is not a confirmed one. After it, that
+        engine's receipts are no longer needed nor accepted (UNKNOWN_ENGINE): its phases are
+        dropped from every version, its unknown outcomes are settled, and a version whose only
+        missing receipt was this engine's finishes (ABORTED -> FAILED_CLEAN, RECLAIMING ->
+        RECLAIMED). A pending LOADING attempt is not committed here: the publisher commits it
+        on fresh evidence from the remaining engines. The declaration is journaled like every
+        call (the audit trail); a repeat returns the first answer.
+        Decision: the last engine of a cohort cannot be declared lost (INVALID_REQUEST): a
+        cohort without engines could commit nothing and free everything."""
+        nk = ("lost", str(engine_id))
+        if nk in self._results:
+            return self._results[nk]
+        self._engine(engine_id)
+        _text("reason", reason, max_len=1024)
+        if len(self.engines) == 1:
+            _fail(ErrorCode.INVALID_REQUEST, f"{engine_id} is the last engine of the cohort")
+        cohort = tuple(e for e in self.engines if e != engine_id)
+        updated: list[VersionRecord] = []
+        finished: list[VersionKey] = []
+        for rec in self._versions.values():
+            phases = {e: p for e, p in rec.attempt_phases.items() if e != engine_id}
+            rphases = {e: p for e, p in rec.reclaim_phases.items() if e != engine_id}
+            new = evolve(rec, attempt_phases=phases, reclaim_phases=rphases)
+            if rec.state is VersionState.ABORTED and all(p is AttemptPhase.CLEANED for p in phases.values()):
+                new = self._transition(new, VersionState.FAILED_CLEAN)
+                finished.append(rec.key)
+            elif rec.state is VersionState.RECLAIMING and all(
+                p is ReclaimPhase.UNLOADED for p in rphases.values()
+            ):
+                new = self._transition(new, VersionState.RECLAIMED)
+                finished.append(rec.key)
+            updated.append(new)
+        result = EngineLostResult(engine_id, reason, cohort, tuple(finished))
+        self.engines = cohort
+        del self._engines[engine_id]
+        for rec in updated:
+            self._put(rec)
+        self._unknown = {k: u for k, u in self._unknown.items() if k[0] != engine_id}
+        self._lost[engine_id] = reason
+        self._results[nk] = result
+        self._accepted()
+        return result
+
     # ==================================================================== sessions (RFC 4)
 
     def open_session(self, session_key: SessionKey | Sequence[str]) -> SessionView:
@@ -770,6 +821,7 @@ class LoRAVersionRegistry:
             "versions": list(self._versions.values()),
             "sessions": list(self._sessions.values()),
             "engine_records": list(self._engines.values()),
+            "lost": self._lost,
             "default": self._default,
             "revision": self._revision,
             "unknown": list(self._unknown.values()),
@@ -792,6 +844,7 @@ class LoRAVersionRegistry:
                 reg._by_reclaim[rec.reclaim_id] = rec.key
         reg._sessions = {s.key: s for s in state["sessions"]}
         reg._engines = {e.engine_id: e for e in state["engine_records"]}
+        reg._lost = dict(state.get("lost", {}))
         reg._default = state["default"]
         reg._revision = state["revision"]
         reg._unknown = {(u.engine_id, u.ref): u for u in state["unknown"]}
@@ -849,7 +902,9 @@ class LoRAVersionRegistry:
     def _engine(self, engine_id: Any) -> EngineRecord:
         eng = self._engines.get(engine_id) if isinstance(engine_id, str) else None
         if eng is None:
-            _fail(ErrorCode.UNKNOWN_ENGINE, f"{engine_id!r} is not in the cohort {list(self.engines)}")
+            lost = self._lost.get(engine_id) if isinstance(engine_id, str) else None
+            why = f" (declared lost: {lost})" if lost is not None else ""
+            _fail(ErrorCode.UNKNOWN_ENGINE, f"{engine_id!r} is not in the cohort {list(self.engines)}{why}")
         return eng
 
     def _version(self, key: VersionKey) -> VersionRecord:

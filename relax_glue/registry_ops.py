@@ -25,6 +25,7 @@ from relax_glue.registry_types import (
     CleanupEvidence,
     CommitReceipt,
     EngineAck,
+    EngineLostResult,
     IncarnationResult,
     PreparedEvidence,
     ReadyEvidence,
@@ -86,6 +87,9 @@ class RegistryOps:
 
     def mark_engine_unknown(self, engine_id: str, ref: str, op: str, reason: str) -> EngineAck:
         return self._dispatch("mark_engine_unknown", engine_id=engine_id, ref=ref, op=op, reason=reason)
+
+    def declare_engine_lost(self, engine_id: str, reason: str) -> EngineLostResult:
+        return self._dispatch("declare_engine_lost", engine_id=engine_id, reason=reason)
 
     def open_session(self, session_key: SessionKey | Sequence[str]) -> SessionView:
         return self._dispatch("open_session", session_key=session_key)

@@ -169,6 +169,17 @@ class IncarnationResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineLostResult:
+    """An operator declared an engine lost: it left the cohort for the rest of the epoch."""
+
+    engine_id: str
+    reason: str
+    cohort: tuple[str, ...]  # the engines that remain
+    finished: tuple[VersionKey, ...]  # versions whose last missing receipt was that engine's
+    # (an ABORTED attempt now FAILED_CLEAN, a RECLAIMING version now RECLAIMED: slots freed)
+
+
+@dataclasses.dataclass(frozen=True)
 class Binding:
     session_key: SessionKey
     version_key: VersionKey
@@ -302,6 +313,7 @@ _TYPES: dict[str, type] = {
         CommitReceipt,
         AbortResult,
         IncarnationResult,
+        EngineLostResult,
         Binding,
         SessionView,
         ReclaimClaim,

@@ -114,7 +114,7 @@ class SnapshotStore:
             raise LoraVersionError(
                 ErrorCode.UNKNOWN_VERSION, f"no stored snapshot for digest {digest}", digest=digest
             ) from None
-        except (OSError, ValueError, RuntimeError, TypeError) as exc:  # unreadable / truncated entry
+        except Exception as exc:  # unreadable or truncated (safetensors raises its own error type)
             raise LoraVersionError(
                 ErrorCode.CHECKSUM_MISMATCH, f"stored snapshot {digest} is unreadable: {exc}", digest=digest
             ) from None

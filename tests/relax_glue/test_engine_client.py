@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 from _fake_engine import FakeEngine, make_snapshot
-from _fault_injection import FaultInjectingClient, FaultKind
 
+from relax_glue.devtools.fault_injection import FaultInjectingClient, FaultKind
 from relax_glue.engine_client import (
     FORBIDDEN_PATHS,
     AuditLog,

@@ -46,9 +46,9 @@ from _e2e_helpers import (
     unload_lines,
     write_json,
 )
-from _fault_injection import FaultInjectingClient
 from conftest import ADMIN_KEY
 
+from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.engine_client import EngineAPI
 from relax_glue.publisher import Publisher, PublishOutcome, PublishResult
 from relax_glue.registry import LoRAVersionRegistry
@@ -106,7 +106,9 @@ class World:
         registry: Any = None,
         cohort: tuple[str, ...] = COHORT,
         epoch: str | None = None,
+        store: Any = None,
     ) -> None:
+        self.store = store
         self.epoch = epoch or new_epoch()
         self.cohort = cohort
         self.reg = registry if registry is not None else LoRAVersionRegistry(self.epoch, cohort)
@@ -122,7 +124,12 @@ class World:
 
     def _publisher(self) -> Publisher:
         return Publisher(
-            self.reg, self.pub_engines, reclaim_wait_s=1.0, reclaim_poll_s=0.05, reclaim_deadline_s=60.0
+            self.reg,
+            self.pub_engines,
+            reclaim_wait_s=1.0,
+            reclaim_poll_s=0.05,
+            reclaim_deadline_s=60.0,
+            store=self.store,
         )
 
     def wrap(self, engine: str, wrapper: Any) -> Any:
@@ -738,6 +745,7 @@ async def test_live_traffic_keeps_decoding_on_both_engines_during_publication(
 RESTART_TESTS = {
     "test_engine_restart_between_ready_and_commit_is_not_committed_until_ready_again",
     "test_engine_killed_between_ready_and_commit_blocks_the_commit_until_it_answers",
+    "test_engine_killed_after_commit_serves_its_sessions_exact_versions_again",
 }
 
 
@@ -908,3 +916,99 @@ async def test_engine_killed_between_ready_and_commit_blocks_the_commit_until_it
         assert on_e2[w.name_of["B"]].state is S.READY_LOCAL
         assert (await w.status()).default_lora_name == w.name_of["B"]
         assert_clean_audit(w.clients.values())
+
+
+async def test_engine_killed_after_commit_serves_its_sessions_exact_versions_again(
+    engines, stock_engine, fixtures, snaps, run_dir, spare_engine, tmp_path
+) -> None:
+    """Issue 9 (2) on real engines. Cohort E0 + E2; A committed, sessions on A on both engines;
+    B committed, sessions on B on both engines. E2 is SIGKILLed and started again (a new
+    incarnation that holds nothing). The next turn of each E2 session is refused before
+    admission (UNKNOWN_VERSION: never the base model), its recovery hook runs the reconciler,
+    which stages B (the default) and then A (retired, still held by sessions) onto E2 from the
+    on-disk snapshot store, and the same request is sent again: every turn, before and after
+    the restart, equals the baseline of its bound version with the full prefix, and the
+    restored turns also equal the HF transformers + PEFT reference. Then A is reclaimed: one
+    unload per engine, and the store keeps only B.
+    Without the reconciler (before this change) the E2 sessions got UNKNOWN_VERSION for the
+    rest of their lives."""
+    import os
+    import signal
+
+    from relax_glue.snapshot_store import SnapshotStore
+    from sglang_ext.devtools.launcher import spawn_engine
+    from sglang_ext.devtools.reference import greedy_tokens
+
+    e2 = spare_engine["engine"]
+    await asyncio.to_thread(e2.wait_healthy, 300.0)
+    store = SnapshotStore(tmp_path / "snapshots")
+    async with World((engines[0], e2), stock_engine, fixtures, cohort=("E0", "E2"), store=store) as w:
+        reconciles: list[tuple[str, str]] = []
+
+        async def restore(engine_id: str, lora_path: str) -> None:
+            reconciles.append((engine_id, lora_path))
+            await w.pub.reconcile([engine_id])
+
+        w.sm.on_version_missing = restore
+        w.sm.resend_interval_s = 0.2
+        assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED
+        s_a = {label: await w.sm.open(label) for label in ("SA_E0", "SA_E2")}
+        out_a = {}
+        for i, s in enumerate(s_a.values()):
+            out_a[s.name] = await turn(w.tx, s, PROMPTS[i], 6)
+        assert (await w.publish(snaps, "B")).outcome is PublishOutcome.PUBLISHED
+        s_b = {label: await w.sm.open(label) for label in ("SB_E0", "SB_E2")}
+        out_b = {}
+        for i, s in enumerate(s_b.values()):
+            out_b[s.name] = await turn(w.tx, s, PROMPTS[i], 6)
+        route = {s.name: w.sm.router.pick(s.key) for s in (*s_a.values(), *s_b.values())}
+        assert route == {"SA_E0": "E0", "SA_E2": "E2", "SB_E0": "E0", "SB_E2": "E2"}, route
+        assert store.digests() == {snaps["A"].digest, snaps["B"].digest}
+        old_inc = (await w.clients["E2"].status()).incarnation
+
+        os.killpg(e2.proc.pid, signal.SIGKILL)  # the whole engine, no goodbye
+        await asyncio.to_thread(e2.proc.wait, 60)
+        e2 = await asyncio.to_thread(spawn_engine, _spare_spec(fixtures, run_dir, e2.port, "-after-commit"))
+        spare_engine["engine"] = e2  # the fixture stops whichever process runs now
+        await asyncio.to_thread(e2.wait_healthy, 300.0)
+        new_inc = (await w.clients["E2"].status()).incarnation
+        assert new_inc != old_inc and not await engine_versions(w.clients["E2"], w.marker)
+
+        # The next turn of every session: tool output appended to the full prefix.
+        restored_turns = []
+        for i, s in enumerate([*s_a.values(), *s_b.values()]):
+            prior = out_a.get(s.name) or out_b[s.name]
+            prefix = [*PROMPTS[i % 2], *prior, *TOOL_IDS]
+            tokens = await turn(w.tx, s, prefix, 6, kind="tool")
+            restored_turns.append((s, prefix, tokens))
+        assert [e for e, _ in reconciles] == ["E2"], reconciles  # one recovery, by the first E2 turn
+        assert s_a["SA_E2"].resends == 1 and s_a["SA_E0"].resends == 0
+        on_e2 = await engine_versions(w.clients["E2"], w.marker)
+        assert {n: (v.state, v.incarnation) for n, v in on_e2.items()} == {
+            w.name_of["A"]: (S.READY_LOCAL, new_inc),
+            w.name_of["B"]: (S.READY_LOCAL, new_inc),
+        }
+        begins = [e.detail for e in begins_for([w.clients["E2"]], w.name_of["B"])]
+        assert begins, "B was staged onto the restarted E2"
+        for s in (*s_a.values(), *s_b.values()):
+            assert lora_paths(s) == {s.lora_path}, (s.name, lora_paths(s))  # one exact version each
+        bad = await w.tx.mismatches(w.refs, w.adapter_of)
+        assert not bad, w.tx.table(w.adapter_of)
+        for s, prefix, tokens in restored_turns:
+            adapter = fixtures.adapter_dir(w.adapter_of[s.lora_path])
+            ref = await asyncio.to_thread(greedy_tokens, fixtures.model_dir, adapter, prefix, 6)
+            assert tokens == ref, (s.name, tokens, ref)
+        refused_rid = [r.rid for r in s_a["SA_E2"].requests][-1]
+        assert_clean_audit(w.clients.values(), allow_failed_rids=[refused_rid])
+
+        # A is reclaimed: both engines unload it once (E2 holds the restored copy).
+        await w.sm.close_all()
+        done = await w.pub.reclaim_ready()
+        assert [r.version_key.version_id for r in done if r.done] == ["A"], done
+        for client in w.clients.values():  # unloaded on both (E2: the copy the reconciler restored)
+            assert (await engine_versions(client, w.marker))[w.name_of["A"]].state is S.UNLOADED
+        assert store.digests() == {snaps["B"].digest}
+        print(
+            f"\n[restore] E2 {old_inc[:8]} -> {new_inc[:8]}; restored {sorted(on_e2)}; "
+            f"{len(restored_turns)} turns equal their references"
+        )

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 from _fake_engine import Cluster, make_cluster, make_snapshot
-from _fault_injection import FaultInjectingClient
 from _rg_helpers import EPOCH, new_registry, refused, sk
 
 from relax_glue.actor import AsyncRegistryClient, RegistryClient
+from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.publisher import Publisher, PublishOutcome, PublishResult
 from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
 from relax_glue.registry_types import AttemptPhase, ReclaimPhase, VersionKey, VersionState

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 from _fake_engine import Cluster, make_cluster, make_snapshot
-from _fault_injection import FaultInjectingClient
 from _rg_helpers import EPOCH, new_registry
 
 from relax_glue.actor import AsyncRegistryClient
+from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.engine_client import OutcomeUnknown
 from relax_glue.publisher import Publisher
 from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry

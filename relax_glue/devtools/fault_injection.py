@@ -1,11 +1,13 @@
-"""Fault injection that wraps the REAL engine client (test-only; the vLLM seed's lesson: fail
-only the Nth call of one operation and pass every other call through untouched)."""
+"""Fault injection that wraps the REAL engine client (for tests and benches, never for serving;
+the vLLM seed's lesson: fail only the Nth call of one operation and pass every other call
+through untouched). Besides failing a call, a hook can run right before the Nth call goes out
+(e.g. SIGKILL the engine process), so the call meets the real consequence of the fault."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -31,6 +33,7 @@ from sglang_ext.protocol import (
 class FaultKind(StrEnum):
     DROP_REPLY = "DROP_REPLY"  # the request is sent and processed; its reply is discarded
     FAIL_BEFORE_SEND = "FAIL_BEFORE_SEND"  # the request never leaves: the engine sees nothing
+    HOOK_BEFORE_SEND = "HOOK_BEFORE_SEND"  # a hook runs (e.g. kills the engine), then the call goes out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +59,7 @@ _WRAPPED_OPS = (
 
 
 class FaultInjectingClient:
-    """Test-only wrapper around a REAL :class:`EngineClient` (or any :class:`EngineAPI`).
+    """Wrapper around a REAL :class:`EngineClient` (or any :class:`EngineAPI`).
 
     Fails exactly the configured (op, Nth call) pairs and passes every other call through
     untouched, so everything the test observes besides the injected fault is the real
@@ -67,6 +70,7 @@ class FaultInjectingClient:
         self.inner = inner
         self.engine_id = inner.engine_id
         self._faults: dict[tuple[str, int], FaultKind] = {}
+        self._hooks: dict[tuple[str, int], Callable[[], Awaitable[Any]]] = {}
         self.calls: collections.Counter[str] = collections.Counter()
         self.injected: list[InjectedFault] = []
 
@@ -79,6 +83,19 @@ class FaultInjectingClient:
 
     def fail_before_send(self, op: str, nth: int = 1) -> FaultInjectingClient:
         return self._add(op, nth, FaultKind.FAIL_BEFORE_SEND)
+
+    def before_send(self, op: str, nth: int, hook: Callable[[], Awaitable[Any]]) -> FaultInjectingClient:
+        """Run ``hook()`` right before the Nth call of ``op`` is passed through (its real outcome,
+        whatever the hook caused, reaches the caller)."""
+        self._hooks[(op, nth)] = hook
+        return self._add(op, nth, FaultKind.HOOK_BEFORE_SEND)
+
+    def disarm(self) -> list[tuple[str, int, FaultKind]]:
+        """Drop every fault not injected yet (returned); later calls all pass through."""
+        left = self.pending()
+        self._faults.clear()
+        self._hooks.clear()
+        return left
 
     def pending(self) -> list[tuple[str, int, FaultKind]]:
         return [(op, n, kind) for (op, n), kind in sorted(self._faults.items())]
@@ -100,7 +117,10 @@ class FaultInjectingClient:
             raise OutcomeUnknown(
                 self.engine_id, op, f"injected: call {nth} failed before send", maybe_sent=False
             )
-        if kind is None:
+        if kind is FaultKind.HOOK_BEFORE_SEND:
+            await self._hooks.pop((op, nth))()
+            self.injected.append(InjectedFault(self.engine_id, op, nth, kind, "-"))
+        if kind in (None, FaultKind.HOOK_BEFORE_SEND):
             return await getattr(self.inner, op)(*args)
         try:
             await getattr(self.inner, op)(*args)

@@ -1,0 +1,33 @@
+"""The short seeded form of the chaos campaign (issue 9) on two real engines of its own.
+
+The long run is ``bench/chaos.py`` (30+ faults); this one injects one fault of each family --
+an engine SIGKILLed between READY and commit, an engine SIGKILLed mid reclaim drain, one dropped
+engine reply, the registry's process SIGKILLed with the trainer's publisher -- and asserts
+every invariant of ``lora_versions_demo/chaos.py`` with zero violations.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lora_versions_demo.chaos import ChaosConfig, print_report, run_campaign
+
+pytestmark = pytest.mark.engine
+
+SHORT_KINDS = ("kill_before_commit", "drop_reply", "kill_registry", "kill_reclaim_drain")
+
+
+def test_short_seeded_chaos_campaign_keeps_every_invariant(run_dir) -> None:
+    cfg = ChaosConfig(
+        seed=9, faults=len(SHORT_KINDS), kinds=SHORT_KINDS, max_s=1200.0, out_dir=run_dir / "chaos"
+    )
+    report = run_campaign(cfg)
+    print_report(report)
+    assert report["violations"] == [], report["violations"]
+    inv = report["invariants"]
+    assert inv["final_publication_ok"] is True
+    assert inv["commits"] >= len(SHORT_KINDS) and inv["turns_served"] > 0
+    # every planned fault really happened (a kill whose call never came would not count)
+    assert report["faults_injected"] >= 3, report["faults"]
+    assert report["faults_survived"] == report["faults_injected"]
+    assert sum(report["engine_restarts"].values()) >= 1
