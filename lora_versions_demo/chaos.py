@@ -266,6 +266,11 @@ class Campaign:
         s = self.sessions[label]
         prefix = list(self.history[label])
         engine = self.sm.router.pick(s.key)
+        for rid in s.unknown_turns:
+            # The rollout's decision on an earlier turn whose outcome was unknown (RFC 4.2): give
+            # it up (aborted by rid) and ask again with the same history below.
+            with contextlib.suppress(OutcomeUnknown):
+                await s.discard(rid)
         try:
             out = await s.generate({"input_ids": prefix, "sampling_params": _greedy(TURN_TOKENS)})
         except LoraVersionError as err:
@@ -331,6 +336,10 @@ class Campaign:
         await self.close_retired_sessions()
         if kind == "kill_reclaim_drain":
             await self._reclaim_with_kill(fault)
+            # this round's fault is the reclaim: recover from it before the publication
+            t = time.monotonic()
+            fault.survived = await self.recover()
+            fault.recover_s = round(time.monotonic() - t, 1)
         else:
             with contextlib.suppress(RegistryUnavailable):
                 await self.pub.reclaim_ready()
@@ -347,8 +356,11 @@ class Campaign:
             fault.injected = fault.injected or len(w.injected) > seen[n]
             w.disarm()  # a fault whose call never came is not injected later by surprise
         t = time.monotonic()
-        fault.survived = await self.recover()
-        fault.recover_s = round(time.monotonic() - t, 1)
+        survived = await self.recover()
+        if kind != "kill_reclaim_drain":
+            fault.survived, fault.recover_s = survived, round(time.monotonic() - t, 1)
+        elif not survived:
+            fault.survived = False
         await self.traffic()
 
     def _arm(self, fault: FaultRecord) -> None:
@@ -362,7 +374,8 @@ class Campaign:
             "kill_before_commit": "status",
         }.get(fault.kind)
         if op is not None:
-            nth = w.calls[op] + 1 + (self.rng.randrange(3) if op == "receive_bucket" else 0)
+            buckets = len(self.snaps[ADAPTERS[self.next_vid % len(ADAPTERS)]].bucket_plan)
+            nth = w.calls[op] + 1 + (self.rng.randrange(buckets) if op == "receive_bucket" else 0)
 
             async def kill() -> None:
                 fault.injected = True

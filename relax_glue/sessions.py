@@ -14,9 +14,15 @@
   restart; it answers Retry-After), and UNKNOWN_VERSION when a recovery hook is configured
   (``on_version_missing``: the engine lost the version and the hook starts its restore). The
   same request, the same exact ``lora_path``, within ``not_ready_wait_s``; then the typed error
-  surfaces. Any other version error surfaces as the typed :class:`LoraVersionError` (no fallback
-  to the base model or to the latest version); an :class:`OutcomeUnknown` surfaces as is, with
-  the request id, so the caller can abort that request before deciding on a retry.
+  surfaces. A request that never left this process (connection refused) is re-sent the same
+  way. Any other version error surfaces as the typed :class:`LoraVersionError` (no fallback to
+  the base model or to the latest version).
+* **No blind resend (RFC 4.2).** A turn the engine may have admitted but whose outcome is
+  unknown (the connection broke after the request was sent, a 5xx, a broken stream) raises
+  :class:`TurnOutcomeUnknown` with its rid, and the session refuses further turns until the
+  caller decides: :meth:`Session.resend` (abort that rid, send the same body again under a new
+  rid, same binding) or :meth:`Session.discard` (abort it and go on). A duplicated trajectory
+  turn is never the session layer's doing.
 * **Close** (RFC 4.3), exactly once however many callers ask: FINALIZING (no new dispatch) ->
   ``registry.begin_close`` (late open/bind are refused) -> wait for the binding task, abort the
   requests already sent (by rid, never abort-all) -> ``registry.close_and_release`` (the session
@@ -49,7 +55,7 @@ from relax_glue.registry_types import Binding, SessionKey, SessionView
 from relax_glue.router import Router, StickyRoundRobinRouter
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
-__all__ = ["RequestRecord", "Session", "SessionManager", "SessionPhase"]
+__all__ = ["RequestRecord", "Session", "SessionManager", "SessionPhase", "TurnOutcomeUnknown"]
 
 
 class SessionPhase(StrEnum):
@@ -68,6 +74,34 @@ class RequestRecord:
     outcome: str  # a CallOutcome value, or "refused:<CODE>"
     started_at: float
     duration_s: float
+
+
+class TurnOutcomeUnknown(OutcomeUnknown):
+    """A turn that the engine may have admitted ended without a known outcome (RFC 4.2). The
+    session does not resend it; the caller calls ``resend(rid)`` or ``discard(rid)``."""
+
+    def __init__(self, cause: OutcomeUnknown, rid: str, lora_path: str) -> None:
+        super().__init__(
+            cause.engine_id,
+            cause.op,
+            f"turn {rid} on {lora_path}: {cause.cause}",
+            status_code=cause.status_code,
+            maybe_sent=cause.maybe_sent,
+        )
+        self.rid = rid
+        self.lora_path = lora_path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        inner = OutcomeUnknown(self.engine_id, self.op, self.cause, status_code=self.status_code)
+        return (TurnOutcomeUnknown, (inner, self.rid, self.lora_path))
+
+
+@dataclasses.dataclass(frozen=True)
+class _UnknownTurn:
+    rid: str
+    engine_id: str
+    body: dict[str, Any]  # as sent (rid and lora_path included)
+    stream: bool
 
 
 @dataclasses.dataclass
@@ -110,6 +144,7 @@ class Session:
         self._bind_task: asyncio.Task[Binding] | None = None
         self._close_task: asyncio.Task[SessionView] | None = None
         self._in_flight: dict[str, _InFlight] = {}
+        self._unknown_turns: dict[str, _UnknownTurn] = {}  # rid -> a turn awaiting the caller's decision
 
     def __repr__(self) -> str:
         return f"Session({self.key}, {self.phase.value}, lora={self.lora_path})"
@@ -125,6 +160,11 @@ class Session:
     @property
     def in_flight(self) -> tuple[str, ...]:
         return tuple(self._in_flight)
+
+    @property
+    def unknown_turns(self) -> tuple[str, ...]:
+        """Rids of turns whose outcome is unknown and that the caller has not settled yet."""
+        return tuple(self._unknown_turns)
 
     def _check_open(self) -> None:
         if self.phase is not SessionPhase.OPEN:
@@ -163,6 +203,11 @@ class Session:
 
     def _prepare(self, body: Mapping[str, Any], rid: str | None) -> dict[str, Any]:
         """Checks that need no binding; nothing is bound or sent for a request refused here."""
+        if self._unknown_turns:
+            raise _invalid(
+                "a turn of this session has an unknown outcome (RFC 4.2): resend(rid) or discard(rid) first",
+                unknown_rids=list(self._unknown_turns),
+            )
         if "lora_id" in body:
             raise LoraVersionError(
                 ErrorCode.FORBIDDEN_FIELD, "lora_id is engine-internal; the session sends lora_path"
@@ -217,9 +262,9 @@ class Session:
                 try:
                     result = await self._m.engines[engine_id].generate(req)
                     break
-                except LoraVersionError as err:
+                except (LoraVersionError, OutcomeUnknown) as err:
                     if not await self._wait_to_resend(err, engine_id, req["lora_path"], deadline):
-                        raise
+                        raise self._settled_by_caller(err, engine_id, req, stream=False) from None
             outcome = generation_outcome(result)
             return result
         except (LoraVersionError, OutcomeUnknown) as exc:
@@ -247,10 +292,10 @@ class Session:
                         aborted = generation_aborted(chunk)
                         yield chunk
                     break
-                except LoraVersionError as err:
+                except (LoraVersionError, OutcomeUnknown) as err:
                     # Only a refusal before the first chunk: nothing was admitted.
                     if streamed or not await self._wait_to_resend(err, engine_id, req["lora_path"], deadline):
-                        raise
+                        raise self._settled_by_caller(err, engine_id, req, stream=True) from None
             outcome = CallOutcome.ABORTED if aborted else CallOutcome.OK
         except (LoraVersionError, OutcomeUnknown) as exc:
             outcome = outcome_label(exc)
@@ -258,14 +303,29 @@ class Session:
         finally:
             self._finish(flight, req["lora_path"], outcome, started, t0)
 
+    def _settled_by_caller(
+        self, err: LoraVersionError | OutcomeUnknown, engine_id: str, req: dict[str, Any], *, stream: bool
+    ) -> LoraVersionError | OutcomeUnknown:
+        """What a failed turn raises: a refusal as is; a maybe-admitted turn as
+        :class:`TurnOutcomeUnknown`, remembered until the caller resends or discards it."""
+        if isinstance(err, LoraVersionError):
+            return err
+        rid = req["rid"]
+        self._unknown_turns[rid] = _UnknownTurn(rid, engine_id, dict(req), stream)
+        return TurnOutcomeUnknown(err, rid, req["lora_path"])
+
     async def _wait_to_resend(
-        self, err: LoraVersionError, engine_id: str, lora_path: str, deadline: float
+        self, err: LoraVersionError | OutcomeUnknown, engine_id: str, lora_path: str, deadline: float
     ) -> bool:
         """True after waiting, when the refused request may be sent again (see the module
         docstring); False when ``err`` is final or the bound has passed. Never changes the
         request: the same rid and the same exact ``lora_path`` go out again."""
         m = self._m
-        if err.code is ErrorCode.VERSION_NOT_READY:
+        if isinstance(err, OutcomeUnknown):
+            if err.maybe_sent:
+                return False  # it may have been admitted: never resent blindly (RFC 4.2)
+            wait = m.resend_interval_s  # it never left this process: nothing was admitted
+        elif err.code is ErrorCode.VERSION_NOT_READY:
             wait = float(err.details.get("retry_after_s") or err.retry_after_s or m.resend_interval_s)
         elif err.code is ErrorCode.UNKNOWN_VERSION and m.on_version_missing is not None:
             await m.on_version_missing(engine_id, lora_path)
@@ -279,6 +339,36 @@ class Session:
         self._check_open()  # a close that started meanwhile: no new dispatch
         self.resends += 1
         return True
+
+    async def resend(self, rid: str) -> dict[str, Any]:
+        """The caller's explicit decision to send again a turn whose outcome was unknown: the
+        old rid is aborted first (an abort of a request that is not running is a no-op), then
+        the same body goes out under a new rid with the same binding (non-streaming)."""
+        turn = await self._settle(rid)
+        body = {k: v for k, v in turn.body.items() if k not in ("rid", "stream")}
+        n = sum(1 for r in self.requests if r.rid.startswith(f"{rid}.resend"))
+        return await self.generate(body, rid=f"{rid}.resend{n + 1}")
+
+    async def discard(self, rid: str) -> None:
+        """The caller's decision to give up a turn whose outcome was unknown (aborted by rid)."""
+        await self._settle(rid)
+
+    async def _settle(self, rid: str) -> _UnknownTurn:
+        self._check_open()
+        turn = self._unknown_turns.get(rid)
+        if turn is None:
+            raise _invalid(
+                f"{rid!r} is not a turn with an unknown outcome", unknown_rids=list(self._unknown_turns)
+            )
+        try:
+            await self._m.engines[turn.engine_id].abort_request(rid)
+        except OutcomeUnknown as exc:
+            # Refused connection: no engine process listens there, so nothing of ours runs. Any
+            # other failure leaves the turn unsettled (it may still run): the caller asks again.
+            if exc.maybe_sent:
+                raise
+        del self._unknown_turns[rid]
+        return turn
 
     async def abort(self, rid: str) -> bool:
         """Abort one in-flight request of this session (temporary abort: the binding stays).

@@ -35,6 +35,19 @@ def setup_problems(cfg: Any) -> list[str]:
             f"max_loras_per_batch={mlpb} < {MIN_LORAS_PER_BATCH}: {MANAGED_CAPACITY} pinned managed versions "
             "need one more free slot (set --max-loras-per-batch 3 or more)"
         )
+    mll = getattr(cfg, "max_loaded_loras", None)
+    if mll is not None and mll < MIN_LORAS_PER_BATCH:
+        problems.append(
+            f"max_loaded_loras={mll} < {MIN_LORAS_PER_BATCH}: {MANAGED_CAPACITY} pinned managed versions "
+            "plus one free slot must fit in host memory (set --max-loaded-loras 3 or more, or leave it unset)"
+        )
+    if (getattr(cfg, "tp_size", 1) or 1) > 1:
+        # Decision: not proven on real engines here (the CPU engines run tp 1), so refused rather
+        # than assumed: the load, probe, unload and refcount paths would have to hold on every rank.
+        problems.append(
+            f"tp_size={cfg.tp_size} > 1: tensor parallelism is not proven with managed versions "
+            "(run tp 1 engines, one cohort member each)"
+        )
     spec = getattr(cfg, "speculative_algorithm", None)
     if spec not in (None, "", "NONE", "none"):
         problems.append(f"speculative decoding ({spec}) is enabled: not supported with managed versions")

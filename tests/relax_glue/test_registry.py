@@ -294,6 +294,25 @@ def test_replays_write_no_transition() -> None:
     assert reg.status().seq == seq
 
 
+def test_a_replayed_close_and_a_duplicate_ready_while_loading_write_no_transition() -> None:
+    """Issue 10 (a mutation the suite missed): both replays must leave the journal sequence."""
+    reg = new_registry()
+    pub = Publisher(reg)
+    pub.publish("A")
+    reg.bind_first(sk("s"))
+    reg.close_and_release(sk("s"))
+    seq = reg.status().seq
+    again = reg.close_and_release(sk("s"))
+    assert reg.status().seq == seq and again.released and reg.version(vk("A")).session_refs == 0
+    pub.reserve("B")
+    pub.prepared("B", "E0")
+    pub.ready("B", "E0")  # B LOADING, READY on E0 only
+    seq = reg.status().seq
+    ack = pub.ready("B", "E0")
+    assert reg.status().seq == seq and ack.confirmed == ("E0",) and not ack.complete
+    assert reg.version(vk("B")).state is VersionState.LOADING
+
+
 # ------------------------------------------------------------------------------ queries, dumps
 
 

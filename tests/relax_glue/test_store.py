@@ -70,6 +70,21 @@ def test_refused_and_replayed_calls_write_nothing(db: Path) -> None:
         assert _rows(db) == rows
 
 
+def test_a_replayed_close_and_a_duplicate_ready_while_loading_write_no_journal_row(db: Path) -> None:
+    with _open(db) as store:
+        pub = Publisher(store)
+        pub.publish("A")
+        store.bind_first(sk("s"))
+        store.close_and_release(sk("s"))
+        pub.reserve("B")
+        pub.prepared("B", "E0")
+        pub.ready("B", "E0")
+        rows = _rows(db)
+        store.close_and_release(sk("s"))
+        pub.ready("B", "E0")
+        assert _rows(db) == rows
+
+
 def test_reopen_restores_identical_state_and_identical_answers(db: Path) -> None:
     with _open(db) as store:
         pub = Publisher(store)

@@ -183,6 +183,11 @@ REFUSED = {
         {"lora_flags": _flags_with("--max-loras-per-batch", "2")},
         "max_loras_per_batch=2 < 3",
     ),
+    "max-loaded-loras": (
+        {"lora_flags": _flags_with("--max-loaded-loras", "2")},
+        "max_loaded_loras=2 < 3",
+    ),
+    "tp-size": ({"extra_args": ["--tp-size", "2"]}, "tp_size=2 > 1"),
     "speculative": ({"extra_args": ["--speculative-algorithm", "NGRAM"]}, "speculative decoding (NGRAM)"),
     "pd-disaggregation": (
         {"extra_args": ["--disaggregation-mode", "prefill"]},

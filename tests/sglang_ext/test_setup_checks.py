@@ -9,6 +9,8 @@ GOOD = dict(
     tokenizer_worker_num=1,
     dp_size=1,
     max_loras_per_batch=3,
+    max_loaded_loras=None,
+    tp_size=1,
     speculative_algorithm=None,
     disaggregation_mode="null",
     disable_overlap_schedule=True,
@@ -26,6 +28,8 @@ def test_supported_setup_has_no_problem():
         ("tokenizer_worker_num", 4, "tokenizer_worker_num=4 > 1"),
         ("dp_size", 2, "dp_size=2 > 1"),
         ("max_loras_per_batch", 2, "max_loras_per_batch=2 < 3"),
+        ("max_loaded_loras", 2, "max_loaded_loras=2 < 3"),
+        ("tp_size", 2, "tp_size=2 > 1"),
         ("speculative_algorithm", "EAGLE", "speculative decoding (EAGLE)"),
         ("disaggregation_mode", "decode", "disaggregation_mode=decode"),
         ("disable_overlap_schedule", False, "overlap scheduler is enabled"),
@@ -39,3 +43,8 @@ def test_each_unsupported_setting_is_named(field, value, needle):
 def test_all_problems_are_reported_together():
     bad = SimpleNamespace(**{**GOOD, "dp_size": 2, "max_loras_per_batch": 1})
     assert len(setup_problems(bad)) == 2
+
+
+def test_max_loaded_loras_of_three_or_unset_is_fine():
+    for value in (None, 3, 6):
+        assert setup_problems(SimpleNamespace(**{**GOOD, "max_loaded_loras": value})) == []
