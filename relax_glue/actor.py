@@ -31,11 +31,12 @@ import asyncio
 import inspect
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
+from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry, stamp_now
 from relax_glue.registry_ops import AsyncRegistryOps, RegistryOps
 from relax_glue.store import DurableRegistry, StoreError
 from sglang_ext.errors import ErrorCode, LoraVersionError
@@ -84,6 +85,7 @@ def _call_envelope(registry: Any, op: str, kwargs: dict[str, Any]) -> Envelope:
     """Run one registry call; a refusal travels back as data, not as a Ray task error."""
     if op not in _ALLOWED:
         return ("err", ErrorCode.INVALID_REQUEST.value, f"{op!r} is not a registry operation", {})
+    kwargs = stamp_now(op, kwargs)  # the host's clock, once, before the (journaled) call
     try:
         return ("ok", getattr(registry, op)(**kwargs))
     except LoraVersionError as exc:
@@ -118,8 +120,11 @@ class RegistryActor:
         capacity: int,
         db_path: str | None,
         synchronous: str,
+        lease_reaper_s: float | None = None,
     ) -> None:
         self._db_path = db_path
+        # Ray runs one method at a time; the lease reaper thread is the only other caller.
+        self._lock = threading.Lock()
         # The cohort the actor was opened with (an engine declared lost later leaves the
         # registry's cohort, not the identity this actor is started and found under).
         self._opened_with = tuple(engines)
@@ -128,9 +133,24 @@ class RegistryActor:
             self._registry = LoRAVersionRegistry(epoch, engines, capacity)
         else:
             self._registry = DurableRegistry.open(db_path, epoch, engines, capacity, synchronous=synchronous)
+        self.reaped = 0  # sessions closed by lease expiry in this process
+        if lease_reaper_s is not None:
+            threading.Thread(
+                target=self._reap_forever, args=(float(lease_reaper_s),), name="lease-reaper", daemon=True
+            ).start()
 
     def call(self, op: str, kwargs: dict[str, Any]) -> Envelope:
-        return _call_envelope(self._registry, op, kwargs)
+        with self._lock:
+            return _call_envelope(self._registry, op, kwargs)
+
+    def _reap_forever(self, interval_s: float) -> None:
+        """Close every session whose lease ran out, by the actor's own clock, every
+        ``interval_s``; restarted with the actor (Ray re-runs ``__init__``)."""
+        while True:
+            time.sleep(interval_s)
+            envelope = self.call("expire_leases", {})
+            if envelope[0] == "ok":
+                self.reaped += len(envelope[1])
 
     def describe(self) -> dict[str, Any]:
         reg = self._registry
@@ -168,6 +188,7 @@ def start_registry_actor(
     namespace: str = DEFAULT_NAMESPACE,
     synchronous: str = "FULL",
     detached: bool = False,
+    lease_reaper_s: float | None = None,
 ) -> ActorHandle:
     """Get the epoch's registry actor, creating it if nobody has yet (``ray.init`` first).
 
@@ -190,7 +211,7 @@ def start_registry_actor(
             max_restarts=-1 if durable else 0,
             max_task_retries=0,
         )
-        .remote(epoch, list(engines), capacity, path, synchronous)
+        .remote(epoch, list(engines), capacity, path, synchronous, lease_reaper_s)
     )
     try:
         desc = ray.get(handle.describe.remote())

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
@@ -65,9 +66,11 @@ from sglang_ext.names import MANAGED_CAPACITY, NAME_PART_RE, SHA256_RE, TOKEN_RE
 __all__ = [
     "MUTATING_OPS",
     "QUERY_OPS",
+    "TIMED_OPS",
     "LoRAVersionRegistry",
     "holds_slot",
     "may_start_reclaim",
+    "stamp_now",
 ]
 
 # ------------------------------------------------------------------------ the two predicates
@@ -137,10 +140,25 @@ MUTATING_OPS: tuple[str, ...] = (
     "bind_first",
     "begin_close",
     "close_and_release",
+    "renew_lease",
+    "expire_leases",
     "claim_reclaim",
     "confirm_reclaim",
 )
 QUERY_OPS: tuple[str, ...] = ("status", "binding_of", "session", "version", "dump")
+# Ops that take the registry's clock as an argument (``now``, unix seconds). The registry stays
+# pure: whoever hosts it (the actor, an in-process client) stamps ``now`` once, before the call,
+# and the journal keeps it, so a replay makes the same decisions.
+TIMED_OPS: tuple[str, ...] = ("renew_lease", "expire_leases")
+
+
+def stamp_now(op: str, kwargs: dict[str, Any], clock: Any = None) -> dict[str, Any]:
+    """``kwargs`` with ``now`` set from the host's clock for a timed op (kept when given)."""
+    if op in TIMED_OPS and kwargs.get("now") is None:
+        import time
+
+        return {**kwargs, "now": (clock or time.time)()}
+    return kwargs
 
 
 def _fail(code: ErrorCode, message: str, **details: Any) -> NoReturn:
@@ -160,6 +178,14 @@ def _text(field: str, value: Any, pattern: re.Pattern[str] | None = None, max_le
     if pattern is not None and not pattern.fullmatch(value):
         _fail(ErrorCode.INVALID_REQUEST, f"{field} has invalid characters: {value!r}", field=field)
     return value
+
+
+def _seconds(field: str, value: Any, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        _fail(ErrorCode.INVALID_REQUEST, f"{field} must be a finite number of seconds")
+    if value < 0 or (positive and value == 0):
+        _fail(ErrorCode.INVALID_REQUEST, f"{field} must be {'> 0' if positive else '>= 0'}")
+    return float(value)
 
 
 def _epoch_text(value: Any) -> str:
@@ -627,15 +653,67 @@ class LoRAVersionRegistry:
             self._sessions[sk] = new
             self._accepted()
             return self._session_view(new)
+        new = self._close(s, expired=False)
+        self._accepted()
+        return self._session_view(new)
+
+    def _close(self, s: SessionRecord, *, expired: bool) -> SessionRecord:
+        """The one close transition (owner's close and lease expiry alike): CLOSED, the session
+        ref released exactly once, the lease gone."""
         release = s.binding is not None and not s.released
-        new = evolve(s, state=SessionState.CLOSED, released=release or s.released)
+        new = evolve(
+            s,
+            state=SessionState.CLOSED,
+            released=release or s.released,
+            lease_expires_at=None,
+            expired=expired,
+        )
         if release:
             assert s.binding is not None
             rec = self._versions[s.binding.version_key]
             self._put(evolve(rec, session_refs=rec.session_refs - 1))
+        self._sessions[s.key] = new
+        return new
+
+    # ========================================================================= leases
+
+    def renew_lease(self, session_key: SessionKey | Sequence[str], ttl_s: float, now: float) -> SessionView:
+        """Give an OPEN session a lease until ``now + ttl_s`` (registry clock), or extend it.
+        A renewal that would not move the expiry later changes nothing (a replay is a no-op).
+        Beyond the RFC: a rollout worker that crashes never closes its sessions; the lease lets
+        :meth:`expire_leases` release their refs, so a retired version can still be reclaimed."""
+        sk = self._session_key(session_key)
+        ttl, t = _seconds("ttl_s", ttl_s, positive=True), _seconds("now", now)
+        s = self._sessions.get(sk)
+        if s is None:
+            _fail(ErrorCode.INVALID_REQUEST, f"no session {sk}: open or bind it first")
+        if s.state is not SessionState.OPEN:
+            self._closed(s)
+        expires = t + ttl
+        if s.lease_expires_at is not None and expires <= s.lease_expires_at:
+            return self._session_view(s)
+        new = evolve(s, lease_expires_at=expires)
         self._sessions[sk] = new
         self._accepted()
         return self._session_view(new)
+
+    def expire_leases(self, now: float) -> tuple[SessionKey, ...]:
+        """Close, exactly once and through the same transition as a normal close, every session
+        (OPEN, or CLOSING by an owner that died mid-close) whose lease ran out by ``now``.
+        Returns the sessions closed by this call; none: nothing changes."""
+        t = _seconds("now", now)
+        due = [
+            s
+            for s in self._sessions.values()
+            if s.state is not SessionState.CLOSED
+            and s.lease_expires_at is not None
+            and s.lease_expires_at <= t
+        ]
+        for s in due:
+            self._close(s, expired=True)
+        if due:
+            self._accepted()
+        return tuple(s.key for s in due)
 
     # ===================================================================== reclaim (RFC 5)
 
@@ -779,6 +857,10 @@ class LoRAVersionRegistry:
         refs = dict.fromkeys(self._versions, 0)
         for s in self._sessions.values():
             assert s.key.epoch == self.epoch
+            if s.expired:
+                assert s.state is SessionState.CLOSED and s.lease_expires_at is None, f"{s.key} expired"
+            if s.state is SessionState.CLOSED:
+                assert s.lease_expires_at is None, f"{s.key} is CLOSED with a lease"
             if s.binding is None:
                 assert not s.released
                 continue
@@ -948,6 +1030,10 @@ class LoRAVersionRegistry:
         )
 
     def _closed(self, s: SessionRecord) -> NoReturn:
+        if s.expired:
+            _fail(
+                ErrorCode.SESSION_EXPIRED, f"session {s.key} expired: its lease ran out", state=s.state.value
+            )
         _fail(ErrorCode.SESSION_CLOSED, f"session {s.key} is {s.state.value}", state=s.state.value)
 
     @staticmethod
@@ -1001,7 +1087,7 @@ class LoRAVersionRegistry:
 
     @staticmethod
     def _session_view(s: SessionRecord) -> SessionView:
-        return SessionView(s.key, s.state, s.binding, s.released)
+        return SessionView(s.key, s.state, s.binding, s.released, s.lease_expires_at, s.expired)
 
     def _version_view(self, rec: VersionRecord) -> VersionView:
         return VersionView(

@@ -103,6 +103,14 @@ class RegistryOps:
     def close_and_release(self, session_key: SessionKey | Sequence[str]) -> SessionView:
         return self._dispatch("close_and_release", session_key=session_key)
 
+    def renew_lease(
+        self, session_key: SessionKey | Sequence[str], ttl_s: float, now: float | None = None
+    ) -> SessionView:
+        return self._dispatch("renew_lease", session_key=session_key, ttl_s=ttl_s, now=now)
+
+    def expire_leases(self, now: float | None = None) -> tuple[SessionKey, ...]:
+        return self._dispatch("expire_leases", now=now)
+
     def claim_reclaim(self, version_key: VersionKey | Sequence[str]) -> ReclaimClaim:
         return self._dispatch("claim_reclaim", version_key=version_key)
 

@@ -194,6 +194,8 @@ class SessionView:
     state: SessionState
     binding: Binding | None
     released: bool  # the session ref was given back (exactly once)
+    lease_expires_at: float | None = None  # registry clock (unix s); None: no lease
+    expired: bool = False  # closed by lease expiry, not by its owner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +274,8 @@ class SessionRecord:
     state: SessionState
     binding: Binding | None = None
     released: bool = False
+    lease_expires_at: float | None = None
+    expired: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
-from relax_glue.actor import AsyncRegistryClient
+from relax_glue.actor import AsyncRegistryClient, RegistryUnavailable
 from relax_glue.engine_client import (
     CallOutcome,
     EngineAPI,
@@ -62,6 +62,7 @@ class SessionPhase(StrEnum):
     OPEN = "OPEN"  # may bind (once) and dispatch
     FINALIZING = "FINALIZING"  # close started: no new dispatch
     CLOSED = "CLOSED"  # ref released, local record dropped
+    EXPIRED = "EXPIRED"  # the registry closed it when its lease ran out: refused, never rebinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +113,9 @@ class _InFlight:
 
 
 def _closed(session: Session) -> LoraVersionError:
+    code = ErrorCode.SESSION_EXPIRED if session.phase is SessionPhase.EXPIRED else ErrorCode.SESSION_CLOSED
     return LoraVersionError(
-        ErrorCode.SESSION_CLOSED, f"session {session.key} is {session.phase.value}", state=session.phase.value
+        code, f"session {session.key} is {session.phase.value}", state=session.phase.value
     )
 
 
@@ -237,7 +239,8 @@ class Session:
         req = self._prepare(body, rid)
         binding = await self.bind()
         req = self._stamp(req, binding)
-        # Close may have started while we waited for the binding: no new dispatch after that.
+        await self._m._renew(self)  # every generation renews the lease (when leases are on)
+        # Close (or expiry) may have come while we waited: no new dispatch after that.
         self._check_open()
         return req, self._m.router.pick(self.key)
 
@@ -463,6 +466,8 @@ class SessionManager:
         not_ready_wait_s: float = 30.0,
         resend_interval_s: float = 0.5,
         on_version_missing: Callable[[str, str], Awaitable[Any]] | None = None,
+        lease_ttl_s: float | None = None,
+        heartbeat_s: float | None = None,
     ) -> None:
         # A registry object is wrapped in an in-process client; a client passed in keeps its own retries.
         self.registry = AsyncRegistryClient.of(registry, retries=registry_retries)
@@ -475,6 +480,14 @@ class SessionManager:
         self.not_ready_wait_s = not_ready_wait_s
         self.resend_interval_s = resend_interval_s
         self.on_version_missing = on_version_missing
+        # Leases (beyond the RFC): each session's lease lasts lease_ttl_s on the registry's clock
+        # and is renewed on every generation and by a heartbeat (every heartbeat_s, default a
+        # third of the TTL) while the session idles, so only a worker that died loses its
+        # sessions. None: no leases (a crashed worker's sessions then hold their refs forever).
+        self.lease_ttl_s = lease_ttl_s
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else (lease_ttl_s or 0) / 3
+        self._heartbeat: asyncio.Task[None] | None = None
+        self.renewals = 0
         self._epoch: str | None = None
         self._sessions: dict[SessionKey, Session] = {}
 
@@ -491,7 +504,44 @@ class SessionManager:
         await self.registry.open_session(session_key=key)
         session = Session(self, key, name)
         self._sessions[key] = session
+        if self.lease_ttl_s is not None:
+            await self._renew(session)
+            if self._heartbeat is None or self._heartbeat.done():
+                self._heartbeat = asyncio.get_running_loop().create_task(
+                    self._heartbeat_forever(), name="leases"
+                )
         return session
+
+    async def _renew(self, session: Session) -> None:
+        """Renew one session's lease. SESSION_EXPIRED marks it EXPIRED here too (refused from
+        now on, never rebound); an unreachable registry is asked again at the next renewal."""
+        if self.lease_ttl_s is None or session.phase is not SessionPhase.OPEN:
+            return
+        try:
+            await self.registry.renew_lease(session_key=session.key, ttl_s=self.lease_ttl_s)
+            self.renewals += 1
+        except LoraVersionError as err:
+            if err.code is ErrorCode.SESSION_EXPIRED:
+                session.phase = SessionPhase.EXPIRED
+            elif err.code is not ErrorCode.SESSION_CLOSED:
+                raise
+        except RegistryUnavailable:
+            pass
+
+    async def _heartbeat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            for s in list(self._sessions.values()):
+                with contextlib.suppress(LoraVersionError):
+                    await self._renew(s)
+
+    async def aclose(self) -> None:
+        """Stop the heartbeat (sessions stay as they are; close them first if you mean to)."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+            self._heartbeat = None
 
     def get(self, key: SessionKey) -> Session | None:
         return self._sessions.get(key)

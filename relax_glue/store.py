@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from relax_glue.registry import MUTATING_OPS, LoRAVersionRegistry
+from relax_glue.registry import MUTATING_OPS, LoRAVersionRegistry, stamp_now
 from relax_glue.registry_ops import RegistryOps
 from relax_glue.registry_types import dumps, loads
 from sglang_ext.errors import LoraVersionError
@@ -207,7 +207,9 @@ class DurableRegistry(RegistryOps):
             return fn()
 
     def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
-        # Mutating ops are journaled; queries only read the state under the lock.
+        # Mutating ops are journaled (a timed op with the ``now`` stamped here, so a replay
+        # decides the same); queries only read the state under the lock.
+        kwargs = stamp_now(op, kwargs)
         if op in MUTATING_OPS:
             return self._apply(op, **kwargs)
         return self._query(lambda: getattr(self._registry, op)(**kwargs))

@@ -41,6 +41,7 @@ class ErrorCode(StrEnum):
     UNKNOWN_VERSION = "UNKNOWN_VERSION"
     VERSION_IN_USE = "VERSION_IN_USE"  # reclaim refused: still the default or session refs > 0
     SESSION_CLOSED = "SESSION_CLOSED"
+    SESSION_EXPIRED = "SESSION_EXPIRED"  # its lease ran out: closed by the reaper, never rebinds
     # guards
     MANAGED_ADAPTER = "MANAGED_ADAPTER"
     FORBIDDEN_FIELD = "FORBIDDEN_FIELD"
@@ -73,6 +74,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNKNOWN_VERSION: 404,
     ErrorCode.VERSION_IN_USE: 409,
     ErrorCode.SESSION_CLOSED: 409,
+    ErrorCode.SESSION_EXPIRED: 409,
     ErrorCode.MANAGED_ADAPTER: 409,
     ErrorCode.FORBIDDEN_FIELD: 400,
     ErrorCode.INVALID_REQUEST: 400,

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _admin_key import ADMIN_KEY
 
 from sglang_ext.devtools.fixtures import Fixtures, ensure_fixtures
 
-ADMIN_KEY = "lora-versions-test-admin-key"  # same value as tests/sglang_ext/_engine_helpers.py
 REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / ".runs" / "tests"
 

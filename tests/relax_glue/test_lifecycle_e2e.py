@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _admin_key import ADMIN_KEY
 from _e2e_helpers import (
     PROMPTS,
     TOOL_IDS,
@@ -46,7 +47,6 @@ from _e2e_helpers import (
     unload_lines,
     write_json,
 )
-from conftest import ADMIN_KEY
 
 from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.engine_client import EngineAPI

@@ -10,11 +10,11 @@ import uuid
 from pathlib import Path
 
 import httpx
+from _admin_key import ADMIN_KEY
 
 from relax_glue.snapshot import Snapshot
 from sglang_ext.protocol import BeginRequest, ReceiveBucketMeta, Routes
 
-ADMIN_KEY = "lora-versions-test-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 EPOCH = "t1"
 PREFIX = "relax_policy_lora"
