@@ -12,7 +12,14 @@ Measures, in one run and on the same disk:
 Prints a table and writes ``bench/results/registry_ops.json``. Every measurement is bounded by
 ``--seconds``; the whole run stays under a minute (Ray start-up included) unless told otherwise.
 
+``--pairs N`` is the long run instead (issue 10, bounded growth): N bind/close pairs on a durable
+store, once with automatic compaction (defaults: every 100,000 rows, 100,000-transition session
+window) and once without; it reports the database size (file + WAL) as it grows and at the end,
+and the throughput per tenth of the run (compactions included). Writes
+``bench/results/registry_long.json``.
+
     python bench/registry_ops.py [--seconds 1.0] [--no-ray]
+    python bench/registry_ops.py --pairs 1000000 [--synchronous NORMAL]
 """
 
 from __future__ import annotations
@@ -197,6 +204,83 @@ def bench_ray(tmp: Path, seconds: float) -> tuple[list[dict[str, Any]], str]:
     return rows, f"ray.init took {init_s:.1f}s (not counted)"
 
 
+def _db_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())
+
+
+def bench_long(tmp: Path, pairs: int, synchronous: str, compact: bool) -> dict[str, Any]:
+    """``pairs`` bind/close pairs on one durable store; size and rate per tenth of the run."""
+    path = tmp / f"long-{'compact' if compact else 'plain'}.db"
+    settings: dict[str, Any] = {} if compact else {"compact_every": None, "session_window": None}
+    tenths: list[dict[str, Any]] = []
+    with DurableRegistry.open(
+        path, EPOCH, ENGINES, 2, synchronous=synchronous, debug_checks=False, **settings
+    ) as store:
+        work = Workload(store)
+        step = max(1, pairs // 10)
+        t0 = time.perf_counter()
+        for tenth in range(10):
+            start = time.perf_counter()
+            n = step if tenth < 9 else pairs - 9 * step
+            for _ in range(n):
+                work.pair()
+            elapsed = time.perf_counter() - start
+            tenths.append(
+                {
+                    "pairs_done": work.n_sessions,
+                    "pairs_per_second": round(n / elapsed, 1),
+                    "db_bytes": _db_bytes(path),
+                    "session_records": sum(store.status().sessions.values()),
+                }
+            )
+            print(
+                f"  {'compacting' if compact else 'plain':<10} {work.n_sessions:>9} pairs  "
+                f"{n / elapsed:>8.0f} pairs/s  db {_db_bytes(path) / 2**20:>8.1f} MiB  "
+                f"sessions kept {tenths[-1]['session_records']:>8}",
+                flush=True,
+            )
+        total = time.perf_counter() - t0
+        compactions = store.compactions
+    reopen_start = time.perf_counter()
+    with DurableRegistry.open(path, EPOCH, ENGINES, 2, debug_checks=False, **settings):
+        pass
+    return {
+        "compaction": compact,
+        "pairs": pairs,
+        "synchronous": synchronous,
+        "seconds": round(total, 1),
+        "pairs_per_second": round(pairs / total, 1),
+        "compactions": compactions,
+        "final_db_bytes": _db_bytes(path),
+        "max_db_bytes": max(t["db_bytes"] for t in tenths),
+        "reopen_s": round(time.perf_counter() - reopen_start, 2),
+        "tenths": tenths,
+    }
+
+
+def main_long(pairs: int, synchronous: str, out: Path) -> None:
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="registry-long-", dir=ROOT / "bench") as tmp_name:
+        for compact in (True, False):
+            runs.append(bench_long(Path(tmp_name), pairs, synchronous, compact))
+    print(
+        f"\n{'compaction':<11} {'pairs':>9} {'pairs/s':>9} {'first 10%':>10} {'last 10%':>9} "
+        f"{'final db':>10} {'max db':>10} {'reopen':>7}"
+    )
+    for r in runs:
+        print(
+            f"{'on' if r['compaction'] else 'off':<11} {r['pairs']:>9} {r['pairs_per_second']:>9.0f} "
+            f"{r['tenths'][0]['pairs_per_second']:>10.0f} {r['tenths'][-1]['pairs_per_second']:>9.0f} "
+            f"{r['final_db_bytes'] / 2**20:>8.1f}Mi {r['max_db_bytes'] / 2**20:>8.1f}Mi "
+            f"{r['reopen_s']:>6.1f}s"
+        )
+    out = out.with_name("registry_long.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"python": platform.python_version(), "sqlite": sqlite3.sqlite_version, "cpus": os.cpu_count()}
+    out.write_text(json.dumps({"meta": meta, "runs": runs}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -204,7 +288,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=1.0, help="time budget per measurement")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray actor rows")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--pairs", type=int, default=0, help="the long bounded-growth run instead")
+    parser.add_argument("--synchronous", default="NORMAL", help="sqlite synchronous mode of the long run")
     args = parser.parse_args()
+    if args.pairs:
+        main_long(args.pairs, args.synchronous, args.out)
+        return
 
     notes: list[str] = []
     rows: list[dict[str, Any]] = []

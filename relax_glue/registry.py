@@ -142,6 +142,7 @@ MUTATING_OPS: tuple[str, ...] = (
     "close_and_release",
     "renew_lease",
     "expire_leases",
+    "prune_sessions",
     "claim_reclaim",
     "confirm_reclaim",
 )
@@ -637,7 +638,11 @@ class LoRAVersionRegistry:
         s = self._sessions.get(sk)
         if s is not None and s.state is not SessionState.OPEN:
             return self._session_view(s)
-        new = SessionRecord(sk, SessionState.CLOSED) if s is None else evolve(s, state=SessionState.CLOSING)
+        new = (
+            SessionRecord(sk, SessionState.CLOSED, closed_seq=self._seq + 1)
+            if s is None
+            else evolve(s, state=SessionState.CLOSING)
+        )
         self._sessions[sk] = new
         self._accepted()
         return self._session_view(new)
@@ -649,7 +654,7 @@ class LoRAVersionRegistry:
         if s is not None and s.state is SessionState.CLOSED:
             return self._session_view(s)
         if s is None:
-            new = SessionRecord(sk, SessionState.CLOSED)
+            new = SessionRecord(sk, SessionState.CLOSED, closed_seq=self._seq + 1)
             self._sessions[sk] = new
             self._accepted()
             return self._session_view(new)
@@ -667,6 +672,7 @@ class LoRAVersionRegistry:
             released=release or s.released,
             lease_expires_at=None,
             expired=expired,
+            closed_seq=self._seq + 1,  # every close is part of exactly one accepted transition
         )
         if release:
             assert s.binding is not None
@@ -714,6 +720,29 @@ class LoRAVersionRegistry:
         if due:
             self._accepted()
         return tuple(s.key for s in due)
+
+    def prune_sessions(self, keep_last: int) -> int:
+        """Forget CLOSED session records closed more than ``keep_last`` transitions ago (their
+        refs were released long since); returns how many. Bounded growth over a long run.
+
+        Answers after pruning stay safe: a late close of a pruned session answers CLOSED and
+        releases nothing (its ref was released once, at its real close). The tombstone window
+        is ``keep_last`` transitions: a late ``open_session`` / ``bind_first`` of a pruned key
+        after that window is indistinguishable from a new session (keys carry a fresh nonce per
+        lifecycle; with leases on, such a worker has met SESSION_EXPIRED long before)."""
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            _fail(ErrorCode.INVALID_REQUEST, "keep_last must be an int >= 1")
+        horizon = self._seq - keep_last
+        gone = [
+            k
+            for k, s in self._sessions.items()
+            if s.state is SessionState.CLOSED and s.closed_seq is not None and s.closed_seq <= horizon
+        ]
+        for k in gone:
+            del self._sessions[k]
+        if gone:
+            self._accepted()
+        return len(gone)
 
     # ===================================================================== reclaim (RFC 5)
 

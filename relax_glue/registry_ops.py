@@ -111,6 +111,9 @@ class RegistryOps:
     def expire_leases(self, now: float | None = None) -> tuple[SessionKey, ...]:
         return self._dispatch("expire_leases", now=now)
 
+    def prune_sessions(self, keep_last: int) -> int:
+        return self._dispatch("prune_sessions", keep_last=keep_last)
+
     def claim_reclaim(self, version_key: VersionKey | Sequence[str]) -> ReclaimClaim:
         return self._dispatch("claim_reclaim", version_key=version_key)
 

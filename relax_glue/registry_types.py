@@ -276,6 +276,7 @@ class SessionRecord:
     released: bool = False
     lease_expires_at: float | None = None
     expired: bool = False
+    closed_seq: int | None = None  # the transition that made it CLOSED (for pruning)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,13 @@ The price is open time linear in the history. :meth:`DurableRegistry.checkpoint`
 state dump at the current sequence number; open then loads the newest checkpoint and replays only
 the rows after it (the journal itself is kept as the audit log).
 
+Bounded growth: :meth:`DurableRegistry.compact` (automatic every ``compact_every`` journal rows)
+first prunes CLOSED session records older than ``session_window`` transitions (a journaled
+``prune_sessions`` call), then, in ONE SQLite transaction, writes a checkpoint and deletes the
+journal rows and older checkpoints it covers. A SIGKILL at any point leaves either the state
+before or the state after (SQLite's atomic commit); the audit log then starts at the newest
+checkpoint. Freed pages are reused by later rows, so the file stays bounded without VACUUM.
+
 Guarantees
 ----------
 * Every accepted transition is committed (``synchronous=FULL`` by default) before its result is
@@ -67,6 +74,10 @@ SCHEMA_VERSION = 2
 # PRAGMA application_id: marks a file as ours, so a foreign SQLite file is refused, not adopted.
 APPLICATION_ID = 0x4C525631  # "LRV1"
 _SYNC_MODES = ("FULL", "NORMAL", "OFF")
+# Compaction defaults: large enough that a normal epoch keeps its whole audit log for a long time,
+# small enough that a long RL run (millions of session binds) keeps a bounded database.
+DEFAULT_COMPACT_EVERY = 100_000  # journal rows between automatic compactions (None: never)
+DEFAULT_SESSION_WINDOW = 100_000  # transitions a CLOSED session record is kept after its close
 
 T = TypeVar("T")
 
@@ -115,10 +126,15 @@ class DurableRegistry(RegistryOps):
         *,
         synchronous: str = "FULL",
         debug_checks: bool = __debug__,
+        compact_every: int | None = DEFAULT_COMPACT_EVERY,
+        session_window: int | None = DEFAULT_SESSION_WINDOW,
     ) -> DurableRegistry:
         """Open (or create) the registry database at ``path`` and take the writer lock."""
         if synchronous not in _SYNC_MODES:
             raise ValueError(f"synchronous must be one of {_SYNC_MODES}")
+        for name, value in (("compact_every", compact_every), ("session_window", session_window)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None")
         self = object.__new__(cls)
         self.path = Path(path)
         self._mutex = threading.RLock()
@@ -136,6 +152,11 @@ class DurableRegistry(RegistryOps):
             os.close(self._lock_fd)
             raise
         self._registry.debug_checks = debug_checks
+        self.compact_every = compact_every
+        self.session_window = session_window
+        row = self._conn.execute("SELECT MAX(seq) FROM checkpoint").fetchone()
+        self._compacted_at = int(row[0] or 0)
+        self.compactions = 0
         self._closed = False
         return self
 
@@ -187,6 +208,25 @@ class DurableRegistry(RegistryOps):
             self._write("INSERT OR REPLACE INTO checkpoint(seq, state) VALUES (?, ?)", (seq, text))
             return seq
 
+    def compact(self) -> int:
+        """Prune old CLOSED sessions (journaled), then checkpoint and drop what the checkpoint
+        covers, in one transaction. Returns the checkpoint's sequence number."""
+        with self._mutex:
+            self._check_usable()
+            if self.session_window is not None:
+                self._apply("prune_sessions", keep_last=self.session_window, _compacting=True)
+            seq, text = self._registry.seq, self._registry.dump()
+            self._write_all(
+                [
+                    ("INSERT OR REPLACE INTO checkpoint(seq, state) VALUES (?, ?)", (seq, text)),
+                    ("DELETE FROM journal WHERE seq <= ?", (seq,)),
+                    ("DELETE FROM checkpoint WHERE seq < ?", (seq,)),
+                ]
+            )
+            self._compacted_at = seq
+            self.compactions += 1
+            return seq
+
     # ---------------------------------------------------------------------------- ops
     # reserve ... dump come from RegistryOps through _dispatch; check_invariants is store-only.
 
@@ -214,7 +254,7 @@ class DurableRegistry(RegistryOps):
             return self._apply(op, **kwargs)
         return self._query(lambda: getattr(self._registry, op)(**kwargs))
 
-    def _apply(self, op: str, /, **kwargs: Any) -> Any:
+    def _apply(self, op: str, /, _compacting: bool = False, **kwargs: Any) -> Any:
         with self._mutex:
             self._check_usable()
             before = self._registry.seq
@@ -224,12 +264,23 @@ class DurableRegistry(RegistryOps):
             assert self._registry.seq == before + 1
             row = (self._registry.seq, op, dumps(kwargs), dumps(result))
             self._write("INSERT INTO journal(seq, op, args, result) VALUES (?, ?, ?, ?)", row)
+            due = (
+                self.compact_every is not None
+                and self._registry.seq - self._compacted_at >= self.compact_every
+            )
+            if due and not _compacting:
+                self.compact()  # after the answer is durable: a crash here loses nothing
             return result
 
     def _write(self, sql: str, params: tuple[Any, ...]) -> None:
+        self._write_all([(sql, params)])
+
+    def _write_all(self, statements: Sequence[tuple[str, tuple[Any, ...]]]) -> None:
+        """Run ``statements`` as one transaction: all of them are durable, or none."""
         try:
             self._conn.execute("BEGIN IMMEDIATE")
-            self._conn.execute(sql, params)
+            for sql, params in statements:
+                self._conn.execute(sql, params)
             self._conn.execute("COMMIT")
         except BaseException as exc:
             # The in-memory registry may be ahead of the disk now: refuse to go on, so no answer

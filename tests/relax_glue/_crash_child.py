@@ -2,7 +2,8 @@
 
 After every call returns (accepted or refused) it appends ``<index> <ok|CODE>`` to the ack file
 and flushes it to the OS before the next call: a line in that file is an acknowledged answer.
-The parent SIGKILLs this process at a random point. Usage: _crash_child.py DB SEED ACKFILE
+The parent SIGKILLs this process at a random point.
+Usage: _crash_child.py DB SEED ACKFILE [COMPACT_EVERY SESSION_WINDOW]
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from sglang_ext.errors import LoraVersionError
 
 def main() -> None:
     db, seed, ack_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    store = DurableRegistry.open(db, EPOCH, ENGINES, 2, synchronous="FULL")
+    compaction = {}
+    if len(sys.argv) > 4:
+        compaction = {"compact_every": int(sys.argv[4]), "session_window": int(sys.argv[5])}
+    store = DurableRegistry.open(db, EPOCH, ENGINES, 2, synchronous="FULL", **compaction)
     with open(ack_path, "w", buffering=1) as ack:
         ack.write("open\n")
         ack.flush()

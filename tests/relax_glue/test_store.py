@@ -85,6 +85,37 @@ def test_a_replayed_close_and_a_duplicate_ready_while_loading_write_no_journal_r
         assert _rows(db) == rows
 
 
+def test_compaction_keeps_the_database_bounded_and_late_closes_safe(db: Path) -> None:
+    """Issue 10: thousands of bind/close pairs with compaction every 50 rows and a 20-transition
+    tombstone window: journal rows, checkpoints and session records stay bounded; the reopened
+    state is identical; a late close of a pruned session answers CLOSED and releases nothing."""
+    with DurableRegistry.open(db, EPOCH, ENGINES, 2, compact_every=50, session_window=20) as store:
+        Publisher(store).publish("A")
+        for i in range(2000):
+            store.bind_first(sk(f"s{i}"))
+            store.close_and_release(sk(f"s{i}"))
+        store.bind_first(sk("open"))
+        assert store.compactions >= 70
+        assert _rows(db) <= 50 and len(store.status().versions) == 1
+        assert sum(store.status().sessions.values()) <= 20 + 50 + 1
+        refs = store.version(vk("A")).session_refs
+        late = store.close_and_release(sk("s0"))  # pruned long ago
+        assert late.state.value == "CLOSED" and not late.released
+        assert store.version(vk("A")).session_refs == refs == 1  # nothing released twice
+        before = store.dump()
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM checkpoint").fetchone()[0] == 1
+    with DurableRegistry.open(db, EPOCH, ENGINES, 2) as store:
+        assert store.dump() == before
+        store.check_invariants(full=True)
+
+
+def test_compaction_settings_are_checked(db: Path) -> None:
+    for bad in ({"compact_every": 0}, {"session_window": -1}, {"compact_every": True}):
+        with pytest.raises(ValueError):
+            DurableRegistry.open(db, EPOCH, ENGINES, 2, **bad)
+
+
 def test_reopen_restores_identical_state_and_identical_answers(db: Path) -> None:
     with _open(db) as store:
         pub = Publisher(store)
