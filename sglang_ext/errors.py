@@ -34,6 +34,9 @@ class ErrorCode(StrEnum):
     # still holds its slot (PREPARED when nothing stayed loaded, FAILED when what was loaded could
     # not be removed); only a cleanup of the attempt frees it.
     LOAD_FAILED = "LOAD_FAILED"
+    # SGLang's native in-flight count of a version is below zero (a release without an acquire):
+    # its removal is refused, nothing is unloaded on a guess; the engine needs a restart
+    IN_FLIGHT_ANOMALY = "IN_FLIGHT_ANOMALY"
     # serving and sessions
     NO_PUBLISHED_VERSION = "NO_PUBLISHED_VERSION"
     VERSION_NOT_READY = "VERSION_NOT_READY"
@@ -68,6 +71,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.INCOMPLETE_BODY: 400,
     ErrorCode.LOAD_FAILED: 422,
+    ErrorCode.IN_FLIGHT_ANOMALY: 409,
     ErrorCode.NO_PUBLISHED_VERSION: 409,
     ErrorCode.VERSION_NOT_READY: 409,
     ErrorCode.VERSION_RECLAIMED: 410,

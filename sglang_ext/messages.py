@@ -216,7 +216,7 @@ class VersionStatus(WireModel):
     reclaim_id: Token | None = None
     pinned: bool = False
     lora_id: str | None = None  # engine-local; differs between engines and between loads
-    in_flight: NonNegInt | None = None  # SGLang's native request refcount, when loaded
+    in_flight: int | None = None  # SGLang's native request refcount, when loaded (raw: < 0 is an anomaly)
     buckets_received: NonNegInt = 0
     buckets_total: NonNegInt = 0
     incarnation: Token

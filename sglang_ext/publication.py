@@ -39,6 +39,7 @@ from sglang_ext.version_table import (
     CleanupDecision,
     EndDecision,
     VersionTable,
+    in_flight_anomaly,
     may_unload_now,
 )
 
@@ -67,6 +68,9 @@ async def remove_version(
         return None  # nothing was ever loaded under that name
     await native.unregister(lora_name, lora_id)
     left = await native.drain(lora_id, timeout_s)
+    anomaly = in_flight_anomaly(lora_name, left)
+    if anomaly is not None:
+        raise anomaly  # the drain can never end: refuse, keep everything as it is
     if left is not None and not may_unload_now(table.get(lora_name), left):
         return left
     await native.physical_unload(lora_name, lora_id)
@@ -199,9 +203,12 @@ class PublicationService:
                     load = self._loads.get(key)
                 else:
                     if decision is CleanupDecision.UNLOAD:
-                        self.table.mark_cleaning(req.lora_name, req.attempt_token)
                         v = self.table.get(req.lora_name)
                         assert v is not None
+                        anomaly = in_flight_anomaly(req.lora_name, self.native.in_flight(v.lora_id))
+                        if anomaly is not None:
+                            raise anomaly  # checked before anything changes
+                        self.table.mark_cleaning(req.lora_name, req.attempt_token)
                         left = await remove_version(
                             self.table, self.native, req.lora_name, v.lora_id, drain_timeout_s
                         )
@@ -210,7 +217,7 @@ class PublicationService:
                             return DrainingReply(
                                 lora_name=req.lora_name,
                                 attempt_token=req.attempt_token,
-                                in_flight=max(left, 0),
+                                in_flight=left,
                                 incarnation=self.table.incarnation,
                             )
                     self._stash.pop(key, None)

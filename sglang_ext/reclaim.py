@@ -13,7 +13,7 @@ from __future__ import annotations
 from sglang_ext.native_lora import NativeEdge
 from sglang_ext.protocol import DrainingReply, ReclaimRequest, UnloadedReceipt
 from sglang_ext.publication import NameLocks, remove_version
-from sglang_ext.version_table import ReclaimDecision, VersionTable
+from sglang_ext.version_table import ReclaimDecision, VersionTable, in_flight_anomaly
 
 
 class ReclaimService:
@@ -29,6 +29,11 @@ class ReclaimService:
 
     async def reclaim(self, req: ReclaimRequest) -> UnloadedReceipt | DrainingReply:
         async with self._locks[req.lora_name]:
+            v = self.table.get(req.lora_name)
+            if v is not None:  # checked before anything changes: a negative count never drains
+                anomaly = in_flight_anomaly(req.lora_name, self.native.in_flight(v.lora_id))
+                if anomaly is not None:
+                    raise anomaly
             decision = self.table.start_reclaim(req.lora_name, req.reclaim_id)
             if decision in (ReclaimDecision.DONE, ReclaimDecision.NOT_LOADED):
                 return self._unloaded(req)
@@ -47,6 +52,6 @@ class ReclaimService:
             return DrainingReply(
                 lora_name=req.lora_name,
                 reclaim_id=req.reclaim_id,
-                in_flight=max(left, 0),
+                in_flight=left,
                 incarnation=self.table.incarnation,
             )

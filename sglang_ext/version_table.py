@@ -58,6 +58,22 @@ def may_unload_now(v: ManagedVersion | None, in_flight: int | None) -> bool:
     return removal_started and in_flight == 0
 
 
+def in_flight_anomaly(lora_name: str, in_flight: int | None) -> LoraVersionError | None:
+    """The refusal for a native in-flight count below zero, or None. SGLang never clamps its
+    counter: below zero means a release without an acquire somewhere, so the count no longer says
+    whether requests still use the adapter, and its drain would never end. The removal is refused
+    (typed, visible), never guessed; the status shows the raw count."""
+    if in_flight is None or in_flight >= 0:
+        return None
+    return _err(
+        ErrorCode.IN_FLIGHT_ANOMALY,
+        f"SGLang's in-flight count of {lora_name!r} is {in_flight}: a release without an acquire; "
+        "nothing is unloaded on a guess (restart the engine to recover the slot)",
+        lora_name=lora_name,
+        in_flight=in_flight,
+    )
+
+
 @dataclass(frozen=True)
 class StagingLimits:
     managed_capacity: int  # pinned managed versions this engine accepts (max_loras_per_batch - 1)
@@ -174,7 +190,7 @@ class VersionTable:
             pinned=v.state in (S.READY_LOCAL, S.FAILED, S.RECLAIMING),
             lora_id=v.lora_id,
             # a negative count means a leaked release; it never reaches zero (may_unload_now)
-            in_flight=None if in_flight is None else max(in_flight, 0),
+            in_flight=in_flight,  # raw: a negative count is an anomaly to see, never clamped
             buckets_received=v.next_bucket,
             buckets_total=len(v.plan),
             incarnation=self.incarnation,

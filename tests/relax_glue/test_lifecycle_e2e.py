@@ -283,7 +283,9 @@ async def test_rfc34_happy_path_step_by_step(engines, stock_engine, fixtures, sn
             out = await turn(tx, s, p, N, kind="tool")
             again = await turn(tx, s, p, N, kind="retry")
             assert again == out, "a retry of the same turn is the same greedy continuation"
-            await abort_and_resume(tx, s, [*p, *out, *TOOL_IDS], 40, abort_after=3)
+            # 160 tokens: the abort must land mid-stream even on a loaded CPU (with 40, the whole
+            # turn was once decoded before the abort reached the scheduler)
+            await abort_and_resume(tx, s, [*p, *out, *TOOL_IDS], 160, abort_after=3)
         # the new session goes on on B meanwhile
         await turn(tx, new["S_new"], [*PROMPTS[2], *TOOL_IDS], N, kind="tool")
 

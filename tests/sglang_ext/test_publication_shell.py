@@ -217,3 +217,39 @@ async def test_a_partial_load_that_cannot_be_taken_back_is_kept_failed(shell, mo
         await shell.end(name, token)
     assert shell.table.get(name).state == "FAILED" and shell.native.loaded
     assert (await shell.cleanup(name, token)).state == "CLEANED" and shell.native.loaded == {}
+
+
+async def test_a_negative_native_count_is_shown_raw_and_refuses_reclaim_and_cleanup(shell):
+    """Issue 10: SGLang never clamps its counter; below zero (a release without an acquire) the
+    drain can never end. The status shows the raw count, reclaim and cleanup refuse with
+    IN_FLIGHT_ANOMALY before changing anything, and nothing is unloaded on a guess."""
+    from sglang_ext.version_table import may_unload_now
+
+    name, token = await shell.stage(7)
+    await shell.end(name, token)
+    lora_id = shell.native.lora_id_of(name)
+    shell.native.release(lora_id)  # a release nobody acquired: the count goes to -1
+    v = shell.table.get(name)
+    assert shell.table.status_of(v, shell.native.in_flight(lora_id)).in_flight == -1  # never clamped
+    for attempt in (shell.cleanup(name, token), shell.reclaim(name, "rcl-1")):
+        with pytest.raises(LoraVersionError) as info:
+            await attempt
+        assert info.value.code is ErrorCode.IN_FLIGHT_ANOMALY and info.value.details["in_flight"] == -1
+        v = shell.table.get(name)
+        assert v.state == "READY_LOCAL" and not v.cleaning and shell.servable(name)  # nothing changed
+    assert shell.native.unloads[name] == 0 and shell.native.registry[name] == lora_id
+    assert not may_unload_now(v, -1)
+
+
+async def test_a_count_that_goes_negative_during_the_drain_is_refused_not_unloaded(shell):
+    name, token = await shell.stage(8)
+    await shell.end(name, token)
+    lora_id = shell.native.lora_id_of(name)
+    shell.native.acquire(name)  # one request in flight: the reclaim drains
+    assert isinstance(await shell.reclaim(name, "rcl-2"), DrainingReply)
+    shell.native.release(lora_id)
+    shell.native.release(lora_id)  # a second release of the same request: -1
+    with pytest.raises(LoraVersionError) as info:
+        await shell.reclaim(name, "rcl-2")
+    assert info.value.code is ErrorCode.IN_FLIGHT_ANOMALY
+    assert shell.native.unloads[name] == 0 and shell.table.get(name).state == "RECLAIMING"

@@ -1,5 +1,6 @@
-"""The two terminal paths that need a full scheduler: abort of a *queued* request, and the 503 the
-scheduler answers when its waiting queue is full (both after the tokenizer side acquired).
+"""The terminal paths that need a full scheduler: abort of a *queued* request, the 503 the
+scheduler answers when its waiting queue is full (both after the tokenizer side acquired), and
+repeated terminal messages for one request.
 
 A dedicated engine with ``--max-running-requests 1 --max-queued-requests 1``: r1 runs, r2 waits in
 the queue, r3 finds the queue full.
@@ -13,7 +14,7 @@ import uuid
 
 import httpx
 import pytest
-from _engine_helpers import Published, generate, snapshot_of, wait_in_flight
+from _engine_helpers import Published, generate, in_flight, snapshot_of, wait_in_flight
 
 from sglang_ext.devtools.launcher import EngineSpec, running_engines
 
@@ -66,3 +67,40 @@ def test_abort_of_a_queued_request_and_queue_full_503_release_once(queue_engine,
     wait_in_flight(url, a.name, 0)
     assert results[queued].json()["meta_info"]["finish_reason"]["type"] == "abort"
     a.finish()  # reclaim completes with exactly one physical unload
+
+
+def test_repeated_terminal_messages_release_nothing_more(queue_engine, fixtures):
+    """Issue 10: aborts of a request that already finished, and two aborts of one running
+    request: every terminal message after the first releases nothing (the count ends at 0, not
+    -1), and the reclaim still unloads exactly once."""
+    url = queue_engine.url
+    b = Published(queue_engine, snapshot_of(fixtures.adapter_dir("B")))
+    rid = uuid.uuid4().hex
+    assert generate(url, PROMPT, b.name, max_new_tokens=4, rid=rid).status_code == 200
+    for _ in range(3):  # terminal messages for a request that already finished
+        assert httpx.post(f"{url}/abort_request", json={"rid": rid}, timeout=10).status_code == 200
+    time.sleep(0.5)
+    assert in_flight(url, b.name) == 0
+
+    results: dict = {}
+    running = uuid.uuid4().hex
+
+    def run() -> None:
+        results["r"] = generate(url, PROMPT, b.name, max_new_tokens=60, rid=running)
+
+    t = threading.Thread(target=run)
+    t.start()
+    wait_in_flight(url, b.name, 1)
+    aborts = [
+        threading.Thread(target=httpx.post, args=(f"{url}/abort_request",), kwargs={"json": {"rid": running}})
+        for _ in range(2)
+    ]
+    for th in aborts:
+        th.start()
+    for th in [*aborts, t]:
+        th.join()
+    assert results["r"].json()["meta_info"]["finish_reason"]["type"] == "abort", results["r"].text[:300]
+    wait_in_flight(url, b.name, 0)
+    time.sleep(0.5)
+    assert in_flight(url, b.name) == 0  # not -1: the second abort released nothing
+    b.finish()
