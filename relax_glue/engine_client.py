@@ -91,6 +91,9 @@ FORBIDDEN_PATHS: frozenset[str] = frozenset(
 # httpx errors raised before a single request byte left this process: the engine cannot have
 # seen the request. Still an unknown outcome for the publisher (conservative), but the session
 # layer may use ``maybe_sent=False`` to decide that a generation retry cannot double-submit.
+# Scheduler._abort_on_queued_limit's message in SGLang 0.5.23 (a 503 before the request runs).
+QUEUE_FULL_MESSAGE = "The request queue is full."
+_GENERATION_OPS = frozenset({"generate", "generate_stream"})
 _NOT_SENT_ERRORS: tuple[type[Exception], ...] = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
@@ -130,6 +133,7 @@ class OutcomeUnknown(Exception):
         *,
         status_code: int | None = None,
         maybe_sent: bool = True,
+        admitted: bool | None = None,
     ) -> None:
         super().__init__(f"{engine_id} {op}: outcome unknown ({cause})")
         self.engine_id = engine_id
@@ -137,15 +141,26 @@ class OutcomeUnknown(Exception):
         self.cause = cause
         self.status_code = status_code
         self.maybe_sent = maybe_sent
+        # False only when the reply proves the engine did not run it (the scheduler's queue-full
+        # 503): a generation that may be sent again; None: nobody knows.
+        self.admitted = admitted
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_unknown, (self.engine_id, self.op, self.cause, self.status_code, self.maybe_sent))
+        args = (self.engine_id, self.op, self.cause, self.status_code, self.maybe_sent, self.admitted)
+        return (_rebuild_unknown, args)
 
 
 def _rebuild_unknown(
-    engine_id: str, op: str, cause: str, status_code: int | None, maybe_sent: bool
+    engine_id: str,
+    op: str,
+    cause: str,
+    status_code: int | None,
+    maybe_sent: bool,
+    admitted: bool | None = None,
 ) -> OutcomeUnknown:
-    return OutcomeUnknown(engine_id, op, cause, status_code=status_code, maybe_sent=maybe_sent)
+    return OutcomeUnknown(
+        engine_id, op, cause, status_code=status_code, maybe_sent=maybe_sent, admitted=admitted
+    )
 
 
 def _short(text: str, limit: int = 300) -> str:
@@ -199,6 +214,12 @@ def classify_outcome(
             op,
             f"HTTP {status} without a protocol error body: {_short(response.text)}",
             status_code=status,
+        )
+    if status == 503 and op in _GENERATION_OPS and QUEUE_FULL_MESSAGE in response.text:
+        # SGLang 0.5.23's scheduler rejected it before running it (waiting queue full; the
+        # tokenizer side released its LoRA ref): not admitted, so it may be sent again.
+        raise OutcomeUnknown(
+            engine_id, op, "the engine's request queue is full", status_code=503, admitted=False
         )
     raise OutcomeUnknown(engine_id, op, f"HTTP {status}: {_short(response.text)}", status_code=status)
 

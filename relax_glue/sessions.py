@@ -14,9 +14,10 @@
   restart; it answers Retry-After), and UNKNOWN_VERSION when a recovery hook is configured
   (``on_version_missing``: the engine lost the version and the hook starts its restore). The
   same request, the same exact ``lora_path``, within ``not_ready_wait_s``; then the typed error
-  surfaces. A request that never left this process (connection refused) is re-sent the same
-  way. Any other version error surfaces as the typed :class:`LoraVersionError` (no fallback to
-  the base model or to the latest version).
+  surfaces. A request that never left this process (connection refused), or that the engine's
+  scheduler turned away because its waiting queue was full (503), is re-sent the same way. Any
+  other version error surfaces as the typed :class:`LoraVersionError` (no fallback to the base
+  model or to the latest version).
 * **No blind resend (RFC 4.2).** A turn the engine may have admitted but whose outcome is
   unknown (the connection broke after the request was sent, a 5xx, a broken stream) raises
   :class:`TurnOutcomeUnknown` with its rid, and the session refuses further turns until the
@@ -325,9 +326,10 @@ class Session:
         request: the same rid and the same exact ``lora_path`` go out again."""
         m = self._m
         if isinstance(err, OutcomeUnknown):
-            if err.maybe_sent:
+            if err.maybe_sent and err.admitted is not False:
                 return False  # it may have been admitted: never resent blindly (RFC 4.2)
-            wait = m.resend_interval_s  # it never left this process: nothing was admitted
+            # It never left this process, or the engine's queue was full: nothing was admitted.
+            wait = m.resend_interval_s
         elif err.code is ErrorCode.VERSION_NOT_READY:
             wait = float(err.details.get("retry_after_s") or err.retry_after_s or m.resend_interval_s)
         elif err.code is ErrorCode.UNKNOWN_VERSION and m.on_version_missing is not None:

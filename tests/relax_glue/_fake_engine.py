@@ -49,6 +49,7 @@ class _Fault:
     status: int | None
     timeout: bool
     after: bool
+    message: str | None = None  # the body's message with ``status`` (e.g. SGLang's own words)
 
 
 @dataclasses.dataclass
@@ -150,6 +151,7 @@ class FakeEngine:
         status: int | None = None,
         timeout: bool = False,
         after: bool = False,
+        message: str | None = None,
     ) -> None:
         """Make the Nth call of ``op`` (counted from now on, per op, from 1) fail.
 
@@ -158,7 +160,7 @@ class FakeEngine:
         call is processed first (the engine changed), then the failure replaces the reply.
         """
         assert code or status or timeout
-        self._faults.append(_Fault(op, self.calls[op] + nth, code, status, timeout, after))
+        self._faults.append(_Fault(op, self.calls[op] + nth, code, status, timeout, after, message))
 
     def hold(self, op: str) -> Gate:
         gate = Gate()
@@ -234,7 +236,8 @@ class FakeEngine:
             err = LoraVersionError(fault.code, f"injected {fault.code.value} on {fault.op}")
             return httpx.Response(err.http_status, json=err.to_body())
         assert fault.status is not None
-        return httpx.Response(fault.status, json={"error": {"message": f"injected HTTP {fault.status}"}})
+        message = fault.message or f"injected HTTP {fault.status}"
+        return httpx.Response(fault.status, json={"error": {"message": message}})
 
     @staticmethod
     def _detail(op: str, request: httpx.Request) -> str:

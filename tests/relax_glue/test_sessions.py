@@ -300,6 +300,27 @@ async def test_a_request_that_never_left_is_sent_again_automatically(world: Worl
     assert [g["rid"] for g in world.fakes[mgr.router.pick(s.key)].generations] == ["r1"]  # once
 
 
+async def test_a_queue_full_503_is_sent_again_but_any_other_503_is_an_unknown_turn(world: World) -> None:
+    """SGLang's scheduler turns a request away with 503 "The request queue is full." before
+    running it: nothing was admitted, so the session sends it again (bounded). Any other 503
+    proves nothing and is a TurnOutcomeUnknown."""
+    from relax_glue.engine_client import QUEUE_FULL_MESSAGE
+
+    await world.publish("A")
+    mgr = SessionManager(world.reg, world.engines, resend_interval_s=0.0)
+    s = await mgr.open()
+    await s.generate(BODY)
+    fake = world.fakes[mgr.router.pick(s.key)]
+    fake.fail("generate", status=503, message=QUEUE_FULL_MESSAGE)
+    fake.fail("generate", nth=2, status=503, message=QUEUE_FULL_MESSAGE)
+    out = await s.generate(BODY, rid="q1")
+    assert out["meta_info"]["id"] == "q1" and s.resends == 2
+    fake.fail("generate", status=503, message="The server is overloaded.")
+    with pytest.raises(TurnOutcomeUnknown):
+        await s.generate(BODY, rid="q2")
+    assert s.unknown_turns == ("q2",)
+
+
 async def test_a_broken_stream_is_an_unknown_turn(world: World) -> None:
     await world.publish("A")
     s = await world.mgr.open()

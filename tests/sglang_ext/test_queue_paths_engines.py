@@ -16,6 +16,7 @@ import httpx
 import pytest
 from _engine_helpers import Published, generate, in_flight, snapshot_of, wait_in_flight
 
+from relax_glue.engine_client import QUEUE_FULL_MESSAGE
 from sglang_ext.devtools.launcher import EngineSpec, running_engines
 
 pytestmark = pytest.mark.engine
@@ -57,6 +58,8 @@ def test_abort_of_a_queued_request_and_queue_full_503_release_once(queue_engine,
 
     full = generate(url, PROMPT, a.name, max_new_tokens=4)
     assert full.status_code == 503, full.text  # the queue is full: rejected after acquire
+    # The words the trainer-side client recognises as "not admitted, may be sent again".
+    assert QUEUE_FULL_MESSAGE in full.text, full.text
     wait_in_flight(url, a.name, 2)  # ... and released exactly once
 
     assert httpx.post(f"{url}/abort_request", json={"rid": queued}, timeout=10).status_code == 200
