@@ -9,7 +9,7 @@ registry's process (Ray reopens the journal) together with the trainer's publish
 
 Prints a table and writes ``bench/results/chaos.json`` (and ``.runs/bench/chaos-*/chaos.json``).
 
-    .venv/bin/python bench/chaos.py [--faults 30] [--seed 9] [--max-s 3600]
+    .venv/bin/python bench/chaos.py [--faults 30] [--seed 9] [--max-s 3600] [--no-overlap]
 """
 
 from __future__ import annotations
@@ -34,9 +34,16 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=30)
     parser.add_argument("--seed", type=int, default=9)
     parser.add_argument("--max-s", type=float, default=3600.0)
+    parser.add_argument(
+        "--no-overlap", action="store_true", help="session turns only between faults, not during them"
+    )
     args = parser.parse_args()
     out = ROOT / ".runs" / "bench" / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
-    report = run_campaign(ChaosConfig(seed=args.seed, faults=args.faults, max_s=args.max_s, out_dir=out))
+    cfg = ChaosConfig(
+        seed=args.seed, faults=args.faults, max_s=args.max_s, out_dir=out, overlap=not args.no_overlap
+    )
+    report = run_campaign(cfg)
+    report["overlap"] = cfg.overlap
     report["machine"] = platform.platform()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2, default=str))

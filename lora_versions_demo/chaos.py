@@ -79,6 +79,10 @@ class ChaosConfig:
     out_dir: Path = Path(".runs/chaos")
     recover_s: float = 420.0  # bound on one recovery (an engine restart included)
     kinds: tuple[str, ...] = FAULT_KINDS  # drawn in seeded shuffled blocks of these
+    # Session turns keep running during the publication and the recovery, so requests meet the
+    # fault itself (a killed engine, a version not restored yet): each must end with its
+    # reference tokens or a typed error.
+    overlap: bool = False
 
 
 @dataclasses.dataclass
@@ -344,7 +348,9 @@ class Campaign:
             with contextlib.suppress(RegistryUnavailable):
                 await self.pub.reclaim_ready()
         await self.open_sessions(2)
-        seen = {n: len(w.injected) for n, w in self.wrapped.items()}
+        seen = {e: len(w.injected) for e, w in self.wrapped.items()}
+        stop = asyncio.Event()
+        background = asyncio.ensure_future(self._traffic_until(stop)) if self.cfg.overlap else None
         try:
             if kind != "kill_reclaim_drain":
                 self._arm(fault)
@@ -352,8 +358,8 @@ class Campaign:
             fault.detail += f" publish={res.outcome.value}"
         except RegistryUnavailable as exc:
             fault.detail += f" publish=RegistryUnavailable({exc.op})"
-        for n, w in self.wrapped.items():
-            fault.injected = fault.injected or len(w.injected) > seen[n]
+        for e, w in self.wrapped.items():
+            fault.injected = fault.injected or len(w.injected) > seen[e]
             w.disarm()  # a fault whose call never came is not injected later by surprise
         t = time.monotonic()
         survived = await self.recover()
@@ -361,7 +367,15 @@ class Campaign:
             fault.survived, fault.recover_s = survived, round(time.monotonic() - t, 1)
         elif not survived:
             fault.survived = False
+        if background is not None:
+            stop.set()
+            await background
         await self.traffic()
+
+    async def _traffic_until(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.traffic()
+            await asyncio.sleep(0.2)
 
     def _arm(self, fault: FaultRecord) -> None:
         engine = self.rng.choice(COHORT)
