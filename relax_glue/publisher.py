@@ -257,7 +257,7 @@ class Publisher(CohortDriver):
         publication or a reclaim of this publisher. See :mod:`relax_glue.reconciler`."""
         if self.reconciler is None:
             raise ValueError("reconcile needs a Publisher created with a SnapshotStore")
-        async with self._lock, self.reclaimer._reclaim_lock:
+        async with self._lock, self.reclaimer.lock:
             return await self.reconciler.reconcile(engines)
 
     async def reconcile_forever(self, interval_s: float = 5.0) -> None:

@@ -51,12 +51,13 @@ class Reclaimer(CohortDriver):
         self.reclaim_wait_s = wait_s
         self.reclaim_poll_s = poll_s
         self.reclaim_deadline_s = deadline_s
-        self._reclaim_lock = asyncio.Lock()
+        # Held by every reclaim run, and by whoever must not run beside one (the reconciler).
+        self.lock = asyncio.Lock()
 
     async def reclaim_ready(self, *, deadline_s: float | None = None) -> tuple[ReclaimResult, ...]:
         """Reclaim every RETIRED version without session refs, and continue every version
         already RECLAIMING (an earlier run that hit its deadline or an unknown outcome)."""
-        async with self._reclaim_lock:
+        async with self.lock:
             await self._setup()
             status = await self.registry.status()
             todo = [v for v in status.versions if v.state is VersionState.RECLAIMING or may_start_reclaim(v)]

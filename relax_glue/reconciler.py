@@ -34,7 +34,7 @@ from enum import StrEnum
 from typing import Any
 
 from relax_glue.cohort import CohortDriver, EngineStep
-from relax_glue.engine_client import EngineAPI, OutcomeUnknown
+from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
 from relax_glue.registry_types import StatusView, VersionKey, VersionState, VersionView
 from relax_glue.snapshot import Snapshot
 from relax_glue.snapshot_store import SnapshotStore
@@ -270,6 +270,4 @@ class Reconciler(CohortDriver):
         return done
 
     def _step(self, engine: str, op: str, detail: str) -> None:
-        from relax_glue.engine_client import CallOutcome
-
         self.steps.append(EngineStep(engine, op, CallOutcome.OK, detail=detail))

@@ -214,7 +214,7 @@ class DurableRegistry(RegistryOps):
         with self._mutex:
             self._check_usable()
             if self.session_window is not None:
-                self._apply("prune_sessions", keep_last=self.session_window, _compacting=True)
+                self._apply("prune_sessions", keep_last=self.session_window)
             seq, text = self._registry.seq, self._registry.dump()
             self._write_all(
                 [
@@ -251,10 +251,14 @@ class DurableRegistry(RegistryOps):
         # decides the same); queries only read the state under the lock.
         kwargs = stamp_now(op, kwargs)
         if op in MUTATING_OPS:
-            return self._apply(op, **kwargs)
+            with self._mutex:
+                result = self._apply(op, **kwargs)
+                if self.compact_every is not None and self.seq - self._compacted_at >= self.compact_every:
+                    self.compact()  # after the answer is durable: a crash here loses nothing
+                return result
         return self._query(lambda: getattr(self._registry, op)(**kwargs))
 
-    def _apply(self, op: str, /, _compacting: bool = False, **kwargs: Any) -> Any:
+    def _apply(self, op: str, /, **kwargs: Any) -> Any:
         with self._mutex:
             self._check_usable()
             before = self._registry.seq
@@ -264,12 +268,6 @@ class DurableRegistry(RegistryOps):
             assert self._registry.seq == before + 1
             row = (self._registry.seq, op, dumps(kwargs), dumps(result))
             self._write("INSERT INTO journal(seq, op, args, result) VALUES (?, ?, ?, ?)", row)
-            due = (
-                self.compact_every is not None
-                and self._registry.seq - self._compacted_at >= self.compact_every
-            )
-            if due and not _compacting:
-                self.compact()  # after the answer is durable: a crash here loses nothing
             return result
 
     def _write(self, sql: str, params: tuple[Any, ...]) -> None:

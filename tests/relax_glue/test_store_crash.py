@@ -62,12 +62,9 @@ def _compacting_states(
     seen: list[str] = []
     original_apply = ref._apply
 
-    def apply(op: str, /, _compacting: bool = False, **kwargs: object) -> object:
-        result = original_apply(op, _compacting=True, **kwargs)  # compaction is driven below
+    def apply(op: str, /, **kwargs: object) -> object:
+        result = original_apply(op, **kwargs)  # each journaled row: the op's own, a prune's
         seen.append(ref.dump())
-        due = ref.compact_every is not None and ref.seq - ref._compacted_at >= ref.compact_every
-        if due and not _compacting:
-            ref.compact()
         return result
 
     ref._apply = apply  # type: ignore[method-assign]
