@@ -137,7 +137,8 @@ class Reconciler(CohortDriver):
         self.steps = []
         status = await self.registry.status()
         wanted = wanted_versions(status)
-        todo = list(self._cohort if engines is None else engines)
+        # Only cohort members: an engine declared lost gets nothing back, whoever names it.
+        todo = [e for e in self._cohort if engines is None or e in engines]
         snapshots: dict[str, Snapshot | LoraVersionError] = {}
         ok, refused, unknown = await self._fanout(
             self.steps, "reconcile", todo, lambda e: self._reconcile_engine(e, wanted, snapshots)

@@ -352,3 +352,13 @@ async def test_the_polling_loop_restores_without_any_request(world: World) -> No
         assert world.held("E1") == {name_of("A"): S.READY_LOCAL}
     finally:
         task.cancel()
+
+
+async def test_an_engine_declared_lost_gets_nothing_back(world: World) -> None:
+    await world.publish("A")
+    world.fakes["E1"].restart()
+    world.reg.declare_engine_lost("E1", "its host is gone")
+    calls = sum(world.fakes["E1"].calls.values())
+    assert await world.pub.reconcile(["E1"]) == ()  # the session hook may still name it
+    assert {r.engine_id for r in await world.pub.reconcile()} == {"E0"}
+    assert sum(world.fakes["E1"].calls.values()) == calls and world.held("E1") == {}
