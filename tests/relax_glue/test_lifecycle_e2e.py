@@ -406,12 +406,19 @@ async def test_rfc52_capacity_refusal_then_safe_reclaim_through_the_ray_actor(
             for c in w.clients.values():
                 assert (await engine_versions(c, w.marker))[name_a].state is S.READY_LOCAL
 
-            # --- a request admitted on E0 before the reclaim is still decoding on A (session refs
-            # will be 0, the engine's native refs are not): the reclaim drains it, never cuts it
+            # --- every A session closes (RFC 4.3): session refs reach 0, A stays loaded
+            for s in a_sessions:
+                view = await s.close()
+                assert view.released
+            assert (await w.version("A")).session_refs == 0
+
+            # --- a request admitted on E0 is still decoding on A when the reclaim starts (session
+            # refs are 0, the engine's native refs are not): the reclaim drains it, never cuts it.
+            # It starts after the closes, right before the reclaim, so the window it must outlast
+            # is one reclaim call's wait (1 s), not however long the closes take on a loaded host:
+            # 400 tokens started before the closes once finished before the reclaim began.
             chunks: list[dict] = []
-            # Long enough that it cannot finish inside one reclaim call's wait (reclaim_wait_s=1.0):
-            # 64 tokens did on a quiet machine, and then there was no drain to observe.
-            admitted_tokens = 400
+            admitted_tokens = 1200
 
             async def admitted_a() -> None:
                 body = {
@@ -426,15 +433,9 @@ async def test_rfc52_capacity_refusal_then_safe_reclaim_through_the_ray_actor(
             await wait_until(
                 lambda: len(chunks) >= 2 or in_flight.done(), what="the admitted A request decoding"
             )
-
-            # --- every A session closes (RFC 4.3), then reclaim: unloaded once per engine
-            for s in a_sessions:
-                view = await s.close()
-                assert view.released
-            assert (await w.version("A")).session_refs == 0
             assert not in_flight.done(), "the admitted request ended too early to show the drain"
             done = await w.pub.reclaim_ready()
-            await asyncio.wait_for(in_flight, 60)
+            await asyncio.wait_for(in_flight, 120)
             assert len(chunks[-1]["output_ids"]) == admitted_tokens, "the admitted request was cut"
             assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
             assert len(done) == 1 and done[0].done, done
