@@ -89,21 +89,23 @@ class TurnOutcomeUnknown(OutcomeUnknown):
             f"turn {rid} on {lora_path}: {cause.cause}",
             status_code=cause.status_code,
             maybe_sent=cause.maybe_sent,
+            admitted=cause.admitted,
         )
         self.rid = rid
         self.lora_path = lora_path
+        self.inner = cause
 
     def __reduce__(self) -> tuple[Any, ...]:
-        inner = OutcomeUnknown(self.engine_id, self.op, self.cause, status_code=self.status_code)
-        return (TurnOutcomeUnknown, (inner, self.rid, self.lora_path))
+        # Through the inner OutcomeUnknown (which pickles every field), so that a copy that
+        # crossed a Ray or process boundary is the same exception, not a re-prefixed one.
+        return (TurnOutcomeUnknown, (self.inner, self.rid, self.lora_path))
 
 
 @dataclasses.dataclass(frozen=True)
 class _UnknownTurn:
     rid: str
     engine_id: str
-    body: dict[str, Any]  # as sent (rid and lora_path included)
-    stream: bool
+    body: dict[str, Any]  # as sent (rid and lora_path included); a resend never streams
 
 
 @dataclasses.dataclass
@@ -268,7 +270,7 @@ class Session:
                     break
                 except (LoraVersionError, OutcomeUnknown) as err:
                     if not await self._wait_to_resend(err, engine_id, req["lora_path"], deadline):
-                        raise self._settled_by_caller(err, engine_id, req, stream=False) from None
+                        raise self._settled_by_caller(err, engine_id, req) from None
             outcome = generation_outcome(result)
             return result
         except (LoraVersionError, OutcomeUnknown) as exc:
@@ -299,7 +301,7 @@ class Session:
                 except (LoraVersionError, OutcomeUnknown) as err:
                     # Only a refusal before the first chunk: nothing was admitted.
                     if streamed or not await self._wait_to_resend(err, engine_id, req["lora_path"], deadline):
-                        raise self._settled_by_caller(err, engine_id, req, stream=True) from None
+                        raise self._settled_by_caller(err, engine_id, req) from None
             outcome = CallOutcome.ABORTED if aborted else CallOutcome.OK
         except (LoraVersionError, OutcomeUnknown) as exc:
             outcome = outcome_label(exc)
@@ -308,14 +310,14 @@ class Session:
             self._finish(flight, req["lora_path"], outcome, started, t0)
 
     def _settled_by_caller(
-        self, err: LoraVersionError | OutcomeUnknown, engine_id: str, req: dict[str, Any], *, stream: bool
+        self, err: LoraVersionError | OutcomeUnknown, engine_id: str, req: dict[str, Any]
     ) -> LoraVersionError | OutcomeUnknown:
         """What a failed turn raises: a refusal as is; a maybe-admitted turn as
         :class:`TurnOutcomeUnknown`, remembered until the caller resends or discards it."""
         if isinstance(err, LoraVersionError):
             return err
         rid = req["rid"]
-        self._unknown_turns[rid] = _UnknownTurn(rid, engine_id, dict(req), stream)
+        self._unknown_turns[rid] = _UnknownTurn(rid, engine_id, dict(req))
         return TurnOutcomeUnknown(err, rid, req["lora_path"])
 
     async def _wait_to_resend(

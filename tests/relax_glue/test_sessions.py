@@ -463,3 +463,19 @@ async def test_close_all(world: World) -> None:
     views = await world.mgr.close_all()
     assert len(views) == 4 and all(v.state is SessionState.CLOSED for v in views)
     assert world.refs("A") == 0 and world.mgr.sessions == {}
+
+
+def test_turn_outcome_unknown_survives_a_pickle_round_trip_unchanged() -> None:
+    """It crosses Ray and process boundaries (a rollout worker's exception): the copy keeps every
+    field of its cause. (Before: maybe_sent and admitted were dropped and the message was
+    prefixed a second time.)"""
+    import pickle
+
+    cause = OutcomeUnknown(
+        "E1", "generate", "HTTP 500: boom", status_code=500, maybe_sent=False, admitted=False
+    )
+    err = TurnOutcomeUnknown(cause, "r9", "lv-x")
+    copy = pickle.loads(pickle.dumps(err))
+    assert type(copy) is TurnOutcomeUnknown and str(copy) == str(err)
+    fields = ("engine_id", "op", "cause", "status_code", "maybe_sent", "admitted", "rid", "lora_path")
+    assert {f: getattr(copy, f) for f in fields} == {f: getattr(err, f) for f in fields}

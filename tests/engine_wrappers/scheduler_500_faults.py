@@ -1,0 +1,83 @@
+"""Scheduler-side 500s, injected into the real SGLang 0.5.23 scheduler process (tests only).
+
+SGLang's scheduler ends a request with a 500 on paths a tiny CPU text model cannot reach: a
+multimodal input it cannot process (finished at admission, ``Scheduler.handle_generate_request``
+sets the abort and queues the request anyway), or a grammar that rejects a sampled token
+(finished mid-decode, ``SchedulerBatchResultProcessor`` sets ``req.to_finish``). These hooks take
+exactly those two upstream paths for requests whose rid carries a marker, and pass every other
+request through untouched (fail only the marked call). What follows is SGLang's own: the abort
+travels through the output streamer and the tokenizer manager, which release the native LoRA
+count and answer HTTP 500.
+
+The scheduler runs in a process started with ``spawn``, so a patch made in the launching process
+would not reach it: :func:`run_scheduler_process_with_500s` is handed to ``launch_server`` as
+its ``run_scheduler_process_func`` and installs the hooks inside the scheduler process.
+"""
+
+from __future__ import annotations
+
+import sys
+from http import HTTPStatus
+from typing import Any
+
+# Marker suffixes. A resend by the session layer uses another rid ("<rid>.resend1"), so it passes.
+AT_ADMISSION = ":500@admit"
+MID_DECODE = ":500@decode"
+DECODE_TOKENS_BEFORE_FAULT = 4
+LOG_LINE = "scheduler-500 fault injected"
+
+
+def _note(rid: str, where: str) -> None:
+    print(f"{LOG_LINE} {where}: rid={rid}", file=sys.stderr, flush=True)
+
+
+def install() -> None:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.batch_result_processor import (
+        SchedulerBatchResultProcessor,
+    )
+
+    # Upstream: Scheduler._add_request_to_queue(req, is_retracted=False). The multimodal error
+    # path calls req.set_finish_with_abort(..., INTERNAL_SERVER_ERROR) and then this method.
+    add_to_queue = Scheduler._add_request_to_queue
+
+    def _add_request_to_queue(self: Any, req: Any, is_retracted: bool = False) -> Any:
+        if not is_retracted and req.rid.endswith(AT_ADMISSION) and req.to_finish is None:
+            req.set_finish_with_abort(
+                "injected scheduler fault (tests): 500 at admission",
+                status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
+                err_type="InternalServerError",
+            )
+            _note(req.rid, "at admission")
+        return add_to_queue(self, req, is_retracted)
+
+    # Upstream: SchedulerBatchResultProcessor.process_batch_result_decode(batch, result); the
+    # grammar path sets req.to_finish = FINISH_ABORT(..., INTERNAL_SERVER_ERROR) in that loop.
+    decode = SchedulerBatchResultProcessor.process_batch_result_decode
+
+    def process_batch_result_decode(self: Any, batch: Any, result: Any) -> Any:
+        for req in batch.reqs:
+            if (
+                req.rid.endswith(MID_DECODE)
+                and not req.finished()
+                and req.to_finish is None
+                and len(req.output_ids) >= DECODE_TOKENS_BEFORE_FAULT
+            ):
+                req.to_finish = FINISH_ABORT(
+                    "injected scheduler fault (tests): 500 mid-decode",
+                    HTTPStatus.INTERNAL_SERVER_ERROR,
+                    "InternalServerError",
+                )
+                _note(req.rid, "mid-decode")
+        return decode(self, batch, result)
+
+    Scheduler._add_request_to_queue = _add_request_to_queue
+    SchedulerBatchResultProcessor.process_batch_result_decode = process_batch_result_decode
+
+
+def run_scheduler_process_with_500s(*args: Any, **kwargs: Any) -> Any:
+    from sglang.srt.managers.scheduler import run_scheduler_process
+
+    install()
+    return run_scheduler_process(*args, **kwargs)
