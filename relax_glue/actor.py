@@ -28,6 +28,7 @@ Build them with ``.in_process(registry_or_store)`` or ``.for_actor(handle)``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import threading
@@ -408,6 +409,16 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+    async def reap_leases_forever(self, interval_s: float = 1.0) -> None:
+        """The in-process counterpart of the actor's ``lease_reaper_s`` thread: one
+        ``expire_leases`` (stamped with this host's clock) every ``interval_s`` until cancelled
+        (run it as a task). Give it only to an in-process registry: the actor reaps on its own.
+        An unreachable registry is asked again at the next tick; nothing is closed on a guess."""
+        while True:
+            with contextlib.suppress(RegistryUnavailable):
+                await self.expire_leases()
+            await asyncio.sleep(interval_s)
 
     def _is_transient(self, exc: BaseException) -> bool:
         # Ray's errors (actor died, task failed) are transient for an idempotent op; we do not

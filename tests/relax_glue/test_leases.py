@@ -142,16 +142,9 @@ async def _world(ttl: float, heartbeat: float):
     return reg, cluster, pub, client, mgr
 
 
-async def _reap(client: AsyncRegistryClient, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        await client.expire_leases()  # the in-process host stamps its clock
-        await asyncio.sleep(0.02)
-
-
 async def test_the_heartbeat_keeps_an_idle_session_alive_and_a_dead_worker_loses_its_sessions() -> None:
     reg, cluster, pub, client, mgr = await _world(ttl=0.3, heartbeat=0.05)
-    stop = asyncio.Event()
-    reaper = asyncio.ensure_future(_reap(client, stop))
+    reaper = asyncio.ensure_future(client.reap_leases_forever(0.02))  # the host stamps its clock
     try:
         live = await mgr.open("live")
         await live.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
@@ -178,7 +171,8 @@ async def test_the_heartbeat_keeps_an_idle_session_alive_and_a_dead_worker_loses
         (res,) = await pub.reclaim_ready()
         assert res.done and reg.version(vk("A")).state is VersionState.RECLAIMED
     finally:
-        stop.set()
-        await reaper
+        reaper.cancel()
+        await asyncio.gather(reaper, return_exceptions=True)
+        assert reaper.cancelled()  # it ran until cancelled: no call of it raised
         await mgr.aclose()
         await cluster.aclose()
