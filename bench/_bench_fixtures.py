@@ -103,5 +103,35 @@ def _write_adapter(out: Path, model_config: dict) -> None:
     save_file(tensors, str(out / "adapter_model.safetensors"))
 
 
+def rank_for_mib(mib: float) -> int:
+    """The rank whose adapter over the large base weighs about ``mib`` MiB (fp32, all 7 modules)."""
+    per_rank = sum(fan_in + fan_out for fan_in, fan_out in tiny._module_shapes(LARGE_CONFIG).values())
+    per_rank_bytes = per_rank * 4 * LARGE_CONFIG["num_hidden_layers"]
+    return max(1, round(mib * 1024 * 1024 / per_rank_bytes))
+
+
+def ensure_sized_adapters(fixtures: BenchFixtures, sizes_mib: list[float]) -> dict[float, Path]:
+    """Adapters of about each size over the large base (rank scaled to fit), cached beside it."""
+    out: dict[float, Path] = {}
+    model_config = json.loads((fixtures.model_dir / "config.json").read_text())
+    for mib in sizes_mib:
+        rank = rank_for_mib(mib)
+
+        def build(tmp: Path, rank: int = rank) -> None:
+            _write_sized_adapter(tmp, model_config, rank)
+
+        out[mib] = tiny.build_atomically(fixtures.root / f"adapter-r{rank}", build)
+    return out
+
+
+def _write_sized_adapter(out: Path, model_config: dict, rank: int) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(tiny.adapter_config(rank), indent=2, sort_keys=True))
+    tensors = tiny.make_adapter_tensors(model_config, seed=ADAPTER_SEED + rank, rank=rank, std=ADAPTER_STD)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+
+
 if __name__ == "__main__":
     print(ensure_bench_fixtures().root)

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import httpx  # noqa: E402
-from _bench_fixtures import LARGE_CONFIG, ensure_bench_fixtures  # noqa: E402
+from _bench_fixtures import LARGE_CONFIG, ensure_bench_fixtures, ensure_sized_adapters, rank_for_mib  # noqa: E402
 
 from relax_glue.snapshot import EncodedBucket, Snapshot  # noqa: E402
 from sglang_ext.devtools.fixtures import ensure_fixtures  # noqa: E402
@@ -218,13 +218,28 @@ def _stats(samples: list[float]) -> dict[str, Any]:
     }
 
 
+ENGINE_PHASES = ("read_ms", "verify_ms", "load_ms", "probe_ms")
+MEMORY_KEYS = ("idle_rss_mib", "peak_above_idle_mib", "after_cleanup_above_idle_mib")
+
+
 class Runner:
-    def __init__(self, case: Case, driver: Driver, log_tail: Callable[[], str]) -> None:
+    def __init__(
+        self, case: Case, driver: Driver, log_tail: Callable[[], str], pid: int, log_path: Path
+    ) -> None:
         self.case = case
         self.d = driver
         self.log_tail = log_tail
+        self.pid = pid
+        self.log_path = log_path
         self.staged: dict[int, dict[str, list[float]]] = {
-            cap: {"total_ms": [], "begin_ms": [], "buckets_ms": [], "end_ms": [], "cleanup_ms": []}
+            cap: {
+                k: []
+                for k in (
+                    *("total_ms", "begin_ms", "buckets_ms", "end_ms", "cleanup_ms"),
+                    *(f"engine_{k}" for k in ENGINE_PHASES),
+                    *MEMORY_KEYS,
+                )
+            }
             for cap in case.caps
         }
         self.stock: dict[str, list[float]] = {"load_ms": [], "gen1_ms": [], "unload_ms": []}
@@ -237,12 +252,20 @@ class Runner:
 
     def one_staged(self, cap: int, record: bool) -> dict[str, float] | None:
         try:
+            idle = _reset_peak(self.pid)
             times, name, attempt = self.d.staged(self.case.snaps[cap], self.case.payloads[cap])
+            peak = _status_mib(self.pid, "VmHWM")
+            times.update(_engine_phases(self.log_path, name))
             if not record:
                 self.warmup[f"staged_cap{cap}"] = times
                 if cap == self.case.caps[0]:
                     self.warmup["staged_tokens"] = self.d.generate(name, 6, PROMPT)[1]
             times["cleanup_ms"] = self.d.cleanup(name, attempt)
+            after = _status_mib(self.pid, "VmRSS")
+            if idle is not None and peak is not None and after is not None:
+                times["idle_rss_mib"] = idle
+                times["peak_above_idle_mib"] = round(peak - idle, 1)
+                times["after_cleanup_above_idle_mib"] = round(after - idle, 1)
         except Exception as exc:
             self._err(f"staged cap={cap}", exc)
             return None
@@ -300,6 +323,8 @@ class Runner:
                 "client_encode_ms": round(c.encode_ms[cap], 2),
                 "total_ms": total,
                 **{k: _stats(s[k]) for k in ("begin_ms", "buckets_ms", "end_ms", "cleanup_ms")},
+                "engine_phases_ms": {k: _stats(s[f"engine_{k}"]) for k in ENGINE_PHASES},
+                "engine_main_memory_mib": {k: _stats(s[k]) for k in MEMORY_KEYS},
             }
             if total["n"] and stock_load["n"]:
                 row["ratio_vs_stock_load"] = round(total["median"] / stock_load["median"], 2)
@@ -379,20 +404,81 @@ def print_table(results: list[dict[str, Any]]) -> None:
         "ratio = staged begin..end / stock /load_lora_adapter; r(+gen) = vs stock load + a 1-token"
         " generation (the staged end includes such a probe)."
     )
+    print("\nengine side (medians, ms; memory of the engine's main process, MiB above idle)")
+    head = (
+        f"{'engine':6} {'adapter':14} {'cap':>9} {'read':>7} {'verify':>7} {'load':>7} {'probe':>7}"
+        f" {'MiB/s in':>8} {'peak+':>6} {'after':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for res in results:
+        adapter = f"{res['adapter']} {_fmt_bytes(res['adapter_bytes'])}"
+        for row in res["staged"]:
+            ph, mem = row["engine_phases_ms"], row["engine_main_memory_mib"]
+            if not ph["read_ms"]["n"]:
+                continue
+            med = {k: v["median"] for k, v in ph.items()}
+            rate = row["payload_bytes"] / MiB / (row["buckets_ms"]["median"] / 1e3)
+            peak = mem["peak_above_idle_mib"].get("median", float("nan"))
+            after = mem["after_cleanup_above_idle_mib"].get("median", float("nan"))
+            print(
+                f"{res['engine']:6} {adapter:14} {_fmt_cap(row['bucket_cap_bytes']):>9}"
+                f" {med['read_ms']:7.1f} {med['verify_ms']:7.1f} {med['load_ms']:7.1f} {med['probe_ms']:7.1f}"
+                f" {rate:8.0f} {peak:6.1f} {after:6.1f}"
+            )
 
 
 # --------------------------------------------------------------------------------------------- main
 
 
-def _rss_mib(pid: int) -> float | None:
-    """Resident memory of the engine's main process (HTTP server, tokenizer manager, stashes)."""
+def _status_mib(pid: int, field: str) -> float | None:
+    """A memory field of /proc/<pid>/status (VmRSS, VmHWM) of the engine's main process (HTTP
+    server, tokenizer manager, bucket bodies in flight), in MiB."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return round(int(line.split()[1]) / 1024, 1)
     except OSError:
         return None
     return None
+
+
+def _rss_mib(pid: int) -> float | None:
+    return _status_mib(pid, "VmRSS")
+
+
+def _reset_peak(pid: int) -> float | None:
+    """Reset the process's peak resident set (VmHWM) to its current RSS; returns that RSS."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return _status_mib(pid, "VmRSS")
+
+
+def _engine_phases(log_path: Path, lora_name: str) -> dict[str, float]:
+    """The engine-side breakdown the plugin logs once per publication (publication.PhaseTimes)."""
+    marker = f"publication phases {lora_name}:"
+    for _ in range(50):  # the line is written before the reply; allow the log a moment to flush
+        try:
+            lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if marker in ln]
+        except OSError:
+            lines = []
+        if lines:
+            fields = dict(kv.split("=", 1) for kv in lines[-1].split(marker, 1)[1].split())
+            return {f"engine_{k}": float(fields[k]) for k in ENGINE_PHASES if k in fields}
+        time.sleep(0.02)
+    return {}
+
+
+def _lora_flags(max_rank: int) -> tuple[str, ...]:
+    return (
+        "--enable-lora",
+        "--max-loras-per-batch", "3",
+        "--max-loaded-loras", "3",
+        "--max-lora-rank", str(max_rank),
+        "--lora-target-modules", "all",
+    )  # fmt: skip
 
 
 def _parse_caps(text: str, unit: int) -> list[int]:
@@ -405,6 +491,12 @@ def main() -> int:
     p.add_argument("--tiny-caps", default="16,65536", help="KiB, comma separated (default 16 KiB, 64 MiB)")
     p.add_argument("--large-caps", default="1,4,64", help="MiB, comma separated")
     p.add_argument("--no-large", action="store_true", help="only the tiny engine")
+    p.add_argument(
+        "--sizes",
+        default="1,8,32,128",
+        help="MiB, comma separated: adapters of these sizes over the large base, published on a third"
+        " engine (its --max-lora-rank fits the largest) to show time against size; '' for none",
+    )
     p.add_argument(
         "--large-mem-fraction",
         default="0.5",
@@ -434,22 +526,30 @@ def main() -> int:
         cases.append(
             Case("large", f"r{big.rank}", big.adapter_dir, big.rank, _parse_caps(args.large_caps, MiB))
         )
-        lora_flags = (
-            "--enable-lora",
-            "--max-loras-per-batch", "3",
-            "--max-loaded-loras", "3",
-            "--max-lora-rank", str(big.rank),
-            "--lora-target-modules", "all",
-        )  # fmt: skip
         specs_extra.append(
             EngineSpec(
                 name="large",
                 model_path=big.model_dir,
                 log_path=run_dir / "large.log",
-                lora_flags=lora_flags,
+                lora_flags=_lora_flags(big.rank),
                 extra_args=("--mem-fraction-static", args.large_mem_fraction),
             )
         )
+        sizes = [float(x) for x in args.sizes.split(",") if x.strip()]
+        if sizes:
+            sized = ensure_sized_adapters(big, sizes)
+            for mib, adapter_dir in sized.items():
+                rank = rank_for_mib(mib)
+                cases.append(Case("sized", f"r{rank}", adapter_dir, rank, [64 * MiB]))
+            specs_extra.append(
+                EngineSpec(
+                    name="sized",
+                    model_path=big.model_dir,
+                    log_path=run_dir / "sized.log",
+                    lora_flags=_lora_flags(max(rank_for_mib(m) for m in sizes)),
+                    extra_args=("--mem-fraction-static", args.large_mem_fraction),
+                )
+            )
     specs += specs_extra
 
     t0 = time.monotonic()
@@ -470,7 +570,7 @@ def main() -> int:
         runners = []
         for c in cases:
             eng = by_name[c.engine]
-            runners.append(Runner(c, Driver(eng.url), eng.log_tail))
+            runners.append(Runner(c, Driver(eng.url), eng.log_tail, eng.proc.pid, eng.log_path))
         load_before = os.getloadavg()
         rss_before = {e.name: _rss_mib(e.proc.pid) for e in engines}
         rss_per_rep: list[dict[str, float | None]] = []
@@ -528,7 +628,7 @@ def main() -> int:
         "notes": [
             "CPU engines (torch_native LoRA backend), fp32; another agent may share the 2 cores.",
             "staged total = begin + buckets + end; payloads encoded before the clock (client_encode_ms).",
-            "end = native pinned tensor load + 1-token exact-version probe; stock load has no probe,",
+            "end = pinned load of the staged files + 1-token exact-version probe; stock load has no probe,",
             "so ratio_vs_stock_load_gen compares with stock load + a 1-token generation.",
         ],
     }

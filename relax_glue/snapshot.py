@@ -23,10 +23,10 @@ from sglang_ext.protocol import (
     VersionKey,
     encode_bucket,
     make_lora_name,
+    manifest_bucket_checksum,
     manifest_digest,
     manifest_from_tensors,
     parse_model,
-    payload_sha256,
     plan_buckets,
     read_peft_dir,
 )
@@ -97,7 +97,7 @@ class Snapshot:
         """Payloads in plan order, encoded lazily: one payload in memory at a time."""
         for spec in self.bucket_plan:
             payload = encode_bucket(self.tensors, spec)
-            yield EncodedBucket(spec, payload, payload_sha256(payload))
+            yield EncodedBucket(spec, payload, manifest_bucket_checksum(self.manifest, payload))
 
     def begin_request(
         self, prefix: str, epoch: str | int, version_id: str | int, attempt_token: str

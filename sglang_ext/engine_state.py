@@ -8,6 +8,7 @@ do the tokenizer manager and the resolved server arguments exist).
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 import uuid
@@ -65,8 +66,10 @@ class EngineState:
     def attach(self, server_args: Any, tokenizer_manager: Any) -> None:
         from sglang_ext import lora_registry_patch as upstream
         from sglang_ext.native_lora import NativeLora
+        from sglang_ext.plugin import log_line
         from sglang_ext.publication import NameLocks, PublicationService
         from sglang_ext.reclaim import ReclaimService
+        from sglang_ext.staging import StagingArea
         from sglang_ext.version_table import VersionTable
 
         self.native = NativeLora(tokenizer_manager)
@@ -76,7 +79,9 @@ class EngineState:
             normalize_targets=upstream.normalized_target_modules,
         )
         locks = NameLocks()
-        self.publication = PublicationService(self.table, self.native, locks)
+        staging = StagingArea()
+        atexit.register(staging.close)  # SIGKILL skips it: the next engine sweeps what is left
+        self.publication = PublicationService(self.table, self.native, staging, locks, log=log_line)
         self.reclaim = ReclaimService(self.table, self.native, locks)
 
     def status(self) -> EngineStatus:

@@ -55,8 +55,11 @@ def _removal_reply(reply: Any) -> JSONResponse:
     return JSONResponse(reply.model_dump(mode="json"), status_code=status)
 
 
-async def read_body(request: Request, cap: int, limits: BodyLimits, what: str) -> bytes:
-    """The request body, at most ``cap`` bytes, read under ``limits``' deadlines.
+async def read_body(
+    request: Request, cap: int, limits: BodyLimits, what: str, sink: Callable[[bytes], None] | None = None
+) -> bytes:
+    """The request body, at most ``cap`` bytes, read under ``limits``' deadlines. With ``sink``
+    each chunk goes to it as it arrives (and nothing is kept here; the sink raises to stop).
 
     Refused before reading when Content-Length says it is too large (PAYLOAD_TOO_LARGE). A body
     that stalls past its deadline or is cut short by the client is INCOMPLETE_BODY and one log
@@ -84,7 +87,10 @@ async def read_body(request: Request, cap: int, limits: BodyLimits, what: str) -
                     raise LoraVersionError(
                         ErrorCode.PAYLOAD_TOO_LARGE, f"{what} body exceeds {cap} bytes", limit=cap
                     )
-                chunks.append(chunk)
+                if sink is None:
+                    chunks.append(chunk)
+                else:
+                    sink(chunk)
     except TimeoutError:
         log_line(f"{what}: request body stalled after {size} bytes; read abandoned")
         raise LoraVersionError(
@@ -166,10 +172,8 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
         _check_bucket_content_type(request)
         service = _serving(state.publication)
 
-        async def read_bucket(cap: int) -> bytes:
-            return await read_body(
-                request, cap, state.body_limits, f"bucket {meta.index} of {meta.lora_name}"
-            )
+        async def read_bucket(cap: int, sink: Callable[[bytes], None]) -> None:
+            await read_body(request, cap, state.body_limits, f"bucket {meta.index} of {meta.lora_name}", sink)
 
         return _ok(await service.receive_bucket(meta, read_bucket))
 

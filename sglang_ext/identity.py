@@ -333,6 +333,29 @@ def manifest_from_tensors(config: Mapping[str, Any], tensors: Mapping[str, torch
         raise to_version_error(exc, "manifest") from None
 
 
+def check_entry_layout(manifest: Manifest, name: str, dtype: str, shape: tuple[int, ...]) -> TensorEntry:
+    """The manifest's entry for ``name``, refused (MANIFEST_MISMATCH) unless it exists with
+    exactly this dtype and shape. The one layout rule, for decoded tensors and parsed headers."""
+    expected = manifest.entry(name)
+    if expected is None:
+        raise LoraVersionError(ErrorCode.MANIFEST_MISMATCH, f"tensor {name!r} is not in the manifest")
+    if dtype != expected.dtype or tuple(shape) != expected.shape:
+        raise LoraVersionError(
+            ErrorCode.MANIFEST_MISMATCH,
+            f"tensor {name!r}: got {dtype}{list(shape)}, "
+            f"manifest says {expected.dtype}{list(expected.shape)}",
+            tensor=name,
+        )
+    return expected
+
+
+def content_mismatch(name: str) -> LoraVersionError:
+    """A tensor with the manifest's layout but other bytes (CHECKSUM_MISMATCH)."""
+    return LoraVersionError(
+        ErrorCode.CHECKSUM_MISMATCH, f"tensor {name!r}: content differs from the manifest", tensor=name
+    )
+
+
 def check_tensor_against_manifest(
     manifest: Manifest, name: str, tensor: torch.Tensor, *, verify_content: bool = True
 ) -> None:
@@ -340,21 +363,9 @@ def check_tensor_against_manifest(
 
     Unknown name, dtype or shape: MANIFEST_MISMATCH. Same layout, other bytes: CHECKSUM_MISMATCH.
     ``verify_content=False`` skips hashing (layout only)."""
-    expected = manifest.entry(name)
-    if expected is None:
-        raise LoraVersionError(ErrorCode.MANIFEST_MISMATCH, f"tensor {name!r} is not in the manifest")
-    dtype, shape = _dtype_str(tensor), tuple(tensor.shape)
-    if dtype != expected.dtype or shape != expected.shape:
-        raise LoraVersionError(
-            ErrorCode.MANIFEST_MISMATCH,
-            f"tensor {name!r}: got {dtype}{list(shape)}, "
-            f"manifest says {expected.dtype}{list(expected.shape)}",
-            tensor=name,
-        )
+    expected = check_entry_layout(manifest, name, _dtype_str(tensor), tuple(tensor.shape))
     if verify_content and _tensor_sha256(tensor) != expected.sha256:
-        raise LoraVersionError(
-            ErrorCode.CHECKSUM_MISMATCH, f"tensor {name!r}: content differs from the manifest", tensor=name
-        )
+        raise content_mismatch(name)
 
 
 def check_tensor_set(manifest: Manifest, names: Iterable[str]) -> None:

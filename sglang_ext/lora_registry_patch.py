@@ -18,7 +18,7 @@ delete that override then, and re-read every accessor below against the new sour
 from __future__ import annotations
 
 import importlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 # ------------------------------------------------------------------------------ hook targets
@@ -69,10 +69,7 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "LoRARef": ("sglang.srt.lora.lora_registry", "LoRARef"),
     "LoRARegistry": ("sglang.srt.lora.lora_registry", "LoRARegistry"),
     "GenerateReqInput": ("sglang.srt.managers.io_struct", "GenerateReqInput"),
-    "LoadLoRAAdapterFromTensorsReqInput": (
-        "sglang.srt.managers.io_struct",
-        "LoadLoRAAdapterFromTensorsReqInput",
-    ),
+    "LoadLoRAAdapterReqInput": ("sglang.srt.managers.io_struct", "LoadLoRAAdapterReqInput"),
     "UnloadLoRAAdapterReqInput": ("sglang.srt.managers.io_struct", "UnloadLoRAAdapterReqInput"),
     "merge_lora_update_results": (
         "sglang.srt.managers.tokenizer_control_mixin",
@@ -215,20 +212,17 @@ async def unregister(tm: Any, lora_name: str) -> None:
     await tm.lora_registry.unregister(lora_name)
 
 
-def new_pinned_tensor_ref(lora_name: str) -> Any:
-    """A LoRARef for tensors loaded in memory (path ``__tensor__``: never implicitly reloadable)."""
+def new_pinned_ref(lora_name: str) -> Any:
+    """The LoRARef registered for a managed version. Its path is the sentinel ``__tensor__``,
+    not the staged directory (gone once READY): a cached ref can never be implicitly reloaded."""
     return symbol("LoRARef")(lora_name=lora_name, lora_path="__tensor__", pinned=True)
 
 
-def load_from_tensors_request(ref: Any, config: Mapping[str, Any], payload: bytes) -> Any:
-    """One serialised payload per TP rank; ``expected_checksums`` left unset on purpose: a
-    mismatch raises outside any try in the 0.5.23 scheduler and takes the server down."""
-    return symbol("LoadLoRAAdapterFromTensorsReqInput")(
-        lora_name=ref.lora_name,
-        config_dict=dict(config),
-        serialized_named_tensors=[payload] * symbol("get_parallel")().tp_size,
-        pinned=True,
-        lora_id=ref.lora_id,
+def load_from_dir_request(ref: Any, adapter_dir: str) -> Any:
+    """SGLang's stock path load (``Scheduler.load_lora_adapter`` -> ``LoRAManager.load_lora_adapter``,
+    weights through ``DefaultModelLoader``) of ``adapter_dir`` under ``ref``'s name and id, pinned."""
+    return symbol("LoadLoRAAdapterReqInput")(
+        lora_name=ref.lora_name, lora_path=adapter_dir, pinned=True, lora_id=ref.lora_id
     )
 
 

@@ -19,8 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import pickle
-from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 from sglang_ext import lora_registry_patch as upstream
@@ -48,8 +47,9 @@ class NativeEdge(Protocol):
         """Requests holding ``lora_id`` (None: nothing is loaded under it)."""
         ...
 
-    async def load_pinned(self, lora_name: str, config: Mapping[str, Any], tensors: Mapping[str, Any]) -> str:
-        """Load and register, pinned; the new lora_id. Raises LoraVersionError, loading nothing."""
+    async def load_pinned(self, lora_name: str, adapter_dir: Path) -> str:
+        """Load the verified adapter directory and register it, pinned; the new lora_id.
+        Raises LoraVersionError, loading nothing."""
         ...
 
     async def probe(self, lora_name: str, expected_lora_id: str) -> None:
@@ -84,19 +84,15 @@ class NativeLora:
         counter = upstream.in_flight_counter(self.tm, lora_id)
         return None if counter is None else counter.value()
 
-    async def load_pinned(self, lora_name: str, config: Mapping[str, Any], tensors: Mapping[str, Any]) -> str:
-        """Load ``tensors`` under ``lora_name``, pinned, and register it; returns the new lora_id.
+    async def load_pinned(self, lora_name: str, adapter_dir: Path) -> str:
+        """Load ``adapter_dir`` (this process's staged, verified files) under ``lora_name``,
+        pinned, and register it; returns the new lora_id.
 
-        The payload is a by-value pickle of CPU tensors (SGLang's SafeUnpickler admits torch
-        storages): no shared memory, no fd that leaks if unconsumed. Tensors were verified
-        against the manifest on receipt."""
-        ref = upstream.new_pinned_tensor_ref(lora_name)
-        payload = pickle.dumps(
-            {k: v.contiguous() for k, v in tensors.items()}, protocol=pickle.HIGHEST_PROTOCOL
-        )
-        result, ranks = await upstream.fan_out(
-            self.tm, upstream.load_from_tensors_request(ref, config, payload)
-        )
+        Every scheduler rank reads the files through SGLang's own disk path, as a stock
+        ``/load_lora_adapter`` would: no tensor travels through ZMQ, and no fd is handed over
+        that could leak if a rank never consumed it."""
+        ref = upstream.new_pinned_ref(lora_name)
+        result, ranks = await upstream.fan_out(self.tm, upstream.load_from_dir_request(ref, str(adapter_dir)))
         if not result.success:
             message = result.error_message or "unknown error"
             if any(r.success or lora_name in (r.loaded_adapters or {}) for r in ranks):

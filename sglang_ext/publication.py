@@ -1,39 +1,43 @@
 """Staged publication on one engine: begin -> ordered buckets -> end, and cleanup.
 
-The imperative shell around :class:`~sglang_ext.version_table.VersionTable`: it holds the
-per-attempt stashes, reads bucket bodies under a byte cap, drives SGLang's native load and the
-exact-version probe, and serialises the operations of one name with a per-name lock. Decisions
-and state live in the table; this module never decides what is allowed.
+The imperative shell around :class:`~sglang_ext.version_table.VersionTable`: it receives bucket
+bodies into the attempt's staged files (verified while they arrive, :mod:`bucket_receiver`),
+drives SGLang's native load of those files and the exact-version probe, and serialises the
+operations of one name with a per-name lock. Decisions and state live in the table; this module
+never decides what is allowed.
+
+Where time goes is logged once per publication (``publication phases <name>: ...``), which is
+what ``bench/publish_engine.py`` reads to report the engine-side breakdown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
 
-from sglang_ext.adapter_compat import check_tensor_values, sglang_load_config
+from sglang_ext.adapter_compat import sglang_load_config
+from sglang_ext.bucket_receiver import BucketReceiver
 from sglang_ext.errors import LoraVersionError
 from sglang_ext.native_lora import NativeEdge
 from sglang_ext.protocol import (
     BeginRequest,
     BucketAck,
-    BucketSpec,
     CleanupReceipt,
     CleanupRequest,
     DrainingReply,
     EndRequest,
-    Manifest,
     PreparedReceipt,
     ReadyReceipt,
     ReceiveBucketMeta,
-    check_bucket_tensors,
     check_tensor_set,
-    decode_bucket,
     max_payload_bytes,
 )
+from sglang_ext.staging import StagingArea
 from sglang_ext.version_table import (
     BucketDecision,
     CleanupDecision,
@@ -42,9 +46,6 @@ from sglang_ext.version_table import (
     in_flight_anomaly,
     may_unload_now,
 )
-
-if TYPE_CHECKING:
-    import torch
 
 
 class NameLocks:
@@ -86,28 +87,66 @@ _HEADER_SLACK = 64 * 1024
 # a table bug from letting one attempt's tensors reach another version.
 AttemptKey = tuple[str, str]
 
-# Reads a request body of at most the given number of bytes (the HTTP shell supplies it, with
-# its deadline and its handling of a client that goes away).
-BodyReader = Callable[[int], Awaitable[bytes]]
+# Reads a request body of at most the given number of bytes, handing each chunk to the sink as
+# it arrives (the HTTP shell supplies it, with its deadline and its handling of a client that
+# goes away). The sink raises to stop the read.
+BodySink = Callable[[bytes], None]
+BodyReader = Callable[[int, BodySink], Awaitable[None]]
+
+
+@dataclass
+class PhaseTimes:
+    """Engine-side time of one attempt, by phase (milliseconds)."""
+
+    buckets: int = 0
+    read_ms: float = 0.0  # body bytes in, from the first chunk to the last
+    verify_ms: float = 0.0  # what verification adds after the last byte arrived
+    load_ms: float = 0.0
+    probe_ms: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+    def line(self, lora_name: str) -> str:
+        return (
+            f"publication phases {lora_name}: buckets={self.buckets} read_ms={self.read_ms:.1f} "
+            f"verify_ms={self.verify_ms:.1f} load_ms={self.load_ms:.1f} probe_ms={self.probe_ms:.1f}"
+        )
 
 
 class PublicationService:
-    def __init__(self, table: VersionTable, native: NativeEdge, locks: NameLocks | None = None) -> None:
+    def __init__(
+        self,
+        table: VersionTable,
+        native: NativeEdge,
+        staging: StagingArea,
+        locks: NameLocks | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         self.table = table
         self.native = native
+        self.staging = staging
         self._locks = locks if locks is not None else NameLocks()
-        # (name, attempt token) -> tensors received so far (one bucket decoded at a time on top)
-        self._stash: dict[AttemptKey, dict[str, Any]] = {}
+        self._log = log
+        # (name, attempt token) -> engine-side time so far
+        self._phases: dict[AttemptKey, PhaseTimes] = {}
         # (name, attempt token) -> the running load+probe, shared by a racing end and by cleanup
         self._loads: dict[AttemptKey, asyncio.Task[ReadyReceipt]] = {}
+        # (name, attempt token) -> names of the tensors of the buckets accepted so far
+        self._received: dict[AttemptKey, set[str]] = {}
 
     # ----------------------------------------------------------------------------- begin
 
     async def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
         async with self._locks[req.lora_name]:
+            key = (req.lora_name, req.attempt_token)
+            if not self.staging.has_attempt(key) and self.table.get(req.lora_name) is None:
+                # before the table changes: a version the staging directory cannot hold is
+                # refused with nothing reserved
+                self.staging.check_room(req.manifest.total_bytes, f"version {req.lora_name}")
             receipt = self.table.begin(req)
             if isinstance(receipt, PreparedReceipt):
-                self._stash.setdefault((req.lora_name, req.attempt_token), {})
+                self.staging.attempt_dir(key)
+                self._received.setdefault(key, set())
+                self._phases.setdefault(key, PhaseTimes())
             return receipt
 
     # ----------------------------------------------------------------------------- buckets
@@ -124,18 +163,32 @@ class PublicationService:
         # block cleanup, end or begin of its version (the reader has a deadline of its own), and
         # decoding and hashing run in a worker thread so generation keeps its event loop.
         cap = min(max_payload_bytes(manifest, spec), self.table.limits.max_bucket_bytes) + _HEADER_SLACK
-        payload = await read_body(cap)
-        tensors = await asyncio.to_thread(_verified_bucket, payload, meta.sha256, manifest, spec)
-        del payload
-        async with self._locks[meta.lora_name]:
-            # Asked again: the attempt may have been cleaned up, or the bucket accepted by a
-            # concurrent upload of the same bytes, while this body was read.
-            if self.table.check_bucket(meta) is BucketDecision.DUPLICATE:
-                return BucketAck(index=meta.index, accepted=True, duplicate=True)
-            # every check passed: only now does the attempt's state change
-            self._stash.setdefault((meta.lora_name, meta.attempt_token), {}).update(tensors)
-            self.table.accept_bucket(meta)
-            return BucketAck(index=meta.index, accepted=True)
+        receiver = BucketReceiver(self.staging, manifest, spec, meta.sha256, cap)
+        key = (meta.lora_name, meta.attempt_token)
+        try:
+            t0 = time.perf_counter()
+            await read_body(cap, receiver.feed)
+            t1 = time.perf_counter()
+            await receiver.finish()
+            t2 = time.perf_counter()
+            async with self._locks[meta.lora_name]:
+                # Asked again: the attempt may have been cleaned up, or the bucket accepted by a
+                # concurrent upload of the same bytes, while this body was read.
+                if self.table.check_bucket(meta) is BucketDecision.DUPLICATE:
+                    return BucketAck(index=meta.index, accepted=True, duplicate=True)
+                # every check passed: only now does the attempt's state change
+                assert receiver.part is not None
+                self.staging.commit_part(key, receiver.part, meta.index)
+                receiver.part = None
+                self._received.setdefault(key, set()).update(spec.tensor_names)
+                self.table.accept_bucket(meta)
+                phases = self._phases.setdefault(key, PhaseTimes())
+                phases.buckets += 1
+                phases.read_ms += (t1 - t0) * 1e3
+                phases.verify_ms += (t2 - t1) * 1e3
+                return BucketAck(index=meta.index, accepted=True)
+        finally:
+            await receiver.abandon()  # a no-op once committed
 
     # ----------------------------------------------------------------------------- end
 
@@ -148,11 +201,10 @@ class PublicationService:
                 return self.table.ready_receipt(v)
             key = (req.lora_name, req.attempt_token)
             if decision is EndDecision.LOAD:
-                stash = self._stash.get(key, {})
                 try:
                     v = self.table.get(req.lora_name)
                     assert v is not None
-                    check_tensor_set(v.manifest, stash.keys())
+                    check_tensor_set(v.manifest, self._received.get(key, set()))
                 except BaseException:
                     self.table.fail_load(req.lora_name, req.attempt_token)
                     raise
@@ -164,12 +216,17 @@ class PublicationService:
     async def _load_and_probe(self, lora_name: str, attempt_token: str) -> ReadyReceipt:
         v = self.table.get(lora_name)
         assert v is not None
+        key = (lora_name, attempt_token)
+        phases = self._phases.setdefault(key, PhaseTimes())
         lora_id: str | None = None
         try:
-            lora_id = await self.native.load_pinned(
-                lora_name, sglang_load_config(v.manifest.config), self._stash[(lora_name, attempt_token)]
-            )
+            config = json.dumps(sglang_load_config(v.manifest.config), sort_keys=True).encode()
+            adapter_dir = self.staging.write_config(key, config)
+            t0 = time.perf_counter()
+            lora_id = await self.native.load_pinned(lora_name, adapter_dir)
+            t1 = time.perf_counter()
             await self.native.probe(lora_name, lora_id)
+            phases.load_ms, phases.probe_ms = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
         except BaseException as exc:
             # What stayed loaded: the id the load returned (the probe failed), or the id of a
             # partial load that native_lora could not take back out (LOAD_FAILED's details).
@@ -187,8 +244,17 @@ class PublicationService:
             self.table.fail_load(lora_name, attempt_token, leftover_lora_id=leftover)
             raise
         receipt = self.table.finish_load(lora_name, attempt_token, lora_id)
-        self._stash.pop((lora_name, attempt_token), None)  # the engine holds the weights now
+        # The schedulers hold the weights now: the files go (a failed load keeps them, so the
+        # same attempt's end can be sent again).
+        self._forget(key)
+        if self._log is not None:
+            self._log(phases.line(lora_name))
         return receipt
+
+    def _forget(self, key: AttemptKey) -> None:
+        self.staging.remove(key)
+        self._received.pop(key, None)
+        self._phases.pop(key, None)
 
     # ----------------------------------------------------------------------------- cleanup
 
@@ -220,7 +286,7 @@ class PublicationService:
                                 in_flight=left,
                                 incarnation=self.table.incarnation,
                             )
-                    self._stash.pop(key, None)
+                    self._forget(key)
                     self._loads.pop(key, None)
                     return self.table.finish_cleanup(req.lora_name, req.attempt_token)
             if load is not None:
@@ -228,14 +294,3 @@ class PublicationService:
                     await asyncio.shield(load)
             else:
                 await asyncio.sleep(0.01)
-
-
-def _verified_bucket(
-    payload: bytes, sha256: str, manifest: Manifest, spec: BucketSpec
-) -> dict[str, torch.Tensor]:
-    """The bucket's tensors, each exactly as the manifest describes it and finite."""
-    tensors = decode_bucket(payload, expected_sha256=sha256)
-    check_bucket_tensors(manifest, spec, tensors)
-    for name, tensor in tensors.items():
-        check_tensor_values(name, tensor)
-    return tensors

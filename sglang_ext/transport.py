@@ -5,13 +5,22 @@ payloads (safetensors bytes with their sha256) and their checks on receipt."""
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
 from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.identity import Manifest, TensorEntry, check_tensor_against_manifest
+from sglang_ext.identity import (
+    DTYPE_ITEMSIZE,
+    Manifest,
+    TensorEntry,
+    check_entry_layout,
+    check_tensor_against_manifest,
+)
 from sglang_ext.wire import NonNegInt, WireModel, invalid
 
 if TYPE_CHECKING:
@@ -89,8 +98,175 @@ def max_payload_bytes(manifest: Manifest, spec: BucketSpec) -> int:
     return spec.total_bytes + header
 
 
-def payload_sha256(payload: bytes) -> str:
-    return hashlib.sha256(payload).hexdigest()
+# --------------------------------------------------------------------------------------------
+# Payload layout and checksum
+# --------------------------------------------------------------------------------------------
+
+# safetensors dtype tag -> manifest dtype name (identity.DTYPE_ITEMSIZE's keys)
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+# the header length prefix of a safetensors payload
+HEADER_PREFIX_BYTES = 8
+# safetensors' own bound on the JSON header
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorSpan:
+    """Where one tensor's raw bytes lie in a payload (absolute offsets)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class PayloadLayout:
+    """A parsed safetensors payload: header end and the tensors in data order."""
+
+    header_end: int  # the 8-byte prefix plus the JSON header
+    size: int  # the whole payload
+    tensors: tuple[TensorSpan, ...]
+
+
+def header_length(prefix: bytes | memoryview) -> int | None:
+    """The JSON header's length from the first 8 bytes (None: fewer than 8 bytes yet)."""
+    if len(prefix) < HEADER_PREFIX_BYTES:
+        return None
+    n = int.from_bytes(prefix[:HEADER_PREFIX_BYTES], "little")
+    if n < 2 or n > MAX_HEADER_BYTES:
+        raise invalid(f"bucket payload is not valid safetensors: header length {n}")
+    return n
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(keys) != len(set(keys)):
+        raise ValueError("duplicate key in safetensors header")
+    return dict(pairs)
+
+
+def _nonneg_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def parse_payload_layout(header: bytes | memoryview) -> PayloadLayout:
+    """Parse the 8-byte prefix plus JSON header of a safetensors payload, strictly: every
+    entry well formed, a known dtype, offsets that tile the data region exactly (no gap, no
+    overlap, nothing after). Any defect is INVALID_REQUEST. Torch-free, reads no tensor byte."""
+    n = header_length(header)
+    if n is None or len(header) < HEADER_PREFIX_BYTES + n:
+        raise invalid("bucket payload is not valid safetensors: truncated header")
+    try:
+        doc = json.loads(
+            bytes(header[HEADER_PREFIX_BYTES : HEADER_PREFIX_BYTES + n]).decode("utf-8"),
+            object_pairs_hook=_no_duplicate_keys,
+        )
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise invalid(f"bucket payload is not valid safetensors: header: {exc}") from None
+    if not isinstance(doc, dict):
+        raise invalid("bucket payload is not valid safetensors: header is not an object")
+    meta = doc.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise invalid("bucket payload is not valid safetensors: bad __metadata__")
+    header_end = HEADER_PREFIX_BYTES + n
+    spans: list[TensorSpan] = []
+    for name, entry in doc.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise invalid(f"bucket payload is not valid safetensors: bad entry {name[:200]!r}")
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if (
+            dtype is None
+            or not isinstance(shape, list)
+            or not all(_nonneg_int(d) for d in shape)
+            or not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_nonneg_int(o) for o in offsets)
+            or offsets[1] - offsets[0] != math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+        ):
+            raise invalid(f"bucket payload is not valid safetensors: bad entry {name[:200]!r}")
+        spans.append(TensorSpan(name, dtype, tuple(shape), header_end + offsets[0], header_end + offsets[1]))
+    spans.sort(key=lambda t: (t.start, t.end))
+    cursor = header_end
+    for span in spans:
+        if span.start != cursor:
+            raise invalid("bucket payload is not valid safetensors: tensor data not contiguous")
+        cursor = span.end
+    return PayloadLayout(header_end=header_end, size=cursor, tensors=tuple(spans))
+
+
+def check_layout_against_plan(manifest: Manifest, spec: BucketSpec, layout: PayloadLayout) -> None:
+    """The payload holds exactly the spec's tensors, each with the manifest's dtype and shape
+    (MANIFEST_MISMATCH), checked from the header alone, before any tensor byte is read."""
+    names = [t.name for t in layout.tensors]
+    if set(names) != set(spec.tensor_names):
+        raise LoraVersionError(
+            ErrorCode.MANIFEST_MISMATCH,
+            f"bucket {spec.index} holds other tensors than its plan",
+            unexpected=sorted(set(names) - set(spec.tensor_names))[:20],
+            missing=sorted(set(spec.tensor_names) - set(names))[:20],
+        )
+    for t in layout.tensors:
+        check_entry_layout(manifest, t.name, t.dtype, t.shape)
+
+
+def bucket_checksum_of(header: bytes | memoryview, tensor_sha256: Mapping[str, str]) -> str:
+    """The bucket checksum: sha256 over the payload's header bytes and then its tensors' sha256
+    digests in name order. Every payload byte is covered (the header literally, each tensor
+    through its digest), and each byte is hashed once: the per-tensor digests are the ones the
+    manifest pins, so checking a bucket against its checksum and against the manifest costs one
+    pass over the data, not two."""
+    h = hashlib.sha256(header)
+    for name in sorted(tensor_sha256):
+        h.update(bytes.fromhex(tensor_sha256[name]))
+    return h.hexdigest()
+
+
+def bucket_checksum(payload: bytes | memoryview) -> str:
+    """:func:`bucket_checksum_of` computed from the payload itself (INVALID_REQUEST when it is
+    not valid safetensors)."""
+    view = memoryview(payload)
+    n = header_length(view)
+    if n is None:
+        raise invalid("bucket payload is not valid safetensors: truncated header")
+    layout = parse_payload_layout(view[: HEADER_PREFIX_BYTES + n])
+    if layout.size != len(view):
+        raise invalid("bucket payload is not valid safetensors: size does not match its header")
+    digests = {t.name: hashlib.sha256(view[t.start : t.end]).hexdigest() for t in layout.tensors}
+    return bucket_checksum_of(view[: layout.header_end], digests)
+
+
+def manifest_bucket_checksum(manifest: Manifest, payload: bytes | memoryview) -> str:
+    """The checksum of a payload encoded from tensors that match ``manifest``, taking their
+    digests from it instead of hashing the bytes again (the sender's fast path; the engine
+    hashes what it receives)."""
+    view = memoryview(payload)
+    n = header_length(view)
+    if n is None:
+        raise invalid("bucket payload is not valid safetensors: truncated header")
+    layout = parse_payload_layout(view[: HEADER_PREFIX_BYTES + n])
+    digests: dict[str, str] = {}
+    for t in layout.tensors:
+        entry = manifest.entry(t.name)
+        if entry is None:
+            raise LoraVersionError(ErrorCode.MANIFEST_MISMATCH, f"tensor {t.name!r} is not in the manifest")
+        digests[t.name] = entry.sha256
+    return bucket_checksum_of(view[: layout.header_end], digests)
 
 
 def encode_bucket(tensors: Mapping[str, torch.Tensor], spec: BucketSpec) -> bytes:
@@ -104,12 +280,12 @@ def encode_bucket(tensors: Mapping[str, torch.Tensor], spec: BucketSpec) -> byte
 
 
 def decode_bucket(payload: bytes, *, expected_sha256: str | None = None) -> dict[str, torch.Tensor]:
-    """Tensors of a bucket payload. With ``expected_sha256`` the bytes are checked first
-    (CHECKSUM_MISMATCH); a payload that is not valid safetensors is INVALID_REQUEST."""
+    """Tensors of a bucket payload. With ``expected_sha256`` the bucket checksum is checked
+    first (CHECKSUM_MISMATCH); a payload that is not valid safetensors is INVALID_REQUEST."""
     from safetensors.torch import load
 
-    if expected_sha256 is not None and payload_sha256(payload) != expected_sha256:
-        raise LoraVersionError(ErrorCode.CHECKSUM_MISMATCH, "bucket payload sha256 does not match")
+    if expected_sha256 is not None and bucket_checksum(payload) != expected_sha256:
+        raise LoraVersionError(ErrorCode.CHECKSUM_MISMATCH, "bucket checksum does not match")
     try:
         return load(bytes(payload))
     except Exception as exc:  # safetensors raises its own error types; all mean "bad payload"

@@ -12,12 +12,17 @@ Real-engine behaviour is proven by the engine tests; nothing here says anything 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
+import json
+import shutil
+import tempfile
 import uuid
-from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.staging import StagingArea
 
 
 class FakeNative:
@@ -26,6 +31,7 @@ class FakeNative:
         self.counters: dict[str, int] = {}  # lora_id -> in flight (LoRARegistry._counters)
         self.names: dict[str, str] = {}  # lora_id -> the name it was loaded under
         self.loaded: dict[str, dict[str, Any]] = {}  # lora_id -> tensors (the schedulers' copy)
+        self.configs: dict[str, dict[str, Any]] = {}  # name -> the adapter_config.json it loaded
         # physical unloads per name (kept by the caller across restarts when it passes one in)
         self.unloads = unloads if unloads is not None else collections.Counter()
         self._failures: dict[str, list[BaseException]] = collections.defaultdict(list)
@@ -66,10 +72,18 @@ class FakeNative:
     def in_flight(self, lora_id: str | None) -> int | None:
         return None if lora_id is None else self.counters.get(lora_id)
 
-    async def load_pinned(self, lora_name: str, config: Mapping[str, Any], tensors: Mapping[str, Any]) -> str:
+    async def load_pinned(self, lora_name: str, adapter_dir: Path) -> str:
+        """Reads the staged directory as SGLang's disk load would: the config and every
+        ``*.safetensors`` file in it."""
         self._maybe_fail("load_pinned")
+        from safetensors.torch import load_file
+
+        self.configs[lora_name] = json.loads((adapter_dir / "adapter_config.json").read_text())
+        tensors: dict[str, Any] = {}
+        for f in sorted(adapter_dir.glob("*.safetensors")):
+            tensors.update(load_file(f))
         lora_id = uuid.uuid4().hex
-        self.loaded[lora_id] = dict(tensors)
+        self.loaded[lora_id] = tensors
         self.counters[lora_id] = 0
         self.names[lora_id] = lora_name
         self.registry[lora_name] = lora_id
@@ -104,3 +118,15 @@ class FakeNative:
         self.unloads[lora_name] += 1
         self.loaded.pop(lora_id, None)
         self.counters.pop(lora_id, None)
+
+
+_STAGING_BASE: Path | None = None
+
+
+def fake_staging() -> StagingArea:
+    """A real :class:`StagingArea` under one temporary base for the whole test process."""
+    global _STAGING_BASE
+    if _STAGING_BASE is None:
+        _STAGING_BASE = Path(tempfile.mkdtemp(prefix="lora-versions-test-staging-"))
+        atexit.register(shutil.rmtree, _STAGING_BASE, True)
+    return StagingArea(_STAGING_BASE)

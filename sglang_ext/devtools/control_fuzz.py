@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from sglang_ext.errors import HTTP_STATUS, ErrorCode
+from sglang_ext.errors import HTTP_STATUS, ErrorCode, LoraVersionError
 from sglang_ext.protocol import (
     ATTEMPT_TOKEN_HEADER,
     BUCKET_CONTENT_TYPE,
@@ -48,13 +48,13 @@ from sglang_ext.protocol import (
     Manifest,
     ReadyReceipt,
     Routes,
+    bucket_checksum,
     encode_bucket,
     make_lora_name,
     manifest_digest,
     manifest_from_tensors,
     parse_begin_reply,
     parse_reclaim_reply,
-    payload_sha256,
     plan_buckets,
     read_peft_dir,
 )
@@ -190,6 +190,15 @@ class Publication:
         return self.phase in ("begun", "ready")
 
 
+def _checksum_or_zeros(payload: bytes) -> str:
+    """The checksum of a payload the fuzzer corrupted; when the corruption broke its header
+    there is none, and a wrong one is sent (the engine must refuse the body either way)."""
+    try:
+        return bucket_checksum(payload)
+    except LoraVersionError:
+        return "0" * 64
+
+
 def new_publication(adapter: Adapter, rng: random.Random, bucket_cap: int) -> Publication:
     version_id = f"v{rng.randrange(10**9)}"
     attempt = uuid.UUID(int=rng.getrandbits(128)).hex
@@ -197,7 +206,7 @@ def new_publication(adapter: Adapter, rng: random.Random, bucket_cap: int) -> Pu
     buckets = []
     for spec in plan:
         payload = encode_bucket(adapter.tensors, spec)
-        buckets.append(Bucket(spec.index, payload, payload_sha256(payload)))
+        buckets.append(Bucket(spec.index, payload, bucket_checksum(payload)))
     name = make_lora_name(PREFIX, EPOCH, version_id, adapter.digest)
     body = {
         "lora_name": name,
@@ -666,7 +675,7 @@ class ControlFuzzer:
             data = bytearray(cur.payload)
             data[self.rng.randrange(len(data))] ^= 0xFF
             reply = self.send_bucket(
-                p, cur, payload=bytes(data), **{BUCKET_SHA256_HEADER: payload_sha256(bytes(data))}
+                p, cur, payload=bytes(data), **{BUCKET_SHA256_HEADER: _checksum_or_zeros(bytes(data))}
             )
         elif kind == "foreign":
             other = self.rng.choice([b for b in p.buckets if b.index != cur.index] or [None])

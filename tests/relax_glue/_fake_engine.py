@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import unquote
 
 import httpx
-from _fake_native import FakeNative
+from _fake_native import FakeNative, fake_staging
 from fastapi import FastAPI, Request
 
 from relax_glue.engine_client import AuditLog, ClientTimeouts, EngineClient
@@ -97,7 +97,7 @@ class FakeEngine:
         state.native = self.native = FakeNative(self.unloads)
         state.table = self.table = VersionTable(state.incarnation, limits)
         locks = NameLocks()
-        state.publication = PublicationService(self.table, self.native, locks)
+        state.publication = PublicationService(self.table, self.native, fake_staging(), locks)
         state.reclaim = ReclaimService(self.table, self.native, locks)
         app = FastAPI()
         install(app, state)

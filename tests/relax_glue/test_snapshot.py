@@ -117,7 +117,7 @@ def test_iter_buckets_round_trip(live: dict[str, torch.Tensor]) -> None:
     assert iter(buckets) is buckets  # lazy: one payload at a time
     received: dict[str, torch.Tensor] = {}
     for i, (spec, payload, sha) in enumerate(buckets):
-        assert spec == snap.bucket_plan[i] and sha == p.payload_sha256(payload)
+        assert spec == snap.bucket_plan[i] and sha == p.bucket_checksum(payload)
         decoded = p.decode_bucket(payload, expected_sha256=sha)
         p.check_bucket_tensors(snap.manifest, spec, decoded)
         received.update(decoded)

@@ -3,11 +3,11 @@ scheduler fan-out (real ``LoRAUpdateOutput`` replies merged by SGLang's own merg
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from sglang_ext import lora_registry_patch as upstream
 from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.native_lora import NativeLora
 
@@ -32,21 +32,15 @@ def tm_answering(*replies):
     return tm, sent
 
 
-@pytest.fixture(autouse=True)
-def no_tp_group(monkeypatch):
-    # The load request needs the TP size of a running server; its shape is not under test here.
-    monkeypatch.setattr(upstream, "load_from_tensors_request", lambda ref, config, payload: SimpleNamespace())
-
-
 async def test_a_partial_load_whose_undo_fails_names_its_leftover():
     tm, sent = tm_answering(
         [{"success": False, "error_message": "rank 1 failed", "loaded_adapters": {NAME: "__tensor__"}}],
         [{"success": False, "error_message": "unload failed"}],
     )
     with pytest.raises(LoraVersionError) as info:
-        await NativeLora(tm).load_pinned(NAME, {}, {})
+        await NativeLora(tm).load_pinned(NAME, Path("/nonexistent/adapter"))
     assert info.value.code is ErrorCode.LOAD_FAILED and info.value.details["leftover_lora_id"]
-    assert sent == ["SimpleNamespace", "UnloadLoRAAdapterReqInput"]
+    assert sent == ["LoadLoRAAdapterReqInput", "UnloadLoRAAdapterReqInput"]
 
 
 async def test_a_partial_load_that_is_taken_back_leaves_nothing():
@@ -55,6 +49,6 @@ async def test_a_partial_load_that_is_taken_back_leaves_nothing():
         [{"success": True, "error_message": ""}],
     )
     with pytest.raises(LoraVersionError) as info:
-        await NativeLora(tm).load_pinned(NAME, {}, {})
+        await NativeLora(tm).load_pinned(NAME, Path("/nonexistent/adapter"))
     assert info.value.code is ErrorCode.LOAD_FAILED and "leftover_lora_id" not in info.value.details
-    assert sent == ["SimpleNamespace", "UnloadLoRAAdapterReqInput"]
+    assert sent == ["LoadLoRAAdapterReqInput", "UnloadLoRAAdapterReqInput"]

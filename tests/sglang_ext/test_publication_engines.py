@@ -118,11 +118,11 @@ def test_out_of_order_and_corrupted_buckets_change_nothing(engines, snaps, clean
     r = s.send_bucket(buckets[0], payload=bytes(corrupted))
     assert r.status_code == 422 and error_code(r) == "CHECKSUM_MISMATCH"
     # a self-consistent payload (its own sha256) whose tensors differ from the manifest
-    from sglang_ext.protocol import encode_bucket, payload_sha256
+    from sglang_ext.protocol import bucket_checksum, encode_bucket
 
     wrong = {n: t.clone() + 1 for n, t in snaps["A"].tensors.items()}
     payload = encode_bucket(wrong, buckets[0].spec)
-    r = s.send_bucket(buckets[0], payload=payload, sha=payload_sha256(payload))
+    r = s.send_bucket(buckets[0], payload=payload, sha=bucket_checksum(payload))
     assert r.status_code == 422 and error_code(r) == "CHECKSUM_MISMATCH"
     # bucket 1's tensors sent as bucket 0
     r = s.send_bucket(buckets[1], index=0)

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 import torch
-from _fake_native import FakeNative
+from _fake_native import FakeNative, fake_staging
 
 from relax_glue.snapshot import Snapshot
 from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
@@ -36,9 +36,10 @@ class Shell:
         self.table = VersionTable("inc", limits)
         self.native = FakeNative()
         locks = NameLocks()
-        self.publication = PublicationService(self.table, self.native, locks)
+        self.publication = PublicationService(self.table, self.native, fake_staging(), locks)
         self.reclaim_service = ReclaimService(self.table, self.native, locks)
         self.begin_req: dict = {}  # name -> its begin request
+        self.snapshots: dict = {}  # seed -> its snapshot
 
     async def stage(self, seed: int) -> tuple[str, str]:
         """begin + every bucket of a fresh version; (name, attempt token)."""
@@ -52,6 +53,7 @@ class Shell:
         snap = Snapshot.from_tensors(
             {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, tensors
         )
+        self.snapshots[seed] = snap
         req = snap.begin_request("p", "e", f"v{seed}", uuid.uuid4().hex)
         self.begin_req[req.lora_name] = req
         await self.publication.begin(req)
@@ -60,8 +62,8 @@ class Shell:
                 lora_name=req.lora_name, attempt_token=req.attempt_token, index=b.spec.index, sha256=b.sha256
             )
 
-            async def read(cap: int, payload: bytes = b.payload) -> bytes:
-                return payload
+            async def read(cap: int, sink, payload: bytes = b.payload) -> None:
+                sink(payload)
 
             await self.publication.receive_bucket(meta, read)
         return req.lora_name, req.attempt_token
@@ -207,8 +209,8 @@ async def test_a_partial_load_that_cannot_be_taken_back_is_kept_failed(shell, mo
     name, token = await shell.stage(8)
     real_load = shell.native.load_pinned
 
-    async def partial_load(lora_name, config, tensors):
-        lora_id = await real_load(lora_name, config, tensors)
+    async def partial_load(lora_name, adapter_dir):
+        lora_id = await real_load(lora_name, adapter_dir)
         raise LoraVersionError(ErrorCode.LOAD_FAILED, "rank 1 failed", leftover_lora_id=lora_id)
 
     monkeypatch.setattr(shell.native, "load_pinned", partial_load)
@@ -253,3 +255,46 @@ async def test_a_count_that_goes_negative_during_the_drain_is_refused_not_unload
         await shell.reclaim(name, "rcl-2")
     assert info.value.code is ErrorCode.IN_FLIGHT_ANOMALY
     assert shell.native.unloads[name] == 0 and shell.table.get(name).state == "RECLAIMING"
+
+
+def staged_files(shell: Shell) -> list:
+    return sorted(p.name for p in shell.publication.staging.root.rglob("*") if p.is_file())
+
+
+async def test_staged_files_go_at_ready_stay_after_a_failed_load_and_go_at_cleanup(shell):
+    name, token = await shell.stage(21)
+    assert staged_files(shell) == ["bucket-00000.safetensors"]
+    shell.native.fail_next("load_pinned")
+    with pytest.raises(LoraVersionError):
+        await shell.end(name, token)
+    # kept: the same attempt's end is sent again and loads the same verified files
+    assert staged_files(shell) == ["adapter_config.json", "bucket-00000.safetensors"]
+    assert (await shell.end(name, token)).state == "READY_LOCAL"
+    assert staged_files(shell) == []  # the engine holds the weights; the files are gone
+    loaded = next(iter(shell.native.loaded.values()))
+    assert shell.native.configs[name]["r"] == 4 and len(loaded) == 8
+
+    other, other_token = await shell.stage(22)
+    assert staged_files(shell) == ["bucket-00000.safetensors"]
+    await shell.cleanup(other, other_token)
+    assert staged_files(shell) == [] and list(shell.publication.staging.root.iterdir()) == []
+
+
+async def test_a_refused_bucket_leaves_no_file_and_changes_nothing(shell):
+    name, token = await shell.stage(23)
+    await shell.cleanup(name, token)
+    snap = shell.snapshots[23]
+    req = snap.begin_request("p", "e", "v23b", uuid.uuid4().hex)
+    await shell.publication.begin(req)
+    [b] = list(snap.iter_buckets())
+    meta = ReceiveBucketMeta(
+        lora_name=req.lora_name, attempt_token=req.attempt_token, index=0, sha256="0" * 64
+    )
+
+    async def read(cap: int, sink) -> None:
+        sink(b.payload)
+
+    with pytest.raises(LoraVersionError) as info:
+        await shell.publication.receive_bucket(meta, read)
+    assert info.value.code is ErrorCode.CHECKSUM_MISMATCH
+    assert staged_files(shell) == [] and shell.table.get(req.lora_name).next_bucket == 0

@@ -1,0 +1,200 @@
+"""Where a version's verified bucket payloads wait for SGLang's own disk load: files in memory.
+
+A bucket body is received straight into a memory-mapped file of its exact size (one copy from
+the socket, no second buffer), verified in place, then renamed into its attempt's directory as
+``bucket-<index>.safetensors`` next to the ``adapter_config.json`` written at ``end``. The
+scheduler loads that directory through SGLang's stock path load (``LoadLoRAAdapterReqInput``),
+the same path a stock ``/load_lora_adapter`` takes, so no tensor is pickled through ZMQ.
+
+Why this is safe:
+- the directory belongs to this process (``0700``, created with ``O_EXCL``, names chosen here,
+  never from the request), so no control call can point a load at another file;
+- a file is written only before it is verified and never after: the load reads exactly the
+  bytes that were checked;
+- the files are removed once the version is READY (the scheduler keeps its own mapping), when
+  the attempt is cleaned up, and the whole owner directory at exit; a later engine removes the
+  directories of owners that died without doing so (``sweep_dead_owners``).
+
+The root is ``/dev/shm`` (RAM, like the memory the pickle path used) unless
+``SGLANG_LORA_VERSIONS_STAGING_DIR`` names another directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sglang_ext.errors import ErrorCode, LoraVersionError
+
+STAGING_DIR_ENV = "SGLANG_LORA_VERSIONS_STAGING_DIR"
+_OWNER_PREFIX = "sglang-lora-versions-"
+_OWNER_RE = re.compile(rf"^{_OWNER_PREFIX}(\d+)-[0-9a-f]{{12}}$")
+# room kept free on the staging filesystem beyond what a version needs
+_ROOM_SLACK_BYTES = 16 * 1024 * 1024
+
+
+def default_staging_base() -> Path:
+    configured = os.environ.get(STAGING_DIR_ENV)
+    if configured:
+        return Path(configured)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+@dataclass
+class StagedPart:
+    """One bucket body being received: a file of exactly ``size`` bytes, mapped writable."""
+
+    path: Path
+    size: int
+    _map: mmap.mmap | None = field(default=None, repr=False)
+
+    @property
+    def view(self) -> memoryview:
+        if self._map is None:
+            return memoryview(b"")
+        return memoryview(self._map)
+
+    def unmap(self) -> None:
+        """Drop the mapping (the bytes stay in the file). Views still exported keep it alive
+        until they are released: then the close is left to the garbage collector."""
+        m, self._map = self._map, None
+        if m is not None:
+            with contextlib.suppress(BufferError):
+                m.close()
+
+
+class StagingArea:
+    """This process's staging directory: one subdirectory per attempt."""
+
+    def __init__(self, base: Path | None = None) -> None:
+        self.base = Path(base) if base is not None else default_staging_base()
+        self.base.mkdir(parents=True, exist_ok=True)
+        sweep_dead_owners(self.base)
+        self.root = Path(tempfile.mkdtemp(prefix=f"{_OWNER_PREFIX}{os.getpid()}-", dir=self.base))
+        # mkdtemp's random suffix is 8 chars; rename to the sweepable pattern with 12 hex chars
+        named = self.base / f"{_OWNER_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
+        os.rename(self.root, named)
+        self.root = named  # mode 0700 from mkdtemp
+        self._dirs: dict[tuple[str, str], Path] = {}
+        self._seq = itertools.count()
+
+    # -- attempts ---------------------------------------------------------------------------
+
+    def attempt_dir(self, key: tuple[str, str]) -> Path:
+        """The attempt's directory (created on first use). Named by a counter, never by the
+        request's strings."""
+        d = self._dirs.get(key)
+        if d is None:
+            d = self.root / f"attempt-{next(self._seq)}"
+            d.mkdir(mode=0o700)
+            self._dirs[key] = d
+        return d
+
+    def has_attempt(self, key: tuple[str, str]) -> bool:
+        return key in self._dirs
+
+    def remove(self, key: tuple[str, str]) -> None:
+        d = self._dirs.pop(key, None)
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def close(self) -> None:
+        self._dirs.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- room -------------------------------------------------------------------------------
+
+    def check_room(self, nbytes: int, what: str) -> None:
+        """Refuse (PAYLOAD_TOO_LARGE, before any data moves) a version the staging filesystem
+        cannot hold."""
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize
+        if nbytes + _ROOM_SLACK_BYTES > free:
+            raise LoraVersionError(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"{what}: {nbytes} bytes do not fit in the staging directory {self.base} "
+                f"({free} bytes free); set {STAGING_DIR_ENV} to a larger one",
+                limit=free,
+            )
+
+    # -- bucket files -----------------------------------------------------------------------
+
+    def new_part(self, size: int) -> StagedPart:
+        """A fresh file of ``size`` bytes (space reserved up front), mapped for writing. It lies
+        outside every attempt's directory until :meth:`commit_part`, so a cleanup that races an
+        upload never sees half a bucket, and a load never reads one."""
+        path = self.root / f"incoming-{next(self._seq)}.part"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            if size:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    raise LoraVersionError(
+                        ErrorCode.PAYLOAD_TOO_LARGE,
+                        f"no room for a {size}-byte bucket in {self.base}: {exc.strerror}",
+                        limit=size,
+                    ) from None
+                mapping: mmap.mmap | None = mmap.mmap(fd, size)
+            else:
+                mapping = None
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)  # the mapping keeps the file's pages; no fd outlives this call
+        return StagedPart(path=path, size=size, _map=mapping)
+
+    def commit_part(self, key: tuple[str, str], part: StagedPart, index: int) -> None:
+        """The verified part becomes the attempt's bucket ``index`` (an atomic rename)."""
+        part.unmap()
+        part.path.rename(self.attempt_dir(key) / f"bucket-{index:05d}.safetensors")
+
+    def bucket_files(self, key: tuple[str, str]) -> list[Path]:
+        d = self._dirs.get(key)
+        return sorted(d.glob("bucket-*.safetensors")) if d is not None else []
+
+    @staticmethod
+    def discard_part(part: StagedPart) -> None:
+        part.unmap()
+        part.path.unlink(missing_ok=True)
+
+    def write_config(self, key: tuple[str, str], config_json: bytes) -> Path:
+        d = self.attempt_dir(key)
+        (d / "adapter_config.json").write_bytes(config_json)
+        return d
+
+
+def sweep_dead_owners(base: Path) -> list[Path]:
+    """Remove the staging directories of processes that are gone (killed before their exit
+    hook ran). Only directories named by this module are touched."""
+    removed: list[Path] = []
+    with contextlib.suppress(OSError):
+        for entry in base.iterdir():
+            m = _OWNER_RE.match(entry.name)
+            if not m or not entry.is_dir() or entry.is_symlink():
+                continue
+            if not _pid_alive(int(m.group(1))):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

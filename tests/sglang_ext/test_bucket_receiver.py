@@ -1,0 +1,210 @@
+"""A bucket body received into a staged file and verified while it arrives: every defect is
+refused with its code, and a refused body leaves no file behind."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load, save
+
+from sglang_ext import protocol as p
+from sglang_ext.bucket_receiver import HASH_STRIDE_BYTES, BucketReceiver
+from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.staging import StagingArea
+from sglang_ext.transport import parse_payload_layout
+
+CONFIG: dict[str, Any] = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+KEY = ("lv:p:e:v:0123456789abcdef", "a" * 32)
+
+
+def adapter(seed: int = 0, hidden: int = 16) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(2):
+        for m in ("q_proj", "v_proj"):
+            stem = f"base_model.model.model.layers.{layer}.self_attn.{m}"
+            out[f"{stem}.lora_A.weight"] = torch.randn(4, hidden, generator=g).to(torch.bfloat16)
+            out[f"{stem}.lora_B.weight"] = torch.randn(hidden, 4, generator=g)
+    return out
+
+
+@pytest.fixture
+def area(tmp_path: Path):
+    a = StagingArea(tmp_path)
+    yield a
+    a.close()
+
+
+def setup(tensors: dict[str, torch.Tensor]) -> tuple[p.Manifest, p.BucketSpec, bytes]:
+    manifest = p.manifest_from_tensors(CONFIG, tensors)
+    spec = p.plan_buckets(manifest, 10**9)[0]
+    return manifest, spec, p.encode_bucket(tensors, spec)
+
+
+async def receive(
+    area: StagingArea, manifest, spec, payload: bytes, checksum: str | None = None, chunk: int = 4096
+) -> BucketReceiver:
+    cap = p.max_payload_bytes(manifest, spec) + 64 * 1024
+    r = BucketReceiver(area, manifest, spec, checksum or p.bucket_checksum(payload), cap)
+    try:
+        for i in range(0, len(payload), chunk):
+            r.feed(payload[i : i + chunk])
+        await r.finish()
+    except BaseException:
+        await r.abandon()
+        raise
+    return r
+
+
+def no_parts(area: StagingArea) -> bool:
+    return not list(area.root.glob("*.part"))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, HASH_STRIDE_BYTES + 3, 1 << 30])
+async def test_a_good_body_in_any_chunking_is_verified_and_committed_byte_for_byte(area, chunk) -> None:
+    manifest, spec, payload = setup(adapter(hidden=2048 if chunk > 4096 else 16))
+    r = await receive(area, manifest, spec, payload, chunk=chunk)
+    area.commit_part(KEY, r.part, 0)
+    [f] = area.bucket_files(KEY)
+    assert f.read_bytes() == payload and no_parts(area)
+    got = load(f.read_bytes())
+    assert all(torch.equal(got[n], t) for n, t in adapter(hidden=2048 if chunk > 4096 else 16).items())
+
+
+async def test_a_wrong_checksum_is_refused_and_leaves_no_file(area) -> None:
+    manifest, spec, payload = setup(adapter())
+    with pytest.raises(LoraVersionError) as info:
+        await receive(area, manifest, spec, payload, checksum="0" * 64)
+    assert info.value.code is ErrorCode.CHECKSUM_MISMATCH and no_parts(area)
+
+
+async def test_a_self_consistent_body_with_other_content_names_the_tensor(area) -> None:
+    tensors = adapter()
+    manifest, spec, _ = setup(tensors)
+    name = spec.tensor_names[2]
+    other = dict(tensors, **{name: tensors[name] + 1})
+    payload = p.encode_bucket(other, spec)
+    with pytest.raises(LoraVersionError) as info:
+        await receive(area, manifest, spec, payload)  # its own correct checksum
+    assert info.value.code is ErrorCode.CHECKSUM_MISMATCH and info.value.details["tensor"] == name
+    assert no_parts(area)
+
+
+async def test_non_finite_values_are_refused_even_when_the_manifest_pins_them(area) -> None:
+    tensors = adapter()
+    name = sorted(tensors)[1]
+    tensors[name][0, 0] = float("nan")
+    manifest, spec, payload = setup(tensors)
+    with pytest.raises(LoraVersionError) as info:
+        await receive(area, manifest, spec, payload)
+    assert info.value.code is ErrorCode.INCOMPATIBLE_ADAPTER and no_parts(area)
+
+
+async def test_a_foreign_tensor_is_refused_from_the_header_before_any_file_exists(area) -> None:
+    manifest, spec, _ = setup(adapter())
+    foreign = save({"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": torch.zeros(4, 16)})
+    r = BucketReceiver(area, manifest, spec, "0" * 64, 10**6)
+    with pytest.raises(LoraVersionError) as info:
+        r.feed(foreign)
+    assert info.value.code is ErrorCode.MANIFEST_MISMATCH and r.part is None
+    assert list(area.root.iterdir()) == []
+
+
+async def test_a_body_longer_or_shorter_than_its_header_is_refused(area) -> None:
+    manifest, spec, payload = setup(adapter())
+    with pytest.raises(LoraVersionError) as info:
+        await receive(area, manifest, spec, payload + b"\0")
+    assert info.value.code is ErrorCode.INVALID_REQUEST and no_parts(area)
+    full = p.bucket_checksum(payload)
+    with pytest.raises(LoraVersionError) as info:
+        await receive(area, manifest, spec, payload[:-1], checksum=full)
+    assert info.value.code is ErrorCode.INCOMPLETE_BODY and no_parts(area)
+    with pytest.raises(LoraVersionError) as info:
+        await receive(area, manifest, spec, payload[:5], checksum=full)
+    assert info.value.code is ErrorCode.INCOMPLETE_BODY
+
+
+async def test_a_header_beyond_the_cap_is_refused_before_it_is_read(area) -> None:
+    manifest, spec, _ = setup(adapter())
+    r = BucketReceiver(area, manifest, spec, "0" * 64, cap=1000)
+    with pytest.raises(LoraVersionError) as info:
+        r.feed(struct.pack("<Q", 5000))
+    assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE
+
+
+def raw_payload(header: Any, data: bytes = b"") -> bytes:
+    h = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + data
+
+
+F32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        raw_payload(b"[1, 2]"),
+        raw_payload(b"not json"),
+        raw_payload(
+            b'{"a": ' + json.dumps(F32).encode() + b', "a": ' + json.dumps(F32).encode() + b"}", bytes(8)
+        ),
+        raw_payload({"a": {**F32, "dtype": "F31"}}, bytes(8)),
+        raw_payload({"a": {**F32, "shape": [3]}}, bytes(8)),
+        raw_payload({"a": {**F32, "shape": [True, 2]}}, bytes(8)),
+        raw_payload({"a": {**F32, "data_offsets": [4, 12]}}, bytes(12)),
+        raw_payload({"a": F32, "b": {**F32, "data_offsets": [4, 12]}}, bytes(12)),
+        raw_payload({"a": {**F32, "extra": 1}}, bytes(8)),
+        raw_payload({"__metadata__": {"k": 1}, "a": F32}, bytes(8)),
+        struct.pack("<Q", 2**40) + b"{}",
+    ],
+    ids=[
+        "array",
+        "not-json",
+        "duplicate-key",
+        "dtype",
+        "size",
+        "bool-dim",
+        "gap",
+        "overlap",
+        "extra-key",
+        "metadata",
+        "huge-header",
+    ],
+)
+def test_malformed_safetensors_headers_are_invalid(payload: bytes) -> None:
+    with pytest.raises(LoraVersionError) as info:
+        p.bucket_checksum(payload)
+    assert info.value.code is ErrorCode.INVALID_REQUEST
+
+
+dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.text("abcxyz._", min_size=1, max_size=12), st.tuples(dtypes, shapes), max_size=6))
+def test_the_layout_parse_agrees_with_safetensors(spec: dict[str, tuple[torch.dtype, list[int]]]) -> None:
+    tensors = {
+        n: torch.zeros(s, dtype=d) if d in (torch.int64, torch.uint8) else torch.rand(s).to(d)
+        for n, (d, s) in spec.items()
+    }
+    payload = save(tensors)
+    n = int.from_bytes(payload[:8], "little")
+    layout = parse_payload_layout(payload[: 8 + n])
+    assert layout.size == len(payload)
+    for t in layout.tensors:
+        assert (
+            payload[t.start : t.end]
+            == tensors[t.name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        )
+        assert t.shape == tuple(tensors[t.name].shape)
+    if tensors:
+        manifest = p.manifest_from_tensors(CONFIG, tensors)
+        assert p.manifest_bucket_checksum(manifest, payload) == p.bucket_checksum(payload)
