@@ -20,14 +20,18 @@ abort-all endpoint was ever called). :class:`FaultInjectingClient` wraps a real 
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import functools
 import itertools
 import json
+import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import quote
 
@@ -351,6 +355,17 @@ def generation_aborted(reply: Mapping[str, Any]) -> bool:
     return isinstance(finish, Mapping) and finish.get("type") == "abort"
 
 
+def _write_new_file(path: Path, payload: bytes) -> None:
+    """Write ``payload`` as a new file (never over an existing one), readable by the engine."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
 def _json_object(body: bytes) -> dict[str, Any]:
     data = json.loads(body)
     if not isinstance(data, dict):
@@ -369,6 +384,11 @@ class EngineClient:
     ``admin_key`` is sent as ``Authorization: Bearer`` on control calls (SGLang's
     ``ADMIN_OPTIONAL`` endpoints), ``api_key`` on generation (and on control calls when there is
     no admin key).
+
+    ``local_source_dir``: for an engine on this host whose ``SGLANG_LORA_VERSIONS_LOCAL_SOURCE_DIR``
+    is that same directory. Each bucket is then written there as a file and named in the request
+    instead of sent as its body; the engine copies and verifies it exactly as a body, and the file
+    is removed once the call returned, whatever its outcome.
     """
 
     def __init__(
@@ -383,8 +403,10 @@ class EngineClient:
         audit: AuditLog | None = None,
         control_transport: httpx.AsyncBaseTransport | None = None,
         generation_transport: httpx.AsyncBaseTransport | None = None,
+        local_source_dir: Path | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.local_source_dir = Path(local_source_dir) if local_source_dir is not None else None
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts or ClientTimeouts()
         self.limits = limits or PoolLimits()
@@ -553,6 +575,18 @@ class EngineClient:
         return await self._post_json("begin", Routes.BEGIN, req, parse_begin_reply, same, self.timeouts.begin)
 
     async def receive_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
+        if self.local_source_dir is None:
+            return await self._send_bucket(meta, payload)
+        source = (
+            self.local_source_dir / f"{meta.attempt_token}-{meta.index}-{uuid.uuid4().hex[:12]}.safetensors"
+        )
+        await asyncio.to_thread(_write_new_file, source, payload)
+        try:
+            return await self._send_bucket(meta.model_copy(update={"source": source.name}), b"")
+        finally:
+            source.unlink(missing_ok=True)
+
+    async def _send_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
         def parse(body: bytes) -> BucketAck:
             ack = parse_model(BucketAck, body)
             _check_same(ack, index=meta.index)

@@ -2,12 +2,22 @@
 
 The safetensors header comes first: it is parsed and checked against the bucket plan and the
 manifest (layout, before any tensor byte is read, and before the file is even created, so a
-wrong bucket costs no allocation). Then every chunk is copied once, into the mapped file, and a
-worker thread hashes the tensors in strides behind the socket (hashlib releases the GIL, so on a
-second core the hashing overlaps the receive instead of following it). When the last byte
-arrives only the tail is left to hash; then each tensor's sha256 is compared with the manifest,
-its values checked finite, and the bucket checksum (:func:`~sglang_ext.transport.bucket_checksum_of`,
-built from those same digests) compared with the one the sender declared.
+wrong bucket costs no allocation). Then every chunk is copied once, into the mapped file. The
+tensors are hashed on a worker thread (hashlib releases the GIL), each tensor's sha256 compared
+with the manifest, its values checked finite, and the bucket checksum
+(:func:`~sglang_ext.transport.bucket_checksum_of`, built from those same digests) compared with
+the one the sender declared. Each byte is hashed once.
+
+When the hashing runs: behind the socket, in strides, on a machine with cores to spare (it then
+overlaps the receive); after the last byte otherwise. On 2 cores, hashing behind the socket took
+the core the receive (and a co-located sender) needed: a 27 MiB body read in 76 ms instead of
+42 (``bench/publish_engine.py``), more than the 27 ms of hashing it hid. The switch
+``SGLANG_LORA_VERSIONS_HASH_WHILE_RECEIVING`` (1/0) overrides the choice.
+
+A bucket can also come from a file in the engine's local source directory
+(:meth:`BucketReceiver.fill_from_file`, for a trainer on the same host): the worker copies it
+into the private staged file in strides, hashing each stride right after copying it, so what is
+verified is exactly the private copy the scheduler will load, whatever happens to the source.
 
 Nothing is accepted here: the caller commits the part (rename into the attempt's directory)
 only after :meth:`BucketReceiver.finish` returned, and discards it otherwise.
@@ -18,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import os
 import traceback
 from typing import Any
 
@@ -39,6 +50,18 @@ from sglang_ext.wire import invalid
 # Hash in strides of this many received bytes: small enough to track the socket closely,
 # large enough that the thread hand-offs cost nothing next to the hashing.
 HASH_STRIDE_BYTES = 1024 * 1024
+# A local source file is copied and hashed in strides of this size (one pass over cache-hot data).
+COPY_STRIDE_BYTES = 4 * 1024 * 1024
+HASH_WHILE_RECEIVING_ENV = "SGLANG_LORA_VERSIONS_HASH_WHILE_RECEIVING"
+
+
+def hash_while_receiving() -> bool:
+    """Hash behind the socket only with cores to spare (see the module docstring)."""
+    configured = os.environ.get(HASH_WHILE_RECEIVING_ENV)
+    if configured is not None:
+        return configured.strip() not in ("", "0", "false", "no")
+    return len(os.sched_getaffinity(0)) > 2
+
 
 # One hashing thread for the engine: strides of one bucket run in order, and concurrent buckets
 # take turns instead of taking a core each from generation.
@@ -71,6 +94,7 @@ class BucketReceiver:
         self._hasher: Any = None
         self._digests: dict[str, str] = {}
         self._error: BaseException | None = None
+        self._stride = HASH_STRIDE_BYTES if hash_while_receiving() else None
 
     @property
     def received(self) -> int:
@@ -97,8 +121,69 @@ class BucketReceiver:
             )
         self.part.view[self._filled : end] = chunk
         self._filled = end
-        if end - self._submitted >= HASH_STRIDE_BYTES or end == self.layout.size:
+        if end == self.layout.size or (self._stride is not None and end - self._submitted >= self._stride):
             self._submit(end)
+
+    async def fill_from_file(self, fd: int) -> None:
+        """Take the bucket from an open local file (owned from here on: closed once read). The
+        header is read and checked first, as for a body; then the worker thread copies the rest
+        into the private staged file and hashes it. Refusals as for a body."""
+        try:
+            head = os.pread(fd, 8, 0)
+            n = header_length(head)
+            if n is None:
+                raise LoraVersionError(
+                    ErrorCode.INCOMPLETE_BODY,
+                    f"bucket {self.spec.index} source file is shorter than a safetensors header",
+                    received=len(head),
+                )
+            if HEADER_PREFIX_BYTES + n > self.cap:
+                self.feed(head)  # refused there, with the same error as a body
+            self.feed(os.pread(fd, HEADER_PREFIX_BYTES + n, 0))
+            if self.layout is None:
+                raise LoraVersionError(
+                    ErrorCode.INCOMPLETE_BODY,
+                    f"bucket {self.spec.index} source file ends inside its header",
+                    received=self._filled,
+                )
+            size = os.fstat(fd).st_size
+            if size > self.layout.size:
+                raise invalid(
+                    f"bucket {self.spec.index} source file is longer than its safetensors header says "
+                    f"({self.layout.size} bytes)"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        loop = asyncio.get_running_loop()
+        self._submitted = self.layout.size
+        self._jobs.append(loop.run_in_executor(_HASHER, self._copy_and_hash, fd))
+        await self._drain_jobs()
+
+    def _copy_and_hash(self, fd: int) -> None:
+        """Worker thread: copy the source into the mapped file stride by stride, hashing each
+        stride once it is in the private copy. Owns ``fd`` and closes it."""
+        assert self.part is not None and self.layout is not None
+        try:
+            view = self.part.view
+            try:
+                pos, size = self._filled, self.layout.size
+                while pos < size and self._error is None:
+                    stop = min(pos + COPY_STRIDE_BYTES, size)
+                    got = os.preadv(fd, [view[pos:stop]], pos)
+                    if got <= 0:
+                        break  # the source shrank under us: INCOMPLETE_BODY in finish()
+                    pos += got
+                    self._filled = pos
+                    self._hash_to(pos)
+            finally:
+                del view
+        except OSError as exc:
+            self._error = LoraVersionError(
+                ErrorCode.INCOMPLETE_BODY, f"bucket {self.spec.index} source file unreadable: {exc.strerror}"
+            )
+        finally:
+            os.close(fd)
 
     def _parse_header(self) -> bool:
         n = header_length(self._head)
@@ -130,6 +215,9 @@ class BucketReceiver:
     async def finish(self) -> None:
         """After the last chunk: wait for the hashing, then every content check. Raises
         INCOMPLETE_BODY, INVALID_REQUEST, CHECKSUM_MISMATCH or INCOMPATIBLE_ADAPTER."""
+        await self._drain_jobs()
+        if self._error is not None:
+            raise self._error
         if self.layout is None or self._filled != self.layout.size:
             expected = self.layout.size if self.layout is not None else "a safetensors header"
             raise LoraVersionError(
@@ -137,9 +225,6 @@ class BucketReceiver:
                 f"bucket {self.spec.index} body ended after {self._filled} bytes, expected {expected}",
                 received=self._filled,
             )
-        await self._drain_jobs()
-        if self._error is not None:
-            raise self._error
         assert self.part is not None
         checksum = bucket_checksum_of(self.part.view[: self.layout.header_end], self._digests)
         if checksum != self.declared_checksum:

@@ -13,6 +13,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sglang_ext.names import MANAGED_CAPACITY
@@ -62,6 +63,8 @@ class EngineState:
     publication: PublicationService | None = None
     reclaim: ReclaimService | None = None
     body_limits: BodyLimits = field(default_factory=BodyLimits.from_env)
+    # where a trainer on this host may hand buckets over as files (None: bodies only)
+    local_source_dir: Path | None = field(default_factory=lambda: _local_source_dir())
 
     def attach(self, server_args: Any, tokenizer_manager: Any) -> None:
         from sglang_ext import lora_registry_patch as upstream
@@ -116,6 +119,12 @@ def staging_limits(server_args: Any, hf_config: Any) -> StagingLimits:
         max_version_bytes=int(os.environ.get(MAX_VERSION_BYTES_ENV, ENGINE_VERSION_CAP_BYTES)),
         max_bucket_bytes=int(os.environ.get(MAX_BUCKET_BYTES_ENV, ENGINE_BUCKET_CAP_BYTES)),
     )
+
+
+def _local_source_dir() -> Path | None:
+    from sglang_ext.staging import local_source_dir
+
+    return local_source_dir()
 
 
 _STATE: EngineState | None = None

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
+from sglang_ext.bucket_receiver import BucketReceiver
 from sglang_ext.engine_state import BodyLimits, EngineState, engine_state
 from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.plugin import log_line
@@ -32,6 +33,8 @@ from sglang_ext.protocol import (
     Routes,
     parse_model,
 )
+from sglang_ext.staging import open_local_source
+from sglang_ext.wire import invalid
 
 
 def error_response(err: LoraVersionError) -> JSONResponse:
@@ -172,10 +175,22 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
         _check_bucket_content_type(request)
         service = _serving(state.publication)
 
-        async def read_bucket(cap: int, sink: Callable[[bytes], None]) -> None:
-            await read_body(request, cap, state.body_limits, f"bucket {meta.index} of {meta.lora_name}", sink)
+        what = f"bucket {meta.index} of {meta.lora_name}"
 
-        return _ok(await service.receive_bucket(meta, read_bucket))
+        async def read_bucket(cap: int, receiver: BucketReceiver) -> None:
+            await read_body(request, cap, state.body_limits, what, receiver.feed)
+
+        async def read_local_source(cap: int, receiver: BucketReceiver) -> None:
+            # a bucket comes from one place only: the body must be empty
+            length = request.headers.get("content-length")
+            if length not in (None, "0"):
+                raise invalid(f"{what}: a bucket named by its local source has an empty body")
+            await read_body(request, 0, state.body_limits, what)
+            assert meta.source is not None
+            await receiver.fill_from_file(open_local_source(state.local_source_dir, meta.source))
+
+        fill = read_bucket if meta.source is None else read_local_source
+        return _ok(await service.receive_bucket(meta, fill))
 
     @router.post(Routes.END)
     async def lora_versions_end(request: Request) -> Any:

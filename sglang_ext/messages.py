@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
 
 from sglang_ext.identity import Manifest, manifest_digest
 from sglang_ext.names import DIGEST_PREFIX_LEN, parse_lora_name
@@ -16,6 +16,7 @@ from sglang_ext.transport import (
     BUCKET_CONTENT_TYPE,
     BUCKET_INDEX_HEADER,
     BUCKET_SHA256_HEADER,
+    BUCKET_SOURCE_HEADER,
     LORA_NAME_HEADER,
     BucketSpec,
     plan_problem,
@@ -96,6 +97,10 @@ class PreparedReceipt(WireModel):
     incarnation: Token
 
 
+# a bare file name: no separator, no leading dot, nothing a path could be built from
+LocalSourceName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")]
+
+
 class ReceiveBucketMeta(WireModel):
     """The metadata of ``POST receive_bucket``; sent as headers, the body is the payload."""
 
@@ -103,15 +108,21 @@ class ReceiveBucketMeta(WireModel):
     attempt_token: Token
     index: NonNegInt
     sha256: Sha256Hex
+    # A file name in the engine's local source directory that holds the payload (the body is
+    # then empty): a trainer on the same host hands the bucket over without sending it.
+    source: LocalSourceName | None = None
 
     def to_headers(self) -> dict[str, str]:
-        return {
+        headers = {
             LORA_NAME_HEADER: self.lora_name,
             ATTEMPT_TOKEN_HEADER: self.attempt_token,
             BUCKET_INDEX_HEADER: str(self.index),
             BUCKET_SHA256_HEADER: self.sha256,
             "Content-Type": BUCKET_CONTENT_TYPE,
         }
+        if self.source is not None:
+            headers[BUCKET_SOURCE_HEADER] = self.source
+        return headers
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str]) -> ReceiveBucketMeta:
@@ -126,7 +137,10 @@ class ReceiveBucketMeta(WireModel):
         missing = [h for h in fields.values() if h.lower() not in lowered]
         if missing:
             raise invalid(f"missing headers {missing}", missing=missing)
-        return parse_model(cls, {f: lowered[h.lower()] for f, h in fields.items()})
+        values = {f: lowered[h.lower()] for f, h in fields.items()}
+        if BUCKET_SOURCE_HEADER.lower() in lowered:
+            values["source"] = lowered[BUCKET_SOURCE_HEADER.lower()]
+        return parse_model(cls, values)
 
 
 class BucketAck(WireModel):

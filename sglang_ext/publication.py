@@ -87,11 +87,10 @@ _HEADER_SLACK = 64 * 1024
 # a table bug from letting one attempt's tensors reach another version.
 AttemptKey = tuple[str, str]
 
-# Reads a request body of at most the given number of bytes, handing each chunk to the sink as
-# it arrives (the HTTP shell supplies it, with its deadline and its handling of a client that
-# goes away). The sink raises to stop the read.
-BodySink = Callable[[bytes], None]
-BodyReader = Callable[[int, BodySink], Awaitable[None]]
+# Fills a bucket receiver with at most the given number of bytes: from the request body, chunk by
+# chunk as it arrives (with the HTTP shell's deadlines and its handling of a client that goes
+# away), or from a file in the engine's local source directory. The receiver raises to stop.
+BucketFiller = Callable[[int, BucketReceiver], Awaitable[None]]
 
 
 @dataclass
@@ -151,7 +150,7 @@ class PublicationService:
 
     # ----------------------------------------------------------------------------- buckets
 
-    async def receive_bucket(self, meta: ReceiveBucketMeta, read_body: BodyReader) -> BucketAck:
+    async def receive_bucket(self, meta: ReceiveBucketMeta, fill: BucketFiller) -> BucketAck:
         async with self._locks[meta.lora_name]:
             decision = self.table.check_bucket(meta)
             if decision is BucketDecision.DUPLICATE:
@@ -167,7 +166,7 @@ class PublicationService:
         key = (meta.lora_name, meta.attempt_token)
         try:
             t0 = time.perf_counter()
-            await read_body(cap, receiver.feed)
+            await fill(cap, receiver)
             t1 = time.perf_counter()
             await receiver.finish()
             t2 = time.perf_counter()

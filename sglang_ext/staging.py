@@ -27,13 +27,16 @@ import mmap
 import os
 import re
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.wire import invalid
 
 STAGING_DIR_ENV = "SGLANG_LORA_VERSIONS_STAGING_DIR"
+LOCAL_SOURCE_DIR_ENV = "SGLANG_LORA_VERSIONS_LOCAL_SOURCE_DIR"
 _OWNER_PREFIX = "sglang-lora-versions-"
 _OWNER_RE = re.compile(rf"^{_OWNER_PREFIX}(\d+)-[0-9a-f]{{12}}$")
 # room kept free on the staging filesystem beyond what a version needs
@@ -198,3 +201,30 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def local_source_dir() -> Path | None:
+    """The directory a trainer on this host may hand buckets over in (None: not enabled)."""
+    configured = os.environ.get(LOCAL_SOURCE_DIR_ENV)
+    return Path(configured) if configured else None
+
+
+def open_local_source(source_dir: Path | None, name: str) -> int:
+    """An fd on the regular file ``name`` of the local source directory, for reading.
+
+    ``name`` is a bare file name (the wire model checked it: no separator, no leading dot), the
+    last component is never followed if it is a symlink, and the open never blocks (a FIFO
+    planted there is refused, not waited on). The engine reads only what the operator put under
+    that directory, and copies it before verifying it."""
+    if source_dir is None:
+        raise invalid(f"this engine takes bucket bodies only: {LOCAL_SOURCE_DIR_ENV} is not set")
+    try:
+        fd = os.open(source_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise invalid(f"no bucket source {name!r} in the local source directory") from None
+    except OSError as exc:
+        raise invalid(f"bucket source {name!r} cannot be opened: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise invalid(f"bucket source {name!r} is not a regular file")
+    return fd

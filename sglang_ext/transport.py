@@ -310,4 +310,6 @@ LORA_NAME_HEADER = "X-Lora-Name"
 ATTEMPT_TOKEN_HEADER = "X-Attempt-Token"
 BUCKET_INDEX_HEADER = "X-Bucket-Index"
 BUCKET_SHA256_HEADER = "X-Bucket-Sha256"
+# Optional: the bucket is the named file of the engine's local source directory (empty body).
+BUCKET_SOURCE_HEADER = "X-Bucket-Source"
 BUCKET_CONTENT_TYPE = "application/octet-stream"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from _admin_key import ADMIN_KEY
+from _local_source import local_source_dir
 
 from sglang_ext.devtools.fixtures import Fixtures, ensure_fixtures
 
@@ -34,11 +35,14 @@ def engine_farm(fixtures: Fixtures, run_dir: Path) -> Iterator[dict]:
     """E0 and E1 with the plugin on, and ``stock`` with it off, started together in parallel."""
     from sglang_ext.devtools.launcher import EngineSpec, running_engines
     from sglang_ext.engine_state import BODY_IDLE_TIMEOUT_ENV
+    from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV
 
     # E0/E1 run like a guarded deployment: control endpoints need the admin key.
     admin = ["--admin-api-key", ADMIN_KEY]
     # A short body deadline so the stalled-upload test sees it fire (production default: 30 s).
-    env = {BODY_IDLE_TIMEOUT_ENV: "5"}
+    # One local source directory for both: two engines on one host, as a co-located trainer
+    # would hand them buckets (tests/sglang_ext/test_publication_engines.py).
+    env = {BODY_IDLE_TIMEOUT_ENV: "5", LOCAL_SOURCE_DIR_ENV: str(local_source_dir(run_dir))}
     specs = [
         EngineSpec(
             name=n, model_path=fixtures.model_dir, log_path=run_dir / f"{n}.log", extra_args=admin, env=env

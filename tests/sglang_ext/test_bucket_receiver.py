@@ -17,7 +17,7 @@ from safetensors.torch import load, save
 from sglang_ext import protocol as p
 from sglang_ext.bucket_receiver import HASH_STRIDE_BYTES, BucketReceiver
 from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.staging import StagingArea
+from sglang_ext.staging import StagingArea, open_local_source
 from sglang_ext.transport import parse_payload_layout
 
 CONFIG: dict[str, Any] = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -208,3 +208,70 @@ def test_the_layout_parse_agrees_with_safetensors(spec: dict[str, tuple[torch.dt
     if tensors:
         manifest = p.manifest_from_tensors(CONFIG, tensors)
         assert p.manifest_bucket_checksum(manifest, payload) == p.bucket_checksum(payload)
+
+
+# ------------------------------------------------------------------------------ local source files
+
+
+async def fill_from(area: StagingArea, manifest, spec, path: Path, checksum: str) -> BucketReceiver:
+    r = BucketReceiver(area, manifest, spec, checksum, p.max_payload_bytes(manifest, spec) + 64 * 1024)
+    try:
+        await r.fill_from_file(open_local_source(path.parent, path.name))
+        await r.finish()
+    except BaseException:
+        await r.abandon()
+        raise
+    return r
+
+
+async def test_a_local_source_file_is_copied_verified_and_committed(area, tmp_path) -> None:
+    tensors = adapter(hidden=2048)  # several copy strides
+    manifest, spec, payload = setup(tensors)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "b0.safetensors").write_bytes(payload)
+    r = await fill_from(area, manifest, spec, src / "b0.safetensors", p.bucket_checksum(payload))
+    area.commit_part(KEY, r.part, 0)
+    [f] = area.bucket_files(KEY)
+    assert f.read_bytes() == payload and (src / "b0.safetensors").exists()  # the source is the sender's
+
+
+async def test_a_bad_local_source_file_is_refused_like_a_body(area, tmp_path) -> None:
+    tensors = adapter()
+    manifest, spec, payload = setup(tensors)
+    good = p.bucket_checksum(payload)
+    src = tmp_path / "src"
+    src.mkdir()
+    cases = {
+        "short.safetensors": (payload[:-3], good, ErrorCode.INCOMPLETE_BODY),
+        "long.safetensors": (payload + b"xx", good, ErrorCode.INVALID_REQUEST),
+        "tiny.safetensors": (payload[:4], good, ErrorCode.INCOMPLETE_BODY),
+        "wrong.safetensors": (payload, "0" * 64, ErrorCode.CHECKSUM_MISMATCH),
+    }
+    for name, (data, checksum, code) in cases.items():
+        (src / name).write_bytes(data)
+        with pytest.raises(LoraVersionError) as info:
+            await fill_from(area, manifest, spec, src / name, checksum)
+        assert info.value.code is code, name
+        assert no_parts(area)
+
+
+def test_local_sources_open_only_regular_files_by_bare_name(tmp_path) -> None:
+    import os
+
+    (tmp_path / "f").write_bytes(b"x")
+    os.symlink(tmp_path / "f", tmp_path / "link")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    os.close(open_local_source(tmp_path, "f"))
+    for name in ("link", "fifo", "dir", "missing"):
+        with pytest.raises(LoraVersionError) as info:
+            open_local_source(tmp_path, name)
+        assert info.value.code is ErrorCode.INVALID_REQUEST, name
+    with pytest.raises(LoraVersionError) as info:
+        open_local_source(None, "f")  # not enabled on this engine
+    assert info.value.code is ErrorCode.INVALID_REQUEST
+    base = {"lora_name": "lv@e-v-0123456789ab", "attempt_token": "a" * 32, "index": 0, "sha256": "0" * 64}
+    for name in ("../f", "/etc/passwd", ".hidden", "a/b", ""):
+        with pytest.raises(LoraVersionError):
+            p.parse_model(p.ReceiveBucketMeta, {**base, "source": name})

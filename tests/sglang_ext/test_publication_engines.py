@@ -326,3 +326,90 @@ def test_generation_on_a_keeps_running_while_b_is_published(engines, snaps, clea
     }
     (run_dir / "publication_gap.json").write_text(json.dumps(report, indent=2))
     print(f"\n[publication gap] {report}")
+
+
+def test_a_bucket_handed_over_as_a_local_file_serves_exactly_like_a_body(
+    engines, snaps, cleanup_after, run_dir
+):
+    """E0 takes B's buckets from files a trainer on this host wrote (EngineClient with
+    local_source_dir), E1 takes them as bodies: the same tokens, the trainer's files removed,
+    the engine's staged copies removed at READY; bad local sources are refused and change nothing."""
+    import asyncio
+    import os
+    from pathlib import Path
+
+    from _local_source import local_source_dir
+
+    from relax_glue.engine_client import EngineClient
+    from sglang_ext.protocol import EndRequest, ReceiveBucketMeta
+
+    e0, e1 = engines
+    src = local_source_dir(run_dir)
+    body = Staged(e1.url, snaps["B"])
+    cleanup_after.append(body)
+    assert body.publish()["state"] == "READY_LOCAL"
+    local = Staged(e0.url, snaps["B"], body.version_id)
+    cleanup_after.append(local)
+    assert local.begin().status_code == 200
+
+    async def send_local() -> dict:
+        async with EngineClient(
+            "E0", e0.url, admin_key=ADMIN["Authorization"].split()[1], local_source_dir=src
+        ) as client:
+            for b in local.buckets():
+                meta = ReceiveBucketMeta(
+                    lora_name=local.name, attempt_token=local.attempt, index=b.spec.index, sha256=b.sha256
+                )
+                ack = await client.receive_bucket(meta, b.payload)
+                assert ack.accepted and not ack.duplicate
+            receipt = await client.end(EndRequest(lora_name=local.name, attempt_token=local.attempt))
+            return receipt.model_dump(mode="json")
+
+    assert asyncio.run(send_local())["state"] == "READY_LOCAL"
+    assert list(src.iterdir()) == []  # the client removed what it wrote
+    staged = [
+        p
+        for d in Path("/dev/shm").glob(f"sglang-lora-versions-{e0.proc.pid}-*")
+        for p in d.rglob("*")
+        if p.is_file()
+    ]
+    assert staged == []  # READY: the engine's private copies are gone too
+    assert (
+        generate(e0.url, PROMPT, local.name).json()["output_ids"]
+        == generate(e1.url, PROMPT, body.name).json()["output_ids"]
+    )
+
+    # refusals: each leaves the attempt as it was, and the next publication works
+    bad = Staged(e0.url, snaps["C"])
+    cleanup_after.append(bad)
+    assert bad.begin().status_code == 200
+    [first, *_] = bad.buckets()
+
+    def send_named(name: str, payload: bytes = b"") -> httpx.Response:
+        return httpx.post(
+            f"{e0.url}{Routes.RECEIVE_BUCKET}",
+            content=payload,
+            headers={**bad.bucket_headers(first), "X-Bucket-Source": name},
+            timeout=60,
+        )
+
+    (src / "real.safetensors").write_bytes(first.payload)
+    os.symlink(src / "real.safetensors", src / "link.safetensors")
+    os.mkfifo(src / "fifo.safetensors")
+    (src / "other.safetensors").write_bytes(bad.buckets()[-1].payload)
+    cases = {
+        "link.safetensors": "INVALID_REQUEST",  # never followed
+        "fifo.safetensors": "INVALID_REQUEST",  # refused, not waited on
+        "missing.safetensors": "INVALID_REQUEST",
+        "..": "INVALID_REQUEST",  # not a bare file name
+        "other.safetensors": "MANIFEST_MISMATCH",  # another bucket's tensors
+    }
+    for name, code in cases.items():
+        r = send_named(name)
+        assert r.status_code in (400, 409, 422) and error_code(r) == code, (name, r.text)
+    r = send_named("real.safetensors", payload=b"x")  # a body as well: which one would count?
+    assert error_code(r) == "INVALID_REQUEST", r.text
+    assert versions(e0.url)[bad.name]["buckets_received"] == 0
+    assert send_named("real.safetensors").status_code == 200  # the source still readable and sound
+    for f in src.iterdir():
+        f.unlink()

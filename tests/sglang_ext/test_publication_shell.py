@@ -62,8 +62,8 @@ class Shell:
                 lora_name=req.lora_name, attempt_token=req.attempt_token, index=b.spec.index, sha256=b.sha256
             )
 
-            async def read(cap: int, sink, payload: bytes = b.payload) -> None:
-                sink(payload)
+            async def read(cap: int, receiver, payload: bytes = b.payload) -> None:
+                receiver.feed(payload)
 
             await self.publication.receive_bucket(meta, read)
         return req.lora_name, req.attempt_token
@@ -291,8 +291,8 @@ async def test_a_refused_bucket_leaves_no_file_and_changes_nothing(shell):
         lora_name=req.lora_name, attempt_token=req.attempt_token, index=0, sha256="0" * 64
     )
 
-    async def read(cap: int, sink) -> None:
-        sink(b.payload)
+    async def read(cap: int, receiver) -> None:
+        receiver.feed(b.payload)
 
     with pytest.raises(LoraVersionError) as info:
         await shell.publication.receive_bucket(meta, read)
