@@ -53,6 +53,7 @@ from relax_glue.snapshot import EncodedBucket, Snapshot  # noqa: E402
 from sglang_ext.devtools.fixtures import ensure_fixtures  # noqa: E402
 from sglang_ext.devtools.launcher import EngineSpec, running_engines  # noqa: E402
 from sglang_ext.protocol import ReceiveBucketMeta, Routes  # noqa: E402
+from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "publish_engine.json"
 PREFIX = "bench_lora"
@@ -122,26 +123,43 @@ class Driver:
     def close(self) -> None:
         self.http.close()
 
-    def staged(self, snap: Snapshot, payloads: list[EncodedBucket]) -> tuple[dict[str, float], str, str]:
-        """One publication begin..end; returns the timings (ms), the lora_name and the attempt token."""
+    def staged(
+        self, snap: Snapshot, payloads: list[EncodedBucket], source_dir: Path | None = None
+    ) -> tuple[dict[str, float], str, str]:
+        """One publication begin..end; returns the timings (ms), the lora_name and the attempt token.
+
+        With ``source_dir`` (the engine's local source directory) the payloads are written there
+        as files before the clock starts, as a co-located trainer would (and as the stock path's
+        adapter file was written before its clock), and each bucket call names its file."""
         self._n += 1
         version_id = f"r{self._n}x{uuid.uuid4().hex[:6]}"
         attempt = uuid.uuid4().hex
         begin = snap.begin_request(PREFIX, EPOCH, version_id, attempt)
         body = begin.model_dump(mode="json")
         name = begin.lora_name
+        sources: list[str | None] = [None] * len(payloads)
+        tw = time.perf_counter()
+        if source_dir is not None:
+            for i, b in enumerate(payloads):
+                sources[i] = f"{attempt}-{i}.safetensors"
+                (source_dir / sources[i]).write_bytes(b.payload)
+        write_ms = (time.perf_counter() - tw) * 1e3
         t0 = time.perf_counter()
         try:
             r = _check(self.http.post(Routes.BEGIN, json=body), "begin")
             if r.json().get("state") != "PREPARED":
                 raise BenchError(f"begin: expected PREPARED, got {r.text[:500]}")
             t1 = time.perf_counter()
-            for b in payloads:
+            for b, source in zip(payloads, sources, strict=True):
                 meta = ReceiveBucketMeta(
-                    lora_name=name, attempt_token=attempt, index=b.spec.index, sha256=b.sha256
+                    lora_name=name, attempt_token=attempt, index=b.spec.index, sha256=b.sha256, source=source
                 )
                 _check(
-                    self.http.post(Routes.RECEIVE_BUCKET, content=b.payload, headers=meta.to_headers()),
+                    self.http.post(
+                        Routes.RECEIVE_BUCKET,
+                        content=b.payload if source is None else b"",
+                        headers=meta.to_headers(),
+                    ),
                     f"receive_bucket {b.spec.index}/{len(payloads)} ({len(b.payload)} bytes)",
                 )
             t2 = time.perf_counter()
@@ -153,7 +171,12 @@ class Driver:
             with contextlib.suppress(Exception):
                 self.cleanup(name, attempt)
             raise
+        finally:
+            for source in sources:
+                if source is not None and source_dir is not None:
+                    (source_dir / source).unlink(missing_ok=True)
         times = {
+            "client_write_ms": write_ms,
             "total_ms": (t3 - t0) * 1e3,
             "begin_ms": (t1 - t0) * 1e3,
             "buckets_ms": (t2 - t1) * 1e3,
@@ -219,28 +242,38 @@ def _stats(samples: list[float]) -> dict[str, Any]:
 
 
 ENGINE_PHASES = ("read_ms", "verify_ms", "load_ms", "probe_ms")
+# http: bucket bodies over HTTP; local: files in the engine's local source directory
+TRANSPORTS = ("http", "local")
 MEMORY_KEYS = ("idle_rss_mib", "peak_above_idle_mib", "after_cleanup_above_idle_mib")
 
 
 class Runner:
     def __init__(
-        self, case: Case, driver: Driver, log_tail: Callable[[], str], pid: int, log_path: Path
+        self,
+        case: Case,
+        driver: Driver,
+        log_tail: Callable[[], str],
+        pid: int,
+        log_path: Path,
+        source_dir: Path,
     ) -> None:
         self.case = case
+        self.source_dir = source_dir
         self.d = driver
         self.log_tail = log_tail
         self.pid = pid
         self.log_path = log_path
-        self.staged: dict[int, dict[str, list[float]]] = {
-            cap: {
+        self.staged: dict[tuple[str, int], dict[str, list[float]]] = {
+            (transport, cap): {
                 k: []
                 for k in (
-                    *("total_ms", "begin_ms", "buckets_ms", "end_ms", "cleanup_ms"),
+                    *("total_ms", "begin_ms", "buckets_ms", "end_ms", "cleanup_ms", "client_write_ms"),
                     *(f"engine_{k}" for k in ENGINE_PHASES),
                     *MEMORY_KEYS,
                 )
             }
             for cap in case.caps
+            for transport in TRANSPORTS
         }
         self.stock: dict[str, list[float]] = {"load_ms": [], "gen1_ms": [], "unload_ms": []}
         self.warmup: dict[str, Any] = {}
@@ -250,15 +283,16 @@ class Runner:
         self.errors.append({"where": where, "error": str(exc), "engine_log_tail": self.log_tail()})
         print(f"  !! {self.case.engine}/{where}: {exc}", flush=True)
 
-    def one_staged(self, cap: int, record: bool) -> dict[str, float] | None:
+    def one_staged(self, transport: str, cap: int, record: bool) -> dict[str, float] | None:
         try:
             idle = _reset_peak(self.pid)
-            times, name, attempt = self.d.staged(self.case.snaps[cap], self.case.payloads[cap])
+            source_dir = self.source_dir if transport == "local" else None
+            times, name, attempt = self.d.staged(self.case.snaps[cap], self.case.payloads[cap], source_dir)
             peak = _status_mib(self.pid, "VmHWM")
             times.update(_engine_phases(self.log_path, name))
             if not record:
-                self.warmup[f"staged_cap{cap}"] = times
-                if cap == self.case.caps[0]:
+                self.warmup[f"{transport}_cap{cap}"] = times
+                if cap == self.case.caps[0] and transport == "http":
                     self.warmup["staged_tokens"] = self.d.generate(name, 6, PROMPT)[1]
             times["cleanup_ms"] = self.d.cleanup(name, attempt)
             after = _status_mib(self.pid, "VmRSS")
@@ -271,7 +305,7 @@ class Runner:
             return None
         if record:
             for k, v in times.items():
-                self.staged[cap][k].append(v)
+                self.staged[(transport, cap)][k].append(v)
         return times
 
     def one_stock(self, record: bool) -> None:
@@ -297,7 +331,9 @@ class Runner:
     def run_rep(self, rep: int | None) -> None:
         record = rep is not None
         # Alternate the order (stock first on even reps, last on odd ones) so drift is shared.
-        steps: list[Callable[[], Any]] = [lambda c=c: self.one_staged(c, record) for c in self.case.caps]
+        steps: list[Callable[[], Any]] = [
+            lambda c=c, t=t: self.one_staged(t, c, record) for c in self.case.caps for t in TRANSPORTS
+        ]
         steps.insert(0 if (rep or 0) % 2 == 0 else len(steps), lambda: self.one_stock(record))
         for step in steps:
             step()
@@ -309,12 +345,14 @@ class Runner:
             [a + b for a, b in zip(self.stock["load_ms"], self.stock["gen1_ms"], strict=True)]
         )
         rows = []
-        for cap in c.caps:
-            s = self.staged[cap]
+        for transport, cap in self.staged:
+            s = self.staged[(transport, cap)]
             total = _stats(s["total_ms"])
             payloads = c.payloads[cap]
             row = {
                 "path": "staged",
+                "transport": transport,
+                "client_write_ms": _stats(s["client_write_ms"]) if transport == "local" else None,
                 "bucket_cap_bytes": cap,
                 "buckets": len(payloads),
                 "payload_bytes": sum(len(b.payload) for b in payloads),
@@ -368,6 +406,10 @@ def _fmt_cap(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB and n % MiB == 0 else _fmt_bytes(n)
 
 
+def _path(row: dict[str, Any]) -> str:
+    return "staged" if row["transport"] == "http" else "local"
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
     head = (
         f"{'engine':6} {'adapter':14} {'path':7} {'cap':>9} {'bkts':>4} {'median':>8} {'min':>8} {'max':>8}"
@@ -389,12 +431,12 @@ def print_table(results: list[dict[str, Any]]) -> None:
             t = row["total_ms"]
             if not t["n"]:
                 print(
-                    f"{res['engine']:6} {adapter:14} {'staged':7}"
+                    f"{res['engine']:6} {adapter:14} {_path(row):7}"
                     f" {_fmt_cap(row['bucket_cap_bytes']):>9}  FAILED"
                 )
                 continue
             print(
-                f"{res['engine']:6} {adapter:14} {'staged':7} {_fmt_cap(row['bucket_cap_bytes']):>9}"
+                f"{res['engine']:6} {adapter:14} {_path(row):7} {_fmt_cap(row['bucket_cap_bytes']):>9}"
                 f" {row['buckets']:4d} {t['median']:8.1f} {t['min']:8.1f} {t['max']:8.1f}"
                 f" {row['begin_ms']['median']:7.1f} {row['buckets_ms']['median']:8.1f}"
                 f" {row['end_ms']['median']:8.1f} {row.get('ratio_vs_stock_load', float('nan')):6.2f}"
@@ -517,7 +559,11 @@ def main() -> int:
     fixtures_meta: dict[str, Any] = {"tiny": str(tiny.root)}
     specs_extra: list[EngineSpec] = []
     run_dir = args.run_dir or ROOT / ".runs" / f"bench-publish-{time.strftime('%Y%m%d-%H%M%S')}"
-    specs = [EngineSpec(name="tiny", model_path=tiny.model_dir, log_path=run_dir / "tiny.log")]
+    # one local source directory for every engine, as for engines sharing a host with the trainer
+    source_dir = run_dir / "local-source"
+    source_dir.mkdir(parents=True, exist_ok=True)
+    env = {LOCAL_SOURCE_DIR_ENV: str(source_dir)}
+    specs = [EngineSpec(name="tiny", model_path=tiny.model_dir, log_path=run_dir / "tiny.log", env=env)]
     if not args.no_large:
         t0 = time.monotonic()
         big = ensure_bench_fixtures()
@@ -533,6 +579,7 @@ def main() -> int:
                 log_path=run_dir / "large.log",
                 lora_flags=_lora_flags(big.rank),
                 extra_args=("--mem-fraction-static", args.large_mem_fraction),
+                env=env,
             )
         )
         sizes = [float(x) for x in args.sizes.split(",") if x.strip()]
@@ -548,6 +595,7 @@ def main() -> int:
                     log_path=run_dir / "sized.log",
                     lora_flags=_lora_flags(max(rank_for_mib(m) for m in sizes)),
                     extra_args=("--mem-fraction-static", args.large_mem_fraction),
+                    env=env,
                 )
             )
     specs += specs_extra
@@ -570,7 +618,7 @@ def main() -> int:
         runners = []
         for c in cases:
             eng = by_name[c.engine]
-            runners.append(Runner(c, Driver(eng.url), eng.log_tail, eng.proc.pid, eng.log_path))
+            runners.append(Runner(c, Driver(eng.url), eng.log_tail, eng.proc.pid, eng.log_path, source_dir))
         load_before = os.getloadavg()
         rss_before = {e.name: _rss_mib(e.proc.pid) for e in engines}
         rss_per_rep: list[dict[str, float | None]] = []
