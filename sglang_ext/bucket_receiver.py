@@ -1,23 +1,25 @@
-"""One bucket body, received into a staged file and verified while it arrives.
+"""One bucket, received into a private staged file and verified there.
 
 The safetensors header comes first: it is parsed and checked against the bucket plan and the
 manifest (layout, before any tensor byte is read, and before the file is even created, so a
-wrong bucket costs no allocation). Then every chunk is copied once, into the mapped file. The
-tensors are hashed on a worker thread (hashlib releases the GIL), each tensor's sha256 compared
+wrong bucket costs no allocation). Then the bytes are copied once, into the mapped file, and
+verified on worker threads (hashlib and torch release the GIL): each tensor's sha256 compared
 with the manifest, its values checked finite, and the bucket checksum
 (:func:`~sglang_ext.transport.bucket_checksum_of`, built from those same digests) compared with
-the one the sender declared. Each byte is hashed once.
+the one the sender declared. Each byte is hashed once, and what is verified is exactly the
+private copy the scheduler will load.
 
-When the hashing runs: behind the socket, in strides, on a machine with cores to spare (it then
-overlaps the receive); after the last byte otherwise. On 2 cores, hashing behind the socket took
-the core the receive (and a co-located sender) needed: a 27 MiB body read in 76 ms instead of
-42 (``bench/publish_engine.py``), more than the 27 ms of hashing it hid. The switch
-``SGLANG_LORA_VERSIONS_HASH_WHILE_RECEIVING`` (1/0) overrides the choice.
+Where the bytes come from:
 
-A bucket can also come from a file in the engine's local source directory
-(:meth:`BucketReceiver.fill_from_file`, for a trainer on the same host): the worker copies it
-into the private staged file in strides, hashing each stride right after copying it, so what is
-verified is exactly the private copy the scheduler will load, whatever happens to the source.
+- a request body, chunk by chunk (:meth:`BucketReceiver.feed`). With cores to spare the tensors
+  are hashed behind the socket, in strides, on one ordered lane; otherwise after the last byte,
+  the tensors split into groups verified in parallel. On 2 cores, hashing behind the socket took
+  the core the receive (and a co-located sender) needed: a 27 MiB body read in 76 ms instead of
+  42 (``bench/publish_engine.py``), more than the 27 ms of hashing it hid.
+  ``SGLANG_LORA_VERSIONS_HASH_WHILE_RECEIVING`` (1/0) overrides the choice.
+- a file in the engine's local source directory, for a trainer on the same host
+  (:meth:`BucketReceiver.fill_from_file`): each group's worker copies its byte range into the
+  private file and then verifies its tensors, the groups in parallel.
 
 Nothing is accepted here: the caller commits the part (rename into the attempt's directory)
 only after :meth:`BucketReceiver.finish` returned, and discards it otherwise.
@@ -30,6 +32,7 @@ import concurrent.futures
 import hashlib
 import os
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 from sglang_ext.adapter_compat import check_tensor_values
@@ -40,6 +43,7 @@ from sglang_ext.transport import (
     HEADER_PREFIX_BYTES,
     BucketSpec,
     PayloadLayout,
+    TensorSpan,
     bucket_checksum_of,
     check_layout_against_plan,
     header_length,
@@ -50,9 +54,13 @@ from sglang_ext.wire import invalid
 # Hash in strides of this many received bytes: small enough to track the socket closely,
 # large enough that the thread hand-offs cost nothing next to the hashing.
 HASH_STRIDE_BYTES = 1024 * 1024
-# A local source file is copied and hashed in strides of this size (one pass over cache-hot data).
+# A local source file is copied in reads of at most this size.
 COPY_STRIDE_BYTES = 4 * 1024 * 1024
 HASH_WHILE_RECEIVING_ENV = "SGLANG_LORA_VERSIONS_HASH_WHILE_RECEIVING"
+_CORES = len(os.sched_getaffinity(0))
+# Parallel verification: one group of tensors per worker, at most 4 (a bucket is verified in
+# the time of its share, and generation keeps the rest of a large machine).
+VERIFY_WORKERS = max(1, min(4, _CORES))
 
 
 def hash_while_receiving() -> bool:
@@ -60,12 +68,27 @@ def hash_while_receiving() -> bool:
     configured = os.environ.get(HASH_WHILE_RECEIVING_ENV)
     if configured is not None:
         return configured.strip() not in ("", "0", "false", "no")
-    return len(os.sched_getaffinity(0)) > 2
+    return _CORES > 2
 
 
-# One hashing thread for the engine: strides of one bucket run in order, and concurrent buckets
-# take turns instead of taking a core each from generation.
-_HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-versions-hash")
+# The ordered lane (strides of one body, in order) and the parallel pool (disjoint groups).
+_STREAM_LANE = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-versions-hash")
+_VERIFIERS = concurrent.futures.ThreadPoolExecutor(
+    max_workers=VERIFY_WORKERS, thread_name_prefix="lora-versions-verify"
+)
+
+
+def split_groups(spans: Sequence[TensorSpan], n: int) -> list[list[TensorSpan]]:
+    """At most ``n`` runs of consecutive tensors with about equal bytes each (none empty)."""
+    total = sum(s.end - s.start for s in spans)
+    groups: list[list[TensorSpan]] = [[]]
+    acc = 0
+    for span in spans:
+        if groups[-1] and len(groups) < n and acc >= total * len(groups) / n:
+            groups.append([])
+        groups[-1].append(span)
+        acc += span.end - span.start
+    return [g for g in groups if g]
 
 
 class BucketReceiver:
@@ -88,7 +111,7 @@ class BucketReceiver:
         self._filled = 0
         self._submitted = 0
         self._jobs: list[asyncio.Future[None]] = []
-        # worker-thread state: the tensor being hashed, how far, and the digests so far
+        # ordered-lane state: the tensor being hashed, how far, and its running hash
         self._cursor = 0
         self._hashed = 0
         self._hasher: Any = None
@@ -121,13 +144,18 @@ class BucketReceiver:
             )
         self.part.view[self._filled : end] = chunk
         self._filled = end
-        if end == self.layout.size or (self._stride is not None and end - self._submitted >= self._stride):
-            self._submit(end)
+        if self._stride is not None:
+            if end == self.layout.size or end - self._submitted >= self._stride:
+                self._submitted = end
+                self._run(_STREAM_LANE, self._hash_to, end)
+        elif end == self.layout.size:
+            for group in split_groups(self.layout.tensors, VERIFY_WORKERS):
+                self._run(_VERIFIERS, self._verify_group, group)
 
     async def fill_from_file(self, fd: int) -> None:
         """Take the bucket from an open local file (owned from here on: closed once read). The
-        header is read and checked first, as for a body; then the worker thread copies the rest
-        into the private staged file and hashes it. Refusals as for a body."""
+        header is read and checked first, as for a body; then the workers copy the rest into the
+        private staged file and verify it. Refusals as for a body."""
         try:
             head = os.pread(fd, 8, 0)
             n = header_length(head)
@@ -139,6 +167,7 @@ class BucketReceiver:
                 )
             if HEADER_PREFIX_BYTES + n > self.cap:
                 self.feed(head)  # refused there, with the same error as a body
+            self._stride = None  # a file is read at once: no stream to track
             self.feed(os.pread(fd, HEADER_PREFIX_BYTES + n, 0))
             if self.layout is None:
                 raise LoraVersionError(
@@ -146,44 +175,26 @@ class BucketReceiver:
                     f"bucket {self.spec.index} source file ends inside its header",
                     received=self._filled,
                 )
-            size = os.fstat(fd).st_size
-            if size > self.layout.size:
+            if os.fstat(fd).st_size > self.layout.size:
                 raise invalid(
                     f"bucket {self.spec.index} source file is longer than its safetensors header says "
                     f"({self.layout.size} bytes)"
                 )
+            jobs = [
+                self._run(_VERIFIERS, self._copy_and_verify_group, fd, group)
+                for group in split_groups(self.layout.tensors, VERIFY_WORKERS)
+            ]
         except BaseException:
             os.close(fd)
             raise
-        loop = asyncio.get_running_loop()
-        self._submitted = self.layout.size
-        self._jobs.append(loop.run_in_executor(_HASHER, self._copy_and_hash, fd))
-        await self._drain_jobs()
-
-    def _copy_and_hash(self, fd: int) -> None:
-        """Worker thread: copy the source into the mapped file stride by stride, hashing each
-        stride once it is in the private copy. Owns ``fd`` and closes it."""
-        assert self.part is not None and self.layout is not None
-        try:
-            view = self.part.view
-            try:
-                pos, size = self._filled, self.layout.size
-                while pos < size and self._error is None:
-                    stop = min(pos + COPY_STRIDE_BYTES, size)
-                    got = os.preadv(fd, [view[pos:stop]], pos)
-                    if got <= 0:
-                        break  # the source shrank under us: INCOMPLETE_BODY in finish()
-                    pos += got
-                    self._filled = pos
-                    self._hash_to(pos)
-            finally:
-                del view
-        except OSError as exc:
-            self._error = LoraVersionError(
-                ErrorCode.INCOMPLETE_BODY, f"bucket {self.spec.index} source file unreadable: {exc.strerror}"
-            )
-        finally:
+        if not jobs:
             os.close(fd)
+            return
+        # The fd is closed when the last copy ended, even if this caller is cancelled first.
+        asyncio.gather(*jobs, return_exceptions=True).add_done_callback(lambda _: os.close(fd))
+        await self._drain_jobs()
+        if self._error is None:
+            self._filled = self.layout.size  # every group copied its whole range
 
     def _parse_header(self) -> bool:
         n = header_length(self._head)
@@ -207,13 +218,13 @@ class BucketReceiver:
         self.layout = layout
         return True
 
-    def _submit(self, upto: int) -> None:
-        self._submitted = upto
-        loop = asyncio.get_running_loop()
-        self._jobs.append(loop.run_in_executor(_HASHER, self._hash_to, upto))
+    def _run(self, pool: concurrent.futures.Executor, fn: Any, *args: Any) -> asyncio.Future[None]:
+        job = asyncio.get_running_loop().run_in_executor(pool, self._guarded, fn, *args)
+        self._jobs.append(job)
+        return job
 
     async def finish(self) -> None:
-        """After the last chunk: wait for the hashing, then every content check. Raises
+        """After the last chunk: wait for the verification, then every content check. Raises
         INCOMPLETE_BODY, INVALID_REQUEST, CHECKSUM_MISMATCH or INCOMPATIBLE_ADAPTER."""
         await self._drain_jobs()
         if self._error is not None:
@@ -226,6 +237,8 @@ class BucketReceiver:
                 received=self._filled,
             )
         assert self.part is not None
+        if len(self._digests) != len(self.layout.tensors):  # a defect of ours, never an accept
+            raise RuntimeError(f"bucket {self.spec.index}: not every tensor was verified")
         checksum = bucket_checksum_of(self.part.view[: self.layout.header_end], self._digests)
         if checksum != self.declared_checksum:
             raise LoraVersionError(
@@ -233,7 +246,7 @@ class BucketReceiver:
             )
 
     async def abandon(self) -> None:
-        """Stop: wait for the hashing thread to let go of the mapping, then delete the file."""
+        """Stop: wait for the workers to let go of the mapping, then delete the file."""
         await self._drain_jobs()
         if self.part is not None:
             StagingArea.discard_part(self.part)
@@ -242,16 +255,33 @@ class BucketReceiver:
     async def _drain_jobs(self) -> None:
         jobs, self._jobs = self._jobs, []
         if jobs:
-            # shielded: the mapping must outlive the thread's reads even if our caller is cancelled
+            # shielded: the mapping must outlive the workers' reads even if our caller is cancelled
             await asyncio.shield(asyncio.gather(*jobs, return_exceptions=True))
 
-    # ------------------------------------------------------------------------- hashing thread
+    # ------------------------------------------------------------------------- worker threads
 
-    def _hash_to(self, upto: int) -> None:
-        """Hash every tensor byte below ``upto`` not hashed yet; finish each tensor it completes.
-        Runs on the one hashing thread, strides in order."""
+    def _guarded(self, fn: Any, *args: Any) -> None:
+        """Run ``fn`` on a worker; its failure becomes the bucket's (the first one wins)."""
         if self._error is not None:
             return
+        try:
+            fn(*args)
+        except LoraVersionError as exc:
+            # Dropped frames: a traceback that keeps a tensor over the mapping would keep the
+            # mapping exported after the file is gone.
+            if exc.__traceback__ is not None:
+                traceback.clear_frames(exc.__traceback__)
+            if self._error is None:
+                self._error = exc.with_traceback(None)
+        except Exception as exc:  # a defect of ours: the bucket fails (a 500), never accepted
+            if exc.__traceback__ is not None:
+                traceback.clear_frames(exc.__traceback__)
+            if self._error is None:
+                self._error = exc
+
+    def _hash_to(self, upto: int) -> None:
+        """Ordered lane: hash every tensor byte below ``upto`` not hashed yet; finish each tensor
+        it completes."""
         assert self.part is not None and self.layout is not None
         spans = self.layout.tensors
         view = self.part.view
@@ -267,32 +297,55 @@ class BucketReceiver:
                     self._hashed = stop
                 if self._hashed < span.end:
                     return  # the rest of this tensor has not arrived yet
-                self._finish_tensor(view, span.name, span.dtype, span.shape, span.start, span.end)
+                self._check_tensor(view, span, self._hasher.hexdigest())
                 self._hasher = None
                 self._cursor += 1
-        except LoraVersionError as exc:
-            # Dropped frames: a traceback that keeps a tensor over the mapping would keep the
-            # mapping exported after the file is gone.
-            if exc.__traceback__ is not None:
-                traceback.clear_frames(exc.__traceback__)
-            self._error = exc.with_traceback(None)
-        except Exception as exc:  # a defect of ours: the bucket fails (a 500), never accepted
-            if exc.__traceback__ is not None:
-                traceback.clear_frames(exc.__traceback__)
-            self._error = exc
         finally:
             del view
 
-    def _finish_tensor(
-        self, view: memoryview, name: str, dtype: str, shape: tuple[int, ...], start: int, end: int
-    ) -> None:
-        digest = self._hasher.hexdigest()
-        entry = self.manifest.entry(name)
+    def _verify_group(self, group: Sequence[TensorSpan]) -> None:
+        assert self.part is not None
+        view = self.part.view
+        try:
+            for span in group:
+                self._check_tensor(view, span, hashlib.sha256(view[span.start : span.end]).hexdigest())
+        finally:
+            del view
+
+    def _copy_and_verify_group(self, fd: int, group: Sequence[TensorSpan]) -> None:
+        """Copy the group's byte range from the source into the private file, then verify it
+        there (never the source: it may change after being read)."""
+        assert self.part is not None
+        view = self.part.view
+        try:
+            pos, end = group[0].start, group[-1].end
+            while pos < end:
+                try:
+                    got = os.preadv(fd, [view[pos : min(pos + COPY_STRIDE_BYTES, end)]], pos)
+                except OSError as exc:
+                    raise LoraVersionError(
+                        ErrorCode.INCOMPLETE_BODY,
+                        f"bucket {self.spec.index} source file unreadable: {exc.strerror}",
+                    ) from None
+                if got <= 0:
+                    raise LoraVersionError(
+                        ErrorCode.INCOMPLETE_BODY,
+                        f"bucket {self.spec.index} source file ended after {pos} bytes, "
+                        f"expected {self.layout.size if self.layout else '?'}",
+                        received=pos,
+                    )
+                pos += got
+        finally:
+            del view
+        self._verify_group(group)
+
+    def _check_tensor(self, view: memoryview, span: TensorSpan, digest: str) -> None:
+        entry = self.manifest.entry(span.name)
         if entry is None or digest != entry.sha256:
-            raise content_mismatch(name)
-        self._digests[name] = digest
-        if end > start:
-            _check_values(view[start:end], name, dtype, shape)
+            raise content_mismatch(span.name)
+        if span.end > span.start:
+            _check_values(view[span.start : span.end], span.name, span.dtype, span.shape)
+        self._digests[span.name] = digest
 
 
 def _check_values(raw: memoryview, name: str, dtype: str, shape: tuple[int, ...]) -> None:

@@ -91,5 +91,8 @@ def register_all(role: str) -> None:
         (upstream.OPENAI_HANDLE_REQUEST, th.precheck_openai, "AROUND"),
     ]
     assert [t for t, _, _ in hooks] == list(upstream.MAIN_PROCESS_TARGETS), "one list of targets"
+    from sglang_ext import hook_timing
+
+    timed = hook_timing.enabled()  # a bench switch: off, the hooks are registered as they are
     for target, hook, kind in hooks:
-        upstream.register_hook(target, hook, kind)
+        upstream.register_hook(target, hook_timing.timed(hook, kind, hook.__name__) if timed else hook, kind)

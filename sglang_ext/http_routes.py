@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
+from sglang_ext import hook_timing
 from sglang_ext.bucket_receiver import BucketReceiver
 from sglang_ext.engine_state import BodyLimits, EngineState, engine_state
 from sglang_ext.errors import ErrorCode, LoraVersionError
@@ -207,7 +208,13 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
         req = await json_body(request, ReclaimRequest)
         return _removal_reply(await _serving(state.reclaim).reclaim(req))
 
-    # Declared last: "/lora_versions/{lora_name}" must not shadow the POST routes above.
+    if hook_timing.enabled():
+
+        @router.get(Routes.HOOK_TIMING)
+        async def lora_versions_hook_timing() -> Any:
+            return JSONResponse(hook_timing.snapshot())
+
+    # Declared last: "/lora_versions/{lora_name}" must not shadow the routes above.
     @router.get(Routes.VERSION_STATUS)
     async def lora_version_status(lora_name: str) -> Any:
         for version in state.status().versions:

@@ -51,6 +51,8 @@ class Routes:
     CLEANUP = "/lora_versions/cleanup"
     RECLAIM = "/lora_versions/reclaim"
     STATUS = "/lora_versions"
+    # only with SGLANG_LORA_VERSIONS_HOOK_TIMING=1 (sglang_ext.hook_timing)
+    HOOK_TIMING = "/lora_versions/hook_timing"
     VERSION_STATUS = "/lora_versions/{lora_name}"
 
 

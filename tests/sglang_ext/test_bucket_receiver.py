@@ -15,10 +15,15 @@ from hypothesis import strategies as st
 from safetensors.torch import load, save
 
 from sglang_ext import protocol as p
-from sglang_ext.bucket_receiver import HASH_STRIDE_BYTES, BucketReceiver
+from sglang_ext.bucket_receiver import (
+    HASH_STRIDE_BYTES,
+    HASH_WHILE_RECEIVING_ENV,
+    BucketReceiver,
+    split_groups,
+)
 from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.staging import StagingArea, open_local_source
-from sglang_ext.transport import parse_payload_layout
+from sglang_ext.transport import TensorSpan, parse_payload_layout
 
 CONFIG: dict[str, Any] = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 KEY = ("lv:p:e:v:0123456789abcdef", "a" * 32)
@@ -33,6 +38,28 @@ def adapter(seed: int = 0, hidden: int = 16) -> dict[str, torch.Tensor]:
             out[f"{stem}.lora_A.weight"] = torch.randn(4, hidden, generator=g).to(torch.bfloat16)
             out[f"{stem}.lora_B.weight"] = torch.randn(hidden, 4, generator=g)
     return out
+
+
+@pytest.fixture(autouse=True, params=["after-receipt", "while-receiving"])
+def hashing_mode(request, monkeypatch) -> str:
+    """Every test in both verification modes: tensor groups in parallel after the last byte, and
+    the ordered lane hashing behind the socket."""
+    monkeypatch.setenv(HASH_WHILE_RECEIVING_ENV, "1" if request.param == "while-receiving" else "0")
+    return request.param
+
+
+def test_groups_are_consecutive_balanced_and_cover_every_tensor() -> None:
+    spans = [TensorSpan(f"t{i}", "float32", (n,), 0, 0) for i, n in enumerate([5, 1, 1, 1, 5, 0, 3])]
+    pos = 8
+    laid = []
+    for s in spans:
+        n = s.shape[0] * 4
+        laid.append(TensorSpan(s.name, s.dtype, s.shape, pos, pos + n))
+        pos += n
+    for n in (1, 2, 3, 4, 10):
+        groups = split_groups(laid, n)
+        assert [t for g in groups for t in g] == laid and 1 <= len(groups) <= n and all(groups)
+    assert [len(g) for g in split_groups(laid, 2)] == [4, 3]
 
 
 @pytest.fixture
