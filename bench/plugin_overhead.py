@@ -20,7 +20,7 @@ request time. The tiny model makes requests short, so the relative cost is a wor
 
 Prints a table and writes ``bench/results/plugin_overhead.json``.
 
-    .venv/bin/python bench/plugin_overhead.py [--cycles 10] [--phase-s 4] [--clients 4] [--tokens 16]
+    .venv/bin/python bench/plugin_overhead.py [--cycles 16] [--phase-s 6] [--clients 4] [--tokens 16]
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def t_interval(xs: list[float], level: float = 0.95) -> tuple[float, float, floa
     mean = statistics.fmean(xs)
     if len(xs) < 2:
         return mean, math.nan, math.nan
-    half = stats.t.ppf((1 + level) / 2, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
+    half = float(stats.t.ppf((1 + level) / 2, len(xs) - 1)) * statistics.stdev(xs) / math.sqrt(len(xs))
     return mean, mean - half, mean + half
 
 
@@ -118,8 +118,8 @@ def hook_timing(url: str) -> dict[str, dict[str, float]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cycles", type=int, default=10, help="ABBA cycles (4 phases each)")
-    p.add_argument("--phase-s", type=float, default=4.0)
+    p.add_argument("--cycles", type=int, default=16, help="ABBA cycles (4 phases each)")
+    p.add_argument("--phase-s", type=float, default=6.0)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -205,7 +205,7 @@ def main() -> int:
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "ratio_stdev": statistics.stdev(ratios) if len(ratios) > 1 else None,
-        "ci_above_0_99": lo > 0.99,
+        "ci_above_0_99": bool(lo > 0.99),
         "hook_us_per_request": hook_us,
         "median_request_ms_on": median_ms,
         "hook_share_of_request": hook_us / 1e3 / median_ms,
@@ -223,9 +223,7 @@ def main() -> int:
         f"ratio mean {mean:.4f}, 95% CI [{lo:.4f}, {hi:.4f}], median {summary['ratio_median']:.4f},"
         f" min {min(ratios):.4f}, max {max(ratios):.4f}"
     )
-    print(
-        f"\nhook cost per request (own time, in the engine's main process; {timed['requests']} requests)"
-    )
+    print(f"\nhook cost per request (own time, in the engine's main process; {timed['requests']} requests)")
     print(f"{'hook':42} {'calls':>7} {'mean us':>8} {'us/request':>10}")
     for name, h in sorted(per_hook.items(), key=lambda kv: -kv[1]["per_request_us"]):
         print(f"{name:42} {h['calls']:7d} {h['mean_us']:8.2f} {h['per_request_us']:10.2f}")
