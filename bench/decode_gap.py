@@ -25,9 +25,12 @@ engine-side load time from the plugin's log.
 
 Contrast, in the same run: the pause + flush + overwrite path of a fixed adapter name (streams on
 ``policy``, loaded with stock ``/load_lora_adapter``; in ``overwrite`` windows both engines get
-``/pause_generation`` in ``retract`` mode (requests survive and resume), ``/flush_cache``,
-``/unload_lora_adapter``, ``/load_lora_adapter`` of the next weights under the same name, and
-``/continue_generation``), paired with quiet windows the same way.
+``/pause_generation`` (``abort`` mode: the running requests end and their clients send them again,
+as RL frameworks do; SGLang 0.5.23's ``retract`` mode deadlocks here, because the stock unload
+waits for the retracted requests that hold the adapter, and they wait for ``continue``),
+``/flush_cache``, ``/unload_lora_adapter``, ``/load_lora_adapter`` of the next weights under the
+same name, and ``/continue_generation``), paired with quiet windows the same way. A stream is one
+client thread (like a session): the stall of an abort and resend is one of its gaps.
 
 Prints a table and writes ``bench/results/decode_gap.json``.
 
@@ -38,10 +41,12 @@ Prints a table and writes ``bench/results/decode_gap.json``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import itertools
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import threading
@@ -62,7 +67,7 @@ from publish_engine import Driver, _engine_phases, _lora_flags  # noqa: E402
 from relax_glue.snapshot import Snapshot  # noqa: E402
 from sglang_ext.devtools.fixtures import ensure_fixtures  # noqa: E402
 from sglang_ext.devtools.launcher import EngineSpec, running_engines  # noqa: E402
-from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV  # noqa: E402
+from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV, default_staging_base  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "decode_gap.json"
 FIXED_NAME = "policy"
@@ -84,7 +89,12 @@ class Streams:
     lora: dict[str, str]  # engine -> the lora_path its streams name
     per_engine: int
     max_tokens: int
-    arrivals: list[tuple[str, list[float]]] = field(default_factory=list)  # (engine, times) per request
+    # (engine, chunk times) per stream: a stream is one client thread, like a session, and its
+    # next request (after one ended or was aborted) continues its list, so the stall of an abort
+    # and resend is a gap like any other
+    arrivals: list[tuple[str, list[float]]] = field(default_factory=list)
+    requests: int = 0
+    aborted: int = 0
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -108,10 +118,11 @@ class Streams:
             "lora_path": self.lora[engine],
             "stream": True,
         }
+        times: list[float] = []
+        self.arrivals.append((engine, times))
         with httpx.Client(base_url=self.urls[engine], timeout=300) as http:
             while not self._stop.is_set():
-                times: list[float] = []
-                self.arrivals.append((engine, times))
+                self.requests += 1
                 try:
                     with http.stream("POST", "/generate", json=body) as r:
                         if r.status_code != 200:
@@ -121,6 +132,8 @@ class Streams:
                         for line in r.iter_lines():
                             if line.startswith("data:") and line.strip() != "data: [DONE]":
                                 times.append(_now())
+                                if '"abort"' in line:
+                                    self.aborted += 1
                             if self._stop.is_set():
                                 break
                 except httpx.HTTPError as exc:
@@ -207,7 +220,7 @@ def overwrite_once(http: httpx.Client, urls: dict[str, str], adapter_dir: Path, 
         st = {}
         t0 = _now()
         for step, path, body in (
-            ("pause", "/pause_generation", {"mode": "retract"}),
+            ("pause", "/pause_generation", {"mode": "abort"}),
             ("flush", "/flush_cache", None),
             ("unload", "/unload_lora_adapter", {"lora_name": FIXED_NAME}),
             ("load", "/load_lora_adapter", {"lora_name": FIXED_NAME, "lora_path": str(adapter_dir)}),
@@ -327,8 +340,10 @@ def main() -> int:
     args = p.parse_args()
     t_start = time.monotonic()
     run_dir = ROOT / ".runs" / f"bench-gap-{time.strftime('%Y%m%d-%H%M%S')}"
-    source_dir = run_dir / "local-source"
+    # on the engines' staging filesystem, so a handed-over file is taken over, not copied
+    source_dir = default_staging_base() / f"lora-versions-bench-source-{run_dir.name}"
     source_dir.mkdir(parents=True, exist_ok=True)
+    atexit.register(shutil.rmtree, source_dir, True)
     env = {LOCAL_SOURCE_DIR_ENV: str(source_dir)}
     if args.model == "large":
         big = ensure_bench_fixtures()
@@ -372,7 +387,13 @@ def main() -> int:
         streams.stop()
         versioned = summarize_pairs(streams, windows, "publish")
         stalls = plugin_stalls(streams, windows)
-        out["versioned"] = {**versioned, "plugin_stalls": stalls, "stream_errors": streams.errors[:20]}
+        out["versioned"] = {
+            **versioned,
+            "plugin_stalls": stalls,
+            "stream_errors": streams.errors[:20],
+            "requests": streams.requests,
+            "aborted": streams.aborted,
+        }
         out["versioned"]["publications"] = sum(len(w.events) for w in windows if w.kind == "publish")
 
         # contrast: a fixed name, paused + flushed + overwritten
@@ -398,6 +419,8 @@ def main() -> int:
         out["overwrite"] = {
             **summarize_pairs(fixed, o_windows, "overwrite"),
             "stream_errors": fixed.errors[:20],
+            "requests": fixed.requests,
+            "aborted": fixed.aborted,
         }
         out["overwrite"]["overwrites"] = sum(len(w.events) for w in o_windows if w.kind == "overwrite")
         pause_ms = [
@@ -436,8 +459,14 @@ def main() -> int:
                 f" {r['active_max_ms']:8.1f} {r['quiet_max_ms']:8.1f} {r['p99_ratio'] or 0:6.2f}"
                 f" {r['max_ratio'] or 0:6.2f} {r['events']:6d}"
             )
-    print(f"versioned publication: p99 ratio {fmt(v['p99_ratio'])}; max ratio {fmt(v['max_ratio'])}")
-    print(f"pause+flush+overwrite: p99 ratio {fmt(o['p99_ratio'])}; max ratio {fmt(o['max_ratio'])}")
+    print(
+        f"versioned publication: p99 ratio {fmt(v['p99_ratio'])}; max ratio {fmt(v['max_ratio'])};"
+        f" {v['publications']} publications, {v['aborted']} of {v['requests']} requests aborted"
+    )
+    print(
+        f"pause+flush+overwrite: p99 ratio {fmt(o['p99_ratio'])}; max ratio {fmt(o['max_ratio'])};"
+        f" {o['overwrites']} overwrites, {o['aborted']} of {o['requests']} requests aborted"
+    )
     print(
         f"plugin stalls: largest gap overlapping a load {s['max_gap_overlapping_load_ms']:.1f} ms"
         f" (engine-side load median {s['engine_load_ms_median']} ms, {s['loads']} loads),"

@@ -29,10 +29,12 @@ Prints a table and writes ``bench/results/publish_engine.json``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -53,7 +55,7 @@ from relax_glue.snapshot import EncodedBucket, Snapshot  # noqa: E402
 from sglang_ext.devtools.fixtures import ensure_fixtures  # noqa: E402
 from sglang_ext.devtools.launcher import EngineSpec, running_engines  # noqa: E402
 from sglang_ext.protocol import ReceiveBucketMeta, Routes  # noqa: E402
-from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV  # noqa: E402
+from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV, default_staging_base  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "publish_engine.json"
 PREFIX = "bench_lora"
@@ -560,8 +562,10 @@ def main() -> int:
     specs_extra: list[EngineSpec] = []
     run_dir = args.run_dir or ROOT / ".runs" / f"bench-publish-{time.strftime('%Y%m%d-%H%M%S')}"
     # one local source directory for every engine, as for engines sharing a host with the trainer
-    source_dir = run_dir / "local-source"
+    # on the engines' staging filesystem, so a handed-over file is taken over, not copied
+    source_dir = default_staging_base() / f"lora-versions-bench-source-{run_dir.name}"
     source_dir.mkdir(parents=True, exist_ok=True)
+    atexit.register(shutil.rmtree, source_dir, True)
     env = {LOCAL_SOURCE_DIR_ENV: str(source_dir)}
     specs = [EngineSpec(name="tiny", model_path=tiny.model_dir, log_path=run_dir / "tiny.log", env=env)]
     if not args.no_large:

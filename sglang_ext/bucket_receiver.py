@@ -17,9 +17,11 @@ Where the bytes come from:
   the core the receive (and a co-located sender) needed: a 27 MiB body read in 76 ms instead of
   42 (``bench/publish_engine.py``), more than the 27 ms of hashing it hid.
   ``SGLANG_LORA_VERSIONS_HASH_WHILE_RECEIVING`` (1/0) overrides the choice.
-- a file in the engine's local source directory, for a trainer on the same host
-  (:meth:`BucketReceiver.fill_from_file`): each group's worker copies its byte range into the
-  private file and then verifies its tensors, the groups in parallel.
+- a file in the engine's local source directory, for a trainer on the same host: taken over
+  when it can be made private (``StagingArea.take_local_source``: moved into this process's
+  directory, no other link, no writer, read-only) and verified where it lies
+  (:meth:`BucketReceiver.adopt`); otherwise copied, each group's worker copying its byte range
+  into the private file and then verifying it there (:meth:`BucketReceiver.fill_from_file`).
 
 Nothing is accepted here: the caller commits the part (rename into the attempt's directory)
 only after :meth:`BucketReceiver.finish` returned, and discards it otherwise.
@@ -32,6 +34,7 @@ import concurrent.futures
 import hashlib
 import os
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -196,7 +199,41 @@ class BucketReceiver:
         if self._error is None:
             self._filled = self.layout.size  # every group copied its whole range
 
-    def _parse_header(self) -> bool:
+    async def adopt(self, part: StagedPart) -> None:
+        """Take a part that already holds the whole bucket (a local source taken over, read-only):
+        its header is checked as a body's would be, then its tensors verified in parallel groups.
+        The part is this receiver's from here on (discarded by :meth:`abandon` if refused)."""
+        self.part = part
+        self._stride = None
+        view = part.view
+        try:
+            n = header_length(view[:HEADER_PREFIX_BYTES])
+            if n is None or HEADER_PREFIX_BYTES + n > part.size:
+                raise LoraVersionError(
+                    ErrorCode.INCOMPLETE_BODY,
+                    f"bucket {self.spec.index} source file ends inside its header",
+                    received=part.size,
+                )
+            self._head = bytearray(view[: HEADER_PREFIX_BYTES + n])
+        finally:
+            del view
+        if not self._parse_header(allocate=False):
+            raise AssertionError("a complete header was given")
+        assert self.layout is not None
+        if part.size != self.layout.size:
+            raise LoraVersionError(
+                ErrorCode.INCOMPLETE_BODY if part.size < self.layout.size else ErrorCode.INVALID_REQUEST,
+                f"bucket {self.spec.index} source file has {part.size} bytes, its header describes "
+                f"{self.layout.size}",
+                received=part.size,
+            )
+        self._head = bytearray()
+        self._filled = part.size
+        for group in split_groups(self.layout.tensors, VERIFY_WORKERS):
+            self._run(_VERIFIERS, self._verify_group, group)
+        await self._drain_jobs()
+
+    def _parse_header(self, allocate: bool = True) -> bool:
         n = header_length(self._head)
         if n is None:
             return False
@@ -214,7 +251,8 @@ class BucketReceiver:
                 f"bucket {self.spec.index} of {layout.size} bytes exceeds {self.cap}",
                 limit=self.cap,
             )
-        self.part = self.staging.new_part(layout.size)
+        if allocate:
+            self.part = self.staging.new_part(layout.size)
         self.layout = layout
         return True
 
@@ -351,7 +389,10 @@ class BucketReceiver:
 def _check_values(raw: memoryview, name: str, dtype: str, shape: tuple[int, ...]) -> None:
     import torch
 
-    tensor = torch.frombuffer(raw, dtype=getattr(torch, dtype)).reshape(shape)
+    with warnings.catch_warnings():
+        # a taken-over part is mapped read-only, and this tensor is only read
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        tensor = torch.frombuffer(raw, dtype=getattr(torch, dtype)).reshape(shape)
     try:
         check_tensor_values(name, tensor)
     finally:

@@ -34,7 +34,6 @@ from sglang_ext.protocol import (
     Routes,
     parse_model,
 )
-from sglang_ext.staging import open_local_source
 from sglang_ext.wire import invalid
 
 
@@ -188,7 +187,15 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
                 raise invalid(f"{what}: a bucket named by its local source has an empty body")
             await read_body(request, 0, state.body_limits, what)
             assert meta.source is not None
-            await receiver.fill_from_file(open_local_source(state.local_source_dir, meta.source))
+            source = receiver.staging.take_local_source(state.local_source_dir, meta.source)
+            try:
+                if source.part is not None:
+                    await receiver.adopt(source.part)
+                else:
+                    assert source.fd is not None
+                    await receiver.fill_from_file(source.fd)
+            finally:
+                source.discard_moved()  # copied (or refused): the moved original goes
 
         fill = read_bucket if meta.source is None else read_local_source
         return _ok(await service.receive_bucket(meta, fill))

@@ -158,6 +158,7 @@ class PublicationService:
             v = self.table.get(meta.lora_name)
             assert v is not None
             manifest, spec = v.manifest, self.table.bucket_spec(meta)
+            assert manifest is not None, "a PREPARED version keeps its manifest"
         # The body is read and verified without the name lock: a slow or stalled upload must not
         # block cleanup, end or begin of its version (the reader has a deadline of its own), and
         # decoding and hashing run in a worker thread so generation keeps its event loop.
@@ -202,7 +203,7 @@ class PublicationService:
             if decision is EndDecision.LOAD:
                 try:
                     v = self.table.get(req.lora_name)
-                    assert v is not None
+                    assert v is not None and v.manifest is not None
                     check_tensor_set(v.manifest, self._received.get(key, set()))
                 except BaseException:
                     self.table.fail_load(req.lora_name, req.attempt_token)
@@ -214,7 +215,7 @@ class PublicationService:
 
     async def _load_and_probe(self, lora_name: str, attempt_token: str) -> ReadyReceipt:
         v = self.table.get(lora_name)
-        assert v is not None
+        assert v is not None and v.manifest is not None
         key = (lora_name, attempt_token)
         phases = self._phases.setdefault(key, PhaseTimes())
         lora_id: str | None = None

@@ -55,11 +55,13 @@ def default_staging_base() -> Path:
 
 @dataclass
 class StagedPart:
-    """One bucket body being received: a file of exactly ``size`` bytes, mapped writable."""
+    """One bucket in this process's directory, not yet accepted: a file of exactly ``size``
+    bytes, mapped (writable while a body is received into it; read-only when taken over)."""
 
     path: Path
     size: int
     _map: mmap.mmap | None = field(default=None, repr=False)
+    writable: bool = True
 
     @property
     def view(self) -> memoryview:
@@ -74,6 +76,44 @@ class StagedPart:
         if m is not None:
             with contextlib.suppress(BufferError):
                 m.close()
+
+
+@dataclass
+class LocalSource:
+    """A local source: taken over as a private part, or an fd to copy from (and a moved file
+    to delete once copied)."""
+
+    part: StagedPart | None = None
+    fd: int | None = None
+    moved: Path | None = None
+
+    def discard_moved(self) -> None:
+        if self.moved is not None:
+            self.moved.unlink(missing_ok=True)
+
+
+# populate a taken-over mapping at once (one pass in the kernel, not a fault per page)
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _make_private(fd: int) -> bool:
+    """True once ``fd``'s file has one link, no writer (a read lease was granted: the kernel
+    refuses it while the file is open for writing or mapped writable), and mode 0400."""
+    import fcntl
+
+    if os.fstat(fd).st_nlink != 1:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError:  # EAGAIN: a writer; EACCES: not our file; EINVAL: no leases here
+        return False
+    try:
+        os.fchmod(fd, 0o400)
+    except OSError:
+        return False
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    return True
 
 
 class StagingArea:
@@ -157,6 +197,46 @@ class StagingArea:
             raise
         os.close(fd)  # the mapping keeps the file's pages; no fd outlives this call
         return StagedPart(path=path, size=size, _map=mapping)
+
+    def take_local_source(self, source_dir: Path | None, name: str) -> LocalSource:
+        """The local source file ``name``, taken over when it can be made private, else opened.
+
+        Taken over (no copy): renamed into this process's directory (same filesystem), then
+        checked to be a regular file with one link that nobody has open for writing (a read
+        lease is granted only then, writable mappings included), made read-only, and mapped.
+        From then on no path leads to it but ours, and no writer holds it: what is verified is
+        what the scheduler loads. Otherwise (another filesystem, another link, a writer, another
+        owner) it is opened for the copy path (:meth:`BucketReceiver.fill_from_file`), which
+        verifies a private copy instead; a file already moved is deleted once copied."""
+        if source_dir is None:
+            raise invalid(f"this engine takes bucket bodies only: {LOCAL_SOURCE_DIR_ENV} is not set")
+        moved = self.root / f"incoming-{next(self._seq)}.part"
+        try:
+            os.rename(source_dir / name, moved)
+        except FileNotFoundError:
+            raise invalid(f"no bucket source {name!r} in the local source directory") from None
+        except OSError:
+            return LocalSource(fd=open_local_source(source_dir, name))  # e.g. EXDEV: copy it
+        try:
+            fd = open_local_source(self.root, moved.name)  # a moved symlink or FIFO is refused here
+        except BaseException:
+            moved.unlink(missing_ok=True)
+            raise
+        if not _make_private(fd):
+            return LocalSource(fd=fd, moved=moved)
+        size = os.fstat(fd).st_size
+        try:
+            mapping = (
+                mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+                if size
+                else None
+            )
+        except BaseException:
+            os.close(fd)
+            moved.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return LocalSource(part=StagedPart(path=moved, size=size, _map=mapping, writable=False))
 
     def commit_part(self, key: tuple[str, str], part: StagedPart, index: int) -> None:
         """The verified part becomes the attempt's bucket ``index`` (an atomic rename)."""

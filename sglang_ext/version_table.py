@@ -88,9 +88,12 @@ class ManagedVersion:
     version_key: VersionKey
     digest: str
     attempt_token: str
-    manifest: Manifest
+    # What the attempt stages; shed once READY (see shed_staging): a long RL run publishes a
+    # version per step, and every record outlives its version as a tombstone.
+    manifest: Manifest | None
     plan: tuple[BucketSpec, ...]
     state: EngineVersionState
+    buckets_total: int = 0
     bucket_sha: dict[int, str] = field(default_factory=dict)
     lora_id: str | None = None
     reclaim_id: str | None = None
@@ -104,7 +107,14 @@ class ManagedVersion:
 
     @property
     def all_buckets_received(self) -> bool:
-        return self.next_bucket == len(self.plan)
+        return self.next_bucket == self.buckets_total
+
+    def shed_staging(self) -> None:
+        """Drop the manifest and the bucket plan: nothing reads them after the load (a late
+        duplicate bucket is answered from ``bucket_sha`` and ``buckets_total``). What stays is
+        about 1 KiB per version instead of the whole manifest."""
+        self.manifest = None
+        self.plan = ()
 
     def touch(self, state: EngineVersionState | None = None) -> None:
         if state is not None:
@@ -192,7 +202,7 @@ class VersionTable:
             # a negative count means a leaked release; it never reaches zero (may_unload_now)
             in_flight=in_flight,  # raw: a negative count is an anomaly to see, never clamped
             buckets_received=v.next_bucket,
-            buckets_total=len(v.plan),
+            buckets_total=v.buckets_total,
             incarnation=self.incarnation,
             created_at=v.created_at,
             updated_at=v.updated_at,
@@ -334,6 +344,7 @@ class VersionTable:
             attempt_token=req.attempt_token,
             manifest=req.manifest,
             plan=tuple(req.bucket_plan),
+            buckets_total=len(req.bucket_plan),
             state=S.PREPARED,
             created_at=now,
             updated_at=now,
@@ -369,10 +380,10 @@ class VersionTable:
 
     def check_bucket(self, meta: ReceiveBucketMeta) -> BucketDecision:
         v = self._current_attempt(meta.lora_name, meta.attempt_token)
-        if meta.index >= len(v.plan):
+        if meta.index >= v.buckets_total:
             raise _err(
                 ErrorCode.BUCKET_OUT_OF_ORDER,
-                f"bucket {meta.index} is outside the plan of {len(v.plan)}",
+                f"bucket {meta.index} is outside the plan of {v.buckets_total}",
                 index=meta.index,
                 expected=v.next_bucket,
             )
@@ -421,9 +432,9 @@ class VersionTable:
         if not v.all_buckets_received:
             raise _err(
                 ErrorCode.MANIFEST_MISMATCH,
-                f"end before every bucket arrived ({v.next_bucket} of {len(v.plan)})",
+                f"end before every bucket arrived ({v.next_bucket} of {v.buckets_total})",
                 buckets_received=v.next_bucket,
-                buckets_total=len(v.plan),
+                buckets_total=v.buckets_total,
             )
         v.touch(S.LOADING)
         return EndDecision.LOAD
@@ -433,6 +444,7 @@ class VersionTable:
         assert v.state is S.LOADING
         v.lora_id = lora_id
         v.touch(S.READY_LOCAL)
+        v.shed_staging()
         return self.ready_receipt(v)
 
     def abandon_load(self, lora_name: str, attempt_token: str) -> None:
@@ -529,6 +541,7 @@ class VersionTable:
             v.lora_id = None
             v.cleaning = False
             v.touch(S.CLEANED)
+            v.shed_staging()
         receipt = CleanupReceipt(
             lora_name=lora_name, attempt_token=attempt_token, incarnation=self.incarnation
         )

@@ -4,6 +4,9 @@ refused with its code, and a refused body leaves no file behind."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import stat
 import struct
 from pathlib import Path
 from typing import Any
@@ -64,7 +67,7 @@ def test_groups_are_consecutive_balanced_and_cover_every_tensor() -> None:
 
 @pytest.fixture
 def area(tmp_path: Path):
-    a = StagingArea(tmp_path)
+    a = StagingArea()  # the default base (/dev/shm here), as on an engine
     yield a
     a.close()
 
@@ -284,8 +287,6 @@ async def test_a_bad_local_source_file_is_refused_like_a_body(area, tmp_path) ->
 
 
 def test_local_sources_open_only_regular_files_by_bare_name(tmp_path) -> None:
-    import os
-
     (tmp_path / "f").write_bytes(b"x")
     os.symlink(tmp_path / "f", tmp_path / "link")
     os.mkfifo(tmp_path / "fifo")
@@ -302,3 +303,98 @@ def test_local_sources_open_only_regular_files_by_bare_name(tmp_path) -> None:
     for name in ("../f", "/etc/passwd", ".hidden", "a/b", ""):
         with pytest.raises(LoraVersionError):
             p.parse_model(p.ReceiveBucketMeta, {**base, "source": name})
+
+
+# ------------------------------------------------------------------- local sources taken over
+
+
+@pytest.fixture
+def source_dir(area: StagingArea) -> Path:
+    """A local source directory on the staging filesystem (a rename can take files over)."""
+    d = area.base / f"source-{os.getpid()}-{id(area)}"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+async def take_and_verify(area: StagingArea, manifest, spec, source_dir: Path, name: str, checksum: str):
+    r = BucketReceiver(area, manifest, spec, checksum, p.max_payload_bytes(manifest, spec) + 64 * 1024)
+    src = area.take_local_source(source_dir, name)
+    try:
+        if src.part is not None:
+            await r.adopt(src.part)
+        else:
+            await r.fill_from_file(src.fd)
+        await r.finish()
+    except BaseException:
+        await r.abandon()
+        raise
+    finally:
+        src.discard_moved()
+    return r, src
+
+
+async def test_a_private_local_source_is_taken_over_without_a_copy(area, source_dir) -> None:
+    manifest, spec, payload = setup(adapter(hidden=2048))
+    (source_dir / "b.safetensors").write_bytes(payload)
+    r, src = await take_and_verify(
+        area, manifest, spec, source_dir, "b.safetensors", p.bucket_checksum(payload)
+    )
+    assert src.part is not None and src.fd is None and src.moved is None  # taken over
+    assert not (source_dir / "b.safetensors").exists()  # no path of the sender's leads to it
+    assert stat.S_IMODE(r.part.path.stat().st_mode) == 0o400 and r.part.path.parent == area.root
+    area.commit_part(KEY, r.part, 0)
+    [f] = area.bucket_files(KEY)
+    assert f.read_bytes() == payload and no_parts(area)
+
+
+async def test_a_local_source_someone_may_still_write_is_copied_not_taken(area, source_dir) -> None:
+    manifest, spec, payload = setup(adapter())
+    checksum = p.bucket_checksum(payload)
+    (source_dir / "open.safetensors").write_bytes(payload)
+    writer = os.open(source_dir / "open.safetensors", os.O_WRONLY)  # a writer still holds it
+    (source_dir / "linked.safetensors").write_bytes(payload)
+    os.link(source_dir / "linked.safetensors", source_dir / "other-link")  # another path to it
+    try:
+        for name in ("open.safetensors", "linked.safetensors"):
+            r, src = await take_and_verify(area, manifest, spec, source_dir, name, checksum)
+            assert src.part is None and src.fd is not None and src.moved is not None  # the copy path
+            assert not src.moved.exists()  # the moved original is gone once copied
+            assert r.part.writable and stat.S_IMODE(r.part.path.stat().st_mode) == 0o600
+            await r.abandon()
+    finally:
+        os.close(writer)
+    assert no_parts(area)
+
+
+async def test_a_local_source_on_another_filesystem_is_copied(area, tmp_path) -> None:
+    if os.stat(tmp_path).st_dev == os.stat(area.root).st_dev:
+        pytest.skip("needs the source on another filesystem than the staging directory")
+    manifest, spec, payload = setup(adapter())
+    (tmp_path / "b.safetensors").write_bytes(payload)
+    r, src = await take_and_verify(
+        area, manifest, spec, tmp_path, "b.safetensors", p.bucket_checksum(payload)
+    )
+    assert src.part is None and src.moved is None and (tmp_path / "b.safetensors").exists()
+    await r.abandon()
+
+
+async def test_a_refused_taken_over_source_is_deleted(area, source_dir) -> None:
+    manifest, spec, payload = setup(adapter())
+    (source_dir / "b.safetensors").write_bytes(payload)
+    with pytest.raises(LoraVersionError) as info:
+        await take_and_verify(area, manifest, spec, source_dir, "b.safetensors", "0" * 64)
+    assert info.value.code is ErrorCode.CHECKSUM_MISMATCH and list(area.root.iterdir()) == []
+    os.symlink("/etc/hostname", source_dir / "link.safetensors")
+    os.mkfifo(source_dir / "fifo.safetensors")
+    for name in ("link.safetensors", "fifo.safetensors", "missing.safetensors"):
+        with pytest.raises(LoraVersionError) as info:
+            await take_and_verify(area, manifest, spec, source_dir, name, "0" * 64)
+        assert info.value.code is ErrorCode.INVALID_REQUEST, name
+    assert list(area.root.iterdir()) == []  # a moved symlink or FIFO is removed, never followed
+    (source_dir / "short.safetensors").write_bytes(payload[:-2])
+    with pytest.raises(LoraVersionError) as info:
+        await take_and_verify(
+            area, manifest, spec, source_dir, "short.safetensors", p.bucket_checksum(payload)
+        )
+    assert info.value.code is ErrorCode.INCOMPLETE_BODY and list(area.root.iterdir()) == []

@@ -411,5 +411,7 @@ def test_a_bucket_handed_over_as_a_local_file_serves_exactly_like_a_body(
     assert error_code(r) == "INVALID_REQUEST", r.text
     assert versions(e0.url)[bad.name]["buckets_received"] == 0
     assert send_named("real.safetensors").status_code == 200  # the source still readable and sound
+    # on the staging filesystem, with no other link and no writer: taken over, not copied
+    assert not (src / "real.safetensors").exists()
     for f in src.iterdir():
         f.unlink()
