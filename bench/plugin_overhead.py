@@ -1,18 +1,23 @@
 """What the plugin costs generation: throughput with the plugin on against off, with a
 confidence interval, and the in-process cost of its request hooks.
 
-Three real CPU engines with the same model and the same flags, started together:
+Real CPU engines with the same model and the same flags, started together:
 
-* ``on``:    the plugin on; requests name a managed version of adapter A (published staged);
-* ``off``:   stock SGLang (plugin off); requests name adapter A loaded by ``/load_lora_adapter``;
+* ``on0``, ``on1``, ...:   the plugin on; requests name a managed version of adapter A (published
+  staged);
+* ``off0``, ``off1``, ...: stock SGLang (plugin off); requests name adapter A loaded by
+  ``/load_lora_adapter``;
 * ``timed``: the plugin on with ``SGLANG_LORA_VERSIONS_HOOK_TIMING=1`` (every hook wrapped in a
   timer, ``sglang_ext/hook_timing.py``), used only for the hook cost, never for throughput.
 
 Throughput: many short phases of the same closed-loop load (``--clients`` concurrent clients,
 each sending ``/generate`` of ``--tokens`` tokens with the next prompt as soon as the last
 returned), one engine at a time, in ABBA order (on, off, off, on, then off, on, on, off, ...)
-so drift and warm-up hit both alike. Per cycle, ratio = tokens/s on / tokens/s off; reported:
-the mean ratio with a 95% t-interval over the cycles, the median, and the spread.
+so drift and warm-up hit both alike; successive cycles use the next (on, off) pair of instances,
+because two processes of the same build differ by several per cent here (seen: a 3-engine run
+gave a mean ratio of 1.07, the next one 0.96). Per cycle, ratio = tokens/s on / tokens/s off;
+reported: the mean ratio with a 95% t-interval over the cycles, the median, the spread, and the
+mean per pair of instances.
 
 Hook cost: the same load on ``timed``; the hooks' own time (the time in the hook minus the time
 in the upstream function it wraps) summed over the phase, per request, against the median
@@ -21,6 +26,7 @@ request time. The tiny model makes requests short, so the relative cost is a wor
 Prints a table and writes ``bench/results/plugin_overhead.json``.
 
     .venv/bin/python bench/plugin_overhead.py [--cycles 16] [--phase-s 6] [--clients 4] [--tokens 16]
+                                              [--instances 2]
 """
 
 from __future__ import annotations
@@ -122,49 +128,61 @@ def main() -> int:
     p.add_argument("--phase-s", type=float, default=6.0)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--tokens", type=int, default=16)
+    p.add_argument(
+        "--instances", type=int, default=2, help="engines per side, taking turns (instance effects)"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     t_start = time.monotonic()
     fx = ensure_fixtures()
     run_dir = ROOT / ".runs" / f"bench-overhead-{time.strftime('%Y%m%d-%H%M%S')}"
+    pairs = [(f"on{i}", f"off{i}") for i in range(args.instances)]
     specs = [
-        EngineSpec(name="on", model_path=fx.model_dir, log_path=run_dir / "on.log"),
-        EngineSpec(name="off", model_path=fx.model_dir, log_path=run_dir / "off.log", plugin=False),
+        EngineSpec(name=n, model_path=fx.model_dir, log_path=run_dir / f"{n}.log", plugin=n.startswith("on"))
+        for pair in pairs
+        for n in pair
+    ] + [
         EngineSpec(
             name="timed", model_path=fx.model_dir, log_path=run_dir / "timed.log", env={HOOK_TIMING_ENV: "1"}
         ),
     ]
     snap = Snapshot.from_peft_dir(fx.adapter_dir("A"))
     payloads = list(snap.iter_buckets())
-    print(f"starting 3 engines (logs in {run_dir}) ...", flush=True)
+    print(f"starting {len(specs)} engines (logs in {run_dir}) ...", flush=True)
     with running_engines(specs) as engines:
         by = {e.name: e for e in engines}
         lora: dict[str, str] = {}
-        for name in ("on", "timed"):
-            d = Driver(by[name].url)
-            _, lora[name], _ = d.staged(snap, payloads)  # READY, pinned, probed; kept for the run
-            d.close()
-        r = httpx.post(
-            f"{by['off'].url}/load_lora_adapter",
-            json={"lora_name": STOCK_NAME, "lora_path": str(fx.adapter_dir("A"))},
-            timeout=120,
-        )
-        r.raise_for_status()
-        lora["off"] = STOCK_NAME
+        for name in by:
+            if name.startswith("off"):
+                r = httpx.post(
+                    f"{by[name].url}/load_lora_adapter",
+                    json={"lora_name": STOCK_NAME, "lora_path": str(fx.adapter_dir("A"))},
+                    timeout=120,
+                )
+                r.raise_for_status()
+                lora[name] = STOCK_NAME
+            else:
+                d = Driver(by[name].url)
+                _, lora[name], _ = d.staged(snap, payloads)  # READY, pinned, probed; kept for the run
+                d.close()
 
         def run(name: str, seconds: float) -> dict[str, Any]:
             return asyncio.run(phase(by[name].url, lora[name], args.clients, args.tokens, seconds))
 
-        for name in ("on", "off", "timed"):  # warm-up: first LoRA batches, allocator, caches
+        for name in by:  # warm-up: first LoRA batches, allocator, caches
             run(name, 2.0)
         cycles: list[dict[str, Any]] = []
         for c in range(args.cycles):
-            order = ["on", "off", "off", "on"] if c % 2 == 0 else ["off", "on", "on", "off"]
+            # engine instances take turns: an instance's own speed (which differs by several per
+            # cent between two processes of the same build here) is spread over both sides
+            on, off = pairs[c % len(pairs)]
+            order = ["on", "off", "off", "on"] if (c // len(pairs)) % 2 == 0 else ["off", "on", "on", "off"]
             got: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
-            for name in order:
-                got[name].append(run(name, args.phase_s))
+            for side in order:
+                got[side].append(run(on if side == "on" else off, args.phase_s))
             tput = {k: sum(x["tokens"] for x in v) / (len(v) * args.phase_s) for k, v in got.items()}
             cycle = {
+                "engines": [on, off],
                 "order": order,
                 "tokens_per_s": tput,
                 "ratio": tput["on"] / tput["off"],
@@ -185,6 +203,11 @@ def main() -> int:
         after = hook_timing(by["timed"].url)
 
     ratios = [c["ratio"] for c in cycles]
+    by_pair = {
+        f"{on}/{off}": statistics.fmean(c["ratio"] for c in cycles if c["engines"] == [on, off])
+        for on, off in pairs
+        if any(c["engines"] == [on, off] for c in cycles)
+    }
     mean, lo, hi = t_interval(ratios)
     per_hook = {}
     for name, a in after.items():
@@ -205,6 +228,7 @@ def main() -> int:
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "ratio_stdev": statistics.stdev(ratios) if len(ratios) > 1 else None,
+        "ratio_by_engine_pair": by_pair,
         "ci_above_0_99": bool(lo > 0.99),
         "hook_us_per_request": hook_us,
         "median_request_ms_on": median_ms,
@@ -216,13 +240,17 @@ def main() -> int:
         f"\nthroughput, plugin on / off ({args.cycles} ABBA cycles of 4 x {args.phase_s:.0f} s, "
         f"{args.clients} clients, {args.tokens} tokens per request)"
     )
-    print(f"{'cycle':>5} {'on tok/s':>9} {'off tok/s':>9} {'ratio':>7}")
+    print(f"{'cycle':>5} {'engines':>10} {'on tok/s':>9} {'off tok/s':>9} {'ratio':>7}")
     for i, c in enumerate(cycles):
-        print(f"{i + 1:5d} {c['tokens_per_s']['on']:9.1f} {c['tokens_per_s']['off']:9.1f} {c['ratio']:7.4f}")
+        print(
+            f"{i + 1:5d} {'/'.join(c['engines']):>10} {c['tokens_per_s']['on']:9.1f}"
+            f" {c['tokens_per_s']['off']:9.1f} {c['ratio']:7.4f}"
+        )
     print(
         f"ratio mean {mean:.4f}, 95% CI [{lo:.4f}, {hi:.4f}], median {summary['ratio_median']:.4f},"
         f" min {min(ratios):.4f}, max {max(ratios):.4f}"
     )
+    print("mean ratio by engine pair: " + ", ".join(f"{k} {v:.4f}" for k, v in by_pair.items()))
     print(f"\nhook cost per request (own time, in the engine's main process; {timed['requests']} requests)")
     print(f"{'hook':42} {'calls':>7} {'mean us':>8} {'us/request':>10}")
     for name, h in sorted(per_hook.items(), key=lambda kv: -kv[1]["per_request_us"]):

@@ -1,20 +1,29 @@
 """Staged publication (begin -> ordered buckets -> end) versus stock ``/load_lora_adapter``.
 
-Two real CPU engines, started in parallel, each measured in the same run:
+Real CPU engines, started in parallel, each measured in the same run:
 
 * ``tiny``:  the tiny fixture model with the fixture adapter ``A`` (rank 4, ~36 KB);
 * ``large``: a random Qwen3 base (hidden 1024, 6 layers, ~290 MB) with a generated rank-64 adapter
-  over q,k,v,o,gate,up,down (~29 MB fp32), see ``bench/_bench_fixtures.py``.
+  over q,k,v,o,gate,up,down (~27 MiB fp32), see ``bench/_bench_fixtures.py``;
+* ``sized``: the same base with adapters of about ``--sizes`` MiB (rank scaled), one bucket cap of
+  64 MiB: time against size.
 
 Per repetition and per engine (the paths interleaved, so load drift hits all of them alike):
 
-* ``staged``: ``begin`` -> every bucket in plan order -> ``end`` (which loads pinned through
-  SGLang's native tensor path and runs a 1-token exact-version probe), under a fresh version_id,
-  for each bucket cap; then ``/lora_versions/cleanup`` (timed apart, not in the total). The bucket
-  payloads are encoded before the clock starts (client cost reported apart, ``encode_ms``).
+* ``staged``: ``begin`` -> every bucket body in plan order over HTTP -> ``end`` (which loads the
+  verified staged files pinned through SGLang's own path load and runs a 1-token exact-version
+  probe), under a fresh version_id, for each bucket cap; then ``/lora_versions/cleanup`` (timed
+  apart, not in the total). The bucket payloads are encoded before the clock starts.
+* ``local``: the same, with each bucket handed over as a file in the engines' local source
+  directory (on the staging filesystem, so it is taken over, not copied), written before the
+  clock as the stock path's adapter file was (``client_write_ms``).
 * ``stock``: ``/load_lora_adapter`` of the same adapter directory from disk, then (apart) a 1-token
   generation with it, which is what the staged ``end`` includes as its probe, then
   ``/unload_lora_adapter``.
+
+Engine side, per publication: the plugin's phase line (read, verify, load, probe) and the main
+process's peak resident memory above idle (``VmHWM`` after a ``clear_refs`` reset) and its RSS
+after the cleanup.
 
 The ratio is ``staged begin..end / stock load`` (medians); ``ratio_vs_load_gen`` compares with
 stock load + a 1-token generation. One unmeasured warm-up of each path first, which also checks
@@ -23,7 +32,8 @@ candidate is cleaned up and every stock load unloaded before the next.
 
 Prints a table and writes ``bench/results/publish_engine.json``.
 
-    .venv/bin/python bench/publish_engine.py [--reps 5] [--large-caps 1,4,64] [--no-large]
+    .venv/bin/python bench/publish_engine.py [--reps 5] [--large-caps 1,4,64] [--sizes 1,8,32,128]
+                                             [--no-large]
 """
 
 from __future__ import annotations
