@@ -1,9 +1,9 @@
 """Staged publication on one engine: begin -> ordered buckets -> end, and cleanup.
 
-The imperative shell around :class:`~sglang_ext.version_table.VersionTable`: it receives bucket
-bodies into the attempt's staged files (verified while they arrive, :mod:`bucket_receiver`),
-drives SGLang's native load of those files and the exact-version probe, and serialises the
-operations of one name with a per-name lock. Decisions and state live in the table; this module
+The imperative shell around :class:`~sglang_ext.version_table.VersionTable`: it receives each
+bucket into a private staged file and verifies it there (:mod:`bucket_receiver`), drives SGLang's
+native load of the attempt's files and the exact-version probe, and serialises the operations of
+one name with a per-name lock. Decisions and state live in the table; this module
 never decides what is allowed.
 
 Where time goes is logged once per publication (``publication phases <name>: ...``), which is
@@ -18,7 +18,7 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sglang_ext.adapter_compat import sglang_load_config
 from sglang_ext.bucket_receiver import BucketReceiver
@@ -102,7 +102,6 @@ class PhaseTimes:
     verify_ms: float = 0.0  # what verification adds after the last byte arrived
     load_ms: float = 0.0
     probe_ms: float = 0.0
-    started: float = field(default_factory=time.perf_counter)
 
     def line(self, lora_name: str) -> str:
         return (
@@ -129,22 +128,21 @@ class PublicationService:
         self._phases: dict[AttemptKey, PhaseTimes] = {}
         # (name, attempt token) -> the running load+probe, shared by a racing end and by cleanup
         self._loads: dict[AttemptKey, asyncio.Task[ReadyReceipt]] = {}
-        # (name, attempt token) -> names of the tensors of the buckets accepted so far
-        self._received: dict[AttemptKey, set[str]] = {}
 
     # ----------------------------------------------------------------------------- begin
 
     async def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
         async with self._locks[req.lora_name]:
             key = (req.lora_name, req.attempt_token)
-            if not self.staging.has_attempt(key) and self.table.get(req.lora_name) is None:
-                # before the table changes: a version the staging directory cannot hold is
-                # refused with nothing reserved
+            current = self.table.get(req.lora_name)
+            if current is None or current.attempt_token != req.attempt_token:
+                # A new attempt: before the table changes, a version the staging directory cannot
+                # hold is refused with nothing reserved. (A retried begin of the current attempt
+                # is answered from the table, whatever the room.)
                 self.staging.check_room(req.manifest.total_bytes, f"version {req.lora_name}")
             receipt = self.table.begin(req)
             if isinstance(receipt, PreparedReceipt):
                 self.staging.attempt_dir(key)
-                self._received.setdefault(key, set())
                 self._phases.setdefault(key, PhaseTimes())
             return receipt
 
@@ -161,7 +159,7 @@ class PublicationService:
             assert manifest is not None, "a PREPARED version keeps its manifest"
         # The body is read and verified without the name lock: a slow or stalled upload must not
         # block cleanup, end or begin of its version (the reader has a deadline of its own), and
-        # decoding and hashing run in a worker thread so generation keeps its event loop.
+        # the hashing runs on worker threads so generation keeps its event loop.
         cap = min(max_payload_bytes(manifest, spec), self.table.limits.max_bucket_bytes) + _HEADER_SLACK
         receiver = BucketReceiver(self.staging, manifest, spec, meta.sha256, cap)
         key = (meta.lora_name, meta.attempt_token)
@@ -180,7 +178,6 @@ class PublicationService:
                 assert receiver.part is not None
                 self.staging.commit_part(key, receiver.part, meta.index)
                 receiver.part = None
-                self._received.setdefault(key, set()).update(spec.tensor_names)
                 self.table.accept_bucket(meta)
                 phases = self._phases.setdefault(key, PhaseTimes())
                 phases.buckets += 1
@@ -204,7 +201,10 @@ class PublicationService:
                 try:
                     v = self.table.get(req.lora_name)
                     assert v is not None and v.manifest is not None
-                    check_tensor_set(v.manifest, self._received.get(key, set()))
+                    # What will be loaded is what lies in the attempt's directory: exactly one
+                    # verified file per planned bucket, together every tensor of the manifest.
+                    self.staging.check_bucket_files(key, v.buckets_total)
+                    check_tensor_set(v.manifest, (n for spec in v.plan for n in spec.tensor_names))
                 except BaseException:
                     self.table.fail_load(req.lora_name, req.attempt_token)
                     raise
@@ -253,7 +253,6 @@ class PublicationService:
 
     def _forget(self, key: AttemptKey) -> None:
         self.staging.remove(key)
-        self._received.pop(key, None)
         self._phases.pop(key, None)
 
     # ----------------------------------------------------------------------------- cleanup

@@ -241,11 +241,22 @@ class StagingArea:
     def commit_part(self, key: tuple[str, str], part: StagedPart, index: int) -> None:
         """The verified part becomes the attempt's bucket ``index`` (an atomic rename)."""
         part.unmap()
-        part.path.rename(self.attempt_dir(key) / f"bucket-{index:05d}.safetensors")
+        part.path.rename(self.attempt_dir(key) / _bucket_file_name(index))
 
     def bucket_files(self, key: tuple[str, str]) -> list[Path]:
         d = self._dirs.get(key)
         return sorted(d.glob("bucket-*.safetensors")) if d is not None else []
+
+    def check_bucket_files(self, key: tuple[str, str], buckets: int) -> None:
+        """The attempt's directory holds exactly buckets ``0..buckets-1`` (MANIFEST_MISMATCH
+        otherwise: nothing else may reach the load)."""
+        names = [f.name for f in self.bucket_files(key)]
+        if names != [_bucket_file_name(i) for i in range(buckets)]:
+            raise LoraVersionError(
+                ErrorCode.MANIFEST_MISMATCH,
+                f"the staged files are not the {buckets} planned buckets",
+                staged=names[:20],
+            )
 
     @staticmethod
     def discard_part(part: StagedPart) -> None:
@@ -256,6 +267,10 @@ class StagingArea:
         d = self.attempt_dir(key)
         (d / "adapter_config.json").write_bytes(config_json)
         return d
+
+
+def _bucket_file_name(index: int) -> str:
+    return f"bucket-{index:05d}.safetensors"
 
 
 def sweep_dead_owners(base: Path) -> list[Path]:

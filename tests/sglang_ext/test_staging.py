@@ -91,3 +91,16 @@ def test_dead_owners_are_swept_and_live_or_foreign_ones_kept(tmp_path: Path) -> 
     dead.mkdir()
     StagingArea(tmp_path).close()
     assert not dead.exists()
+
+
+def test_only_exactly_the_planned_bucket_files_may_reach_a_load(area: StagingArea) -> None:
+    for i in range(2):
+        area.commit_part(KEY, area.new_part(1), i)
+    area.check_bucket_files(KEY, 2)
+    for bad in (1, 3):  # a file too many, a file missing
+        with pytest.raises(LoraVersionError) as info:
+            area.check_bucket_files(KEY, bad)
+        assert info.value.code is ErrorCode.MANIFEST_MISMATCH
+    (area.attempt_dir(KEY) / "bucket-00007.safetensors").write_bytes(b"x")  # a stray one
+    with pytest.raises(LoraVersionError):
+        area.check_bucket_files(KEY, 2)
