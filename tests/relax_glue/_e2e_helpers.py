@@ -181,12 +181,14 @@ class Gate:
 
 
 def corrupt_bucket(nth: int) -> Hook:
-    """The ``nth`` bucket arrives with one payload byte flipped (its sha256 header unchanged):
-    the engine must refuse it (CHECKSUM_MISMATCH), a clean 4xx."""
+    """The ``nth`` bucket arrives with one tensor byte flipped (its checksum header unchanged):
+    the engine must refuse it (CHECKSUM_MISMATCH), a clean 4xx. (A flipped byte of the
+    safetensors header is refused before the checksum can be computed, as INVALID_REQUEST or
+    MANIFEST_MISMATCH: tests/sglang_ext/test_bucket_receiver.py.)"""
 
     async def hook(n: int, call: Callable[..., Awaitable[Any]], meta: Any, payload: bytes) -> Any:
         if n == nth:
-            payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
+            payload = payload[:-1] + bytes([payload[-1] ^ 0xFF])
         return await call(meta, payload)
 
     return hook

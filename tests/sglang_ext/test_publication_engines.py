@@ -415,3 +415,42 @@ def test_a_bucket_handed_over_as_a_local_file_serves_exactly_like_a_body(
     assert not (src / "real.safetensors").exists()
     for f in src.iterdir():
         f.unlink()
+
+
+def test_staged_files_are_held_by_the_scheduler_until_the_unload_and_released_by_it(engines, snaps):
+    """At READY the engine's staged files are deleted, but the scheduler still maps them (SGLang's
+    loader keeps the safetensors mapping as the weights): the memory is held exactly as long as
+    the version is loaded, and the unload releases it; nothing stays mapped after a cleanup."""
+    from pathlib import Path
+
+    import psutil
+
+    e0, _ = engines
+    main = psutil.Process(e0.proc.pid)
+
+    def staged_mappings() -> list[str]:
+        found = []
+        for proc in [main, *main.children(recursive=True)]:
+            try:
+                maps = Path(f"/proc/{proc.pid}/maps").read_text()
+            except OSError:
+                continue
+            found += [ln.split()[-2] for ln in maps.splitlines() if "sglang-lora-versions-" in ln]
+        return found
+
+    s = Staged(e0.url, snaps["B"])
+    try:
+        assert s.publish()["state"] == "READY_LOCAL"
+        held = staged_mappings()
+        assert held, "the scheduler maps the loaded version's files"
+        staged = [
+            p for d in Path("/dev/shm").glob(f"sglang-lora-versions-{e0.proc.pid}-*") for p in d.rglob("*")
+        ]
+        assert [p for p in staged if p.is_file()] == []  # deleted from the directory already
+    finally:
+        r = s.cleanup()
+    assert r.status_code == 200 and r.json()["state"] == "CLEANED", r.text
+    deadline = time.monotonic() + 30
+    while staged_mappings() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert staged_mappings() == []
