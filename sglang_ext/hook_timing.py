@@ -120,6 +120,7 @@ async def _timed_await(awaitable: Any, inner: list[int]) -> Any:
 
 
 async def _timed_agen(agen: Any, inner: list[int]) -> AsyncIterator[Any]:
+    """Iterate ``agen``, adding the time spent inside it (each step and the close) to ``inner[0]``."""
     try:
         while True:
             t0 = time.perf_counter_ns()
@@ -143,25 +144,14 @@ def _timed_around(hook: Callable[..., Any], name: str) -> Callable[..., Any]:
 
         @functools.wraps(hook)
         async def timed_agen_hook(original: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-            inner, own = [0], 0
-            agen = hook(_timed_original(original, inner), *args, **kwargs)
+            inner, own = [0], [0]
+            timed_hook = _timed_agen(hook(_timed_original(original, inner), *args, **kwargs), own)
             try:
-                while True:
-                    t0 = time.perf_counter_ns()
-                    try:
-                        item = await agen.__anext__()
-                    except StopAsyncIteration:
-                        return
-                    finally:
-                        own += time.perf_counter_ns() - t0
+                async for item in timed_hook:
                     yield item
             finally:
-                t0 = time.perf_counter_ns()
-                try:
-                    await agen.aclose()
-                finally:
-                    own += time.perf_counter_ns() - t0
-                    record(name, own - inner[0])
+                await timed_hook.aclose()  # a consumer that stops early: close the hook (it closes upstream)
+                record(name, own[0] - inner[0])
 
         return timed_agen_hook
 

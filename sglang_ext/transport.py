@@ -210,17 +210,21 @@ def parse_payload_layout(header: bytes | memoryview) -> PayloadLayout:
     return PayloadLayout(header_end=header_end, size=cursor, tensors=tuple(spans))
 
 
-def check_layout_against_plan(manifest: Manifest, spec: BucketSpec, layout: PayloadLayout) -> None:
-    """The payload holds exactly the spec's tensors, each with the manifest's dtype and shape
-    (MANIFEST_MISMATCH), checked from the header alone, before any tensor byte is read."""
-    names = [t.name for t in layout.tensors]
-    if set(names) != set(spec.tensor_names):
+def _check_names_against_plan(spec: BucketSpec, names: Iterable[str]) -> None:
+    got, planned = set(names), set(spec.tensor_names)
+    if got != planned:
         raise LoraVersionError(
             ErrorCode.MANIFEST_MISMATCH,
             f"bucket {spec.index} holds other tensors than its plan",
-            unexpected=sorted(set(names) - set(spec.tensor_names))[:20],
-            missing=sorted(set(spec.tensor_names) - set(names))[:20],
+            unexpected=sorted(got - planned)[:20],
+            missing=sorted(planned - got)[:20],
         )
+
+
+def check_layout_against_plan(manifest: Manifest, spec: BucketSpec, layout: PayloadLayout) -> None:
+    """The payload holds exactly the spec's tensors, each with the manifest's dtype and shape
+    (MANIFEST_MISMATCH), checked from the header alone, before any tensor byte is read."""
+    _check_names_against_plan(spec, [t.name for t in layout.tensors])
     for t in layout.tensors:
         check_entry_layout(manifest, t.name, t.dtype, t.shape)
 
@@ -294,13 +298,7 @@ def decode_bucket(payload: bytes, *, expected_sha256: str | None = None) -> dict
 
 def check_bucket_tensors(manifest: Manifest, spec: BucketSpec, tensors: Mapping[str, torch.Tensor]) -> None:
     """A decoded bucket holds exactly its spec's tensors, each matching the manifest."""
-    if set(tensors) != set(spec.tensor_names):
-        raise LoraVersionError(
-            ErrorCode.MANIFEST_MISMATCH,
-            f"bucket {spec.index} holds other tensors than its plan",
-            unexpected=sorted(set(tensors) - set(spec.tensor_names))[:20],
-            missing=sorted(set(spec.tensor_names) - set(tensors))[:20],
-        )
+    _check_names_against_plan(spec, tensors)
     for name in spec.tensor_names:
         check_tensor_against_manifest(manifest, name, tensors[name])
 

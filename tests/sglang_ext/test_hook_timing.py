@@ -93,3 +93,28 @@ async def test_a_replace_coroutine_hook_is_charged_whole() -> None:
 
     assert await hook_timing.timed(replace, "REPLACE", "r")(7) == 7
     assert own_ms("r") >= 2.5
+
+
+async def test_a_consumer_that_stops_early_closes_the_hook_and_its_upstream() -> None:
+    closed = []
+
+    async def original():
+        try:
+            for i in range(100):
+                yield i
+        finally:
+            closed.append("original")
+
+    async def hook(orig):
+        agen = orig()
+        try:
+            async for x in agen:
+                yield x
+        finally:
+            await agen.aclose()
+            closed.append("hook")
+
+    gen = hook_timing.timed(hook, "AROUND", "early")(original)
+    assert await gen.__anext__() == 0
+    await gen.aclose()
+    assert closed == ["original", "hook"] and hook_timing.snapshot()["early"]["calls"] == 1
