@@ -176,6 +176,15 @@ def _pct(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def _on_every_engine(fn: Any, engines: Any) -> None:
+    """``fn(engine)`` for every engine at once, in threads; returns when all have."""
+    threads = [threading.Thread(target=fn, args=(e,)) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def publish_loop(
     drivers: dict[str, Driver],
     snap: Snapshot,
@@ -207,11 +216,7 @@ def publish_loop(
                 **_engine_phases(logs[engine], name),
             }
 
-        threads = [threading.Thread(target=one, args=(e,)) for e in drivers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        _on_every_engine(one, drivers)
         w.events.append(results)
         time.sleep(max(0.0, min(interval_s, w.hi - margin_s - _now())))
 
@@ -236,11 +241,7 @@ def overwrite_once(http: httpx.Client, urls: dict[str, str], adapter_dir: Path, 
         st["pause_to_continue"] = (t0, _now())
         steps[engine] = st
 
-    threads = [threading.Thread(target=one, args=(e,)) for e in urls]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _on_every_engine(one, urls)
     w.events.append(steps)
 
 

@@ -122,10 +122,6 @@ class BucketReceiver:
         self._error: BaseException | None = None
         self._stride = HASH_STRIDE_BYTES if hash_while_receiving() else None
 
-    @property
-    def received(self) -> int:
-        return self._filled
-
     # ------------------------------------------------------------------------- event loop side
 
     def feed(self, chunk: bytes) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from sglang_ext.names import MANAGED_CAPACITY
 from sglang_ext.protocol import EngineStatus
+from sglang_ext.staging import local_source_dir
 
 if TYPE_CHECKING:
     from sglang_ext.native_lora import NativeEdge
@@ -64,7 +65,7 @@ class EngineState:
     reclaim: ReclaimService | None = None
     body_limits: BodyLimits = field(default_factory=BodyLimits.from_env)
     # where a trainer on this host may hand buckets over as files (None: bodies only)
-    local_source_dir: Path | None = field(default_factory=lambda: _local_source_dir())
+    local_source_dir: Path | None = field(default_factory=local_source_dir)
 
     def attach(self, server_args: Any, tokenizer_manager: Any) -> None:
         from sglang_ext import lora_registry_patch as upstream
@@ -119,12 +120,6 @@ def staging_limits(server_args: Any, hf_config: Any) -> StagingLimits:
         max_version_bytes=int(os.environ.get(MAX_VERSION_BYTES_ENV, ENGINE_VERSION_CAP_BYTES)),
         max_bucket_bytes=int(os.environ.get(MAX_BUCKET_BYTES_ENV, ENGINE_BUCKET_CAP_BYTES)),
     )
-
-
-def _local_source_dir() -> Path | None:
-    from sglang_ext.staging import local_source_dir
-
-    return local_source_dir()
 
 
 _STATE: EngineState | None = None

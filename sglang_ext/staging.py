@@ -123,11 +123,9 @@ class StagingArea:
         self.base = Path(base) if base is not None else default_staging_base()
         self.base.mkdir(parents=True, exist_ok=True)
         sweep_dead_owners(self.base)
-        self.root = Path(tempfile.mkdtemp(prefix=f"{_OWNER_PREFIX}{os.getpid()}-", dir=self.base))
-        # mkdtemp's random suffix is 8 chars; rename to the sweepable pattern with 12 hex chars
-        named = self.base / f"{_OWNER_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
-        os.rename(self.root, named)
-        self.root = named  # mode 0700 from mkdtemp
+        # the sweepable name (owner pid, 12 random hex chars); mkdir refuses one that exists
+        self.root = self.base / f"{_OWNER_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
+        self.root.mkdir(mode=0o700)
         self._dirs: dict[tuple[str, str], Path] = {}
         self._seq = itertools.count()
 

@@ -229,6 +229,17 @@ def check_layout_against_plan(manifest: Manifest, spec: BucketSpec, layout: Payl
         check_entry_layout(manifest, t.name, t.dtype, t.shape)
 
 
+def _whole_payload_layout(view: memoryview) -> PayloadLayout:
+    """The layout of a complete payload in memory (INVALID_REQUEST unless valid and whole)."""
+    n = header_length(view)
+    if n is None:
+        raise invalid("bucket payload is not valid safetensors: truncated header")
+    layout = parse_payload_layout(view[: HEADER_PREFIX_BYTES + n])
+    if layout.size != len(view):
+        raise invalid("bucket payload is not valid safetensors: size does not match its header")
+    return layout
+
+
 def bucket_checksum_of(header: bytes | memoryview, tensor_sha256: Mapping[str, str]) -> str:
     """The bucket checksum: sha256 over the payload's header bytes and then its tensors' sha256
     digests in name order. Every payload byte is covered (the header literally, each tensor
@@ -245,12 +256,7 @@ def bucket_checksum(payload: bytes | memoryview) -> str:
     """:func:`bucket_checksum_of` computed from the payload itself (INVALID_REQUEST when it is
     not valid safetensors)."""
     view = memoryview(payload)
-    n = header_length(view)
-    if n is None:
-        raise invalid("bucket payload is not valid safetensors: truncated header")
-    layout = parse_payload_layout(view[: HEADER_PREFIX_BYTES + n])
-    if layout.size != len(view):
-        raise invalid("bucket payload is not valid safetensors: size does not match its header")
+    layout = _whole_payload_layout(view)
     digests = {t.name: hashlib.sha256(view[t.start : t.end]).hexdigest() for t in layout.tensors}
     return bucket_checksum_of(view[: layout.header_end], digests)
 
@@ -260,10 +266,7 @@ def manifest_bucket_checksum(manifest: Manifest, payload: bytes | memoryview) ->
     digests from it instead of hashing the bytes again (the sender's fast path; the engine
     hashes what it receives)."""
     view = memoryview(payload)
-    n = header_length(view)
-    if n is None:
-        raise invalid("bucket payload is not valid safetensors: truncated header")
-    layout = parse_payload_layout(view[: HEADER_PREFIX_BYTES + n])
+    layout = _whole_payload_layout(view)
     digests: dict[str, str] = {}
     for t in layout.tensors:
         entry = manifest.entry(t.name)
