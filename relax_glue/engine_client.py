@@ -38,12 +38,15 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel
 
-from sglang_ext.errors import LoraVersionError
+from relax_glue.collective_sender import CollectiveSender
+from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.protocol import (
     BeginRequest,
     BucketAck,
     CleanupReceipt,
     CleanupRequest,
+    CollectiveConnectReply,
+    CollectiveConnectRequest,
     DrainingReply,
     EndRequest,
     EngineStatus,
@@ -404,8 +407,10 @@ class EngineClient:
         control_transport: httpx.AsyncBaseTransport | None = None,
         generation_transport: httpx.AsyncBaseTransport | None = None,
         local_source_dir: Path | None = None,
+        collective: CollectiveSender | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.collective = collective
         self.local_source_dir = Path(local_source_dir) if local_source_dir is not None else None
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts or ClientTimeouts()
@@ -571,10 +576,47 @@ class EngineClient:
         )
 
     async def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
+        if self.collective is None:
+            return await self._begin(req)
+        req = req.model_copy(update={"transport": "collective"})
+        if not self.collective.connected:
+            await self.collective.connect(self.collective_connect)
+        try:
+            return await self._begin(req)
+        except LoraVersionError as err:
+            if err.code is not ErrorCode.TRANSPORT_UNAVAILABLE:
+                raise
+        # The engine has no usable group (it restarted, or a transfer broke it): a new one, once.
+        await self.collective.connect(self.collective_connect)
+        return await self._begin(req)
+
+    async def _begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
         same = ("lora_name", "attempt_token", "digest")
         return await self._post_json("begin", Routes.BEGIN, req, parse_begin_reply, same, self.timeouts.begin)
 
+    async def collective_connect(self, group_id: str, init_method: str, backend: str) -> str:
+        """Have the engine join the collective group ``group_id``; its incarnation."""
+        assert self.collective is not None
+        req = CollectiveConnectRequest(group_id=group_id, init_method=init_method, backend=backend)
+        reply = await self._post_json(
+            "collective_connect",
+            Routes.COLLECTIVE_CONNECT,
+            req,
+            functools.partial(parse_model, CollectiveConnectReply),
+            ("group_id",),
+            # the engine starts its receiver and waits for the rendezvous, both bounded there
+            self.collective.timeout_s + 90.0,
+        )
+        return reply.incarnation
+
     async def receive_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
+        if self.collective is not None:
+            # The bytes go over the group (once per attempt and bucket: a retried
+            # acknowledgement after a lost reply does not send them again); this call is the
+            # acknowledgement, answered once the engine verified them.
+            if not self.collective.was_sent(meta.attempt_token, meta.index):
+                await self.collective.send(meta.attempt_token, meta.index, payload)
+            return await self._send_bucket(meta.model_copy(update={"collective": True}), b"")
         if self.local_source_dir is None:
             return await self._send_bucket(meta, payload)
         source = (

@@ -21,6 +21,7 @@ from sglang_ext.protocol import EngineStatus
 from sglang_ext.staging import local_source_dir
 
 if TYPE_CHECKING:
+    from sglang_ext.collective_link import CollectiveLink
     from sglang_ext.native_lora import NativeEdge
     from sglang_ext.publication import PublicationService
     from sglang_ext.reclaim import ReclaimService
@@ -63,12 +64,14 @@ class EngineState:
     native: NativeEdge | None = None
     publication: PublicationService | None = None
     reclaim: ReclaimService | None = None
+    collective: CollectiveLink | None = None
     body_limits: BodyLimits = field(default_factory=BodyLimits.from_env)
     # where a trainer on this host may hand buckets over as files (None: bodies only)
     local_source_dir: Path | None = field(default_factory=local_source_dir)
 
     def attach(self, server_args: Any, tokenizer_manager: Any) -> None:
         from sglang_ext import lora_registry_patch as upstream
+        from sglang_ext.collective_link import CollectiveLink
         from sglang_ext.native_lora import NativeLora
         from sglang_ext.plugin import log_line
         from sglang_ext.publication import NameLocks, PublicationService
@@ -85,7 +88,10 @@ class EngineState:
         locks = NameLocks()
         staging = StagingArea()
         atexit.register(staging.close)  # SIGKILL skips it: the next engine sweeps what is left
-        self.publication = PublicationService(self.table, self.native, staging, locks, log=log_line)
+        self.collective = CollectiveLink(log=log_line)
+        self.publication = PublicationService(
+            self.table, self.native, staging, locks, log=log_line, collective=self.collective
+        )
         self.reclaim = ReclaimService(self.table, self.native, locks)
 
     def status(self) -> EngineStatus:

@@ -29,6 +29,9 @@ class ErrorCode(StrEnum):
     BUCKET_OUT_OF_ORDER = "BUCKET_OUT_OF_ORDER"
     INCOMPATIBLE_ADAPTER = "INCOMPATIBLE_ADAPTER"
     PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+    # collective transport: no usable group (connect first), or this attempt's transfer failed
+    TRANSPORT_UNAVAILABLE = "TRANSPORT_UNAVAILABLE"
+    TRANSFER_FAILED = "TRANSFER_FAILED"
     INCOMPLETE_BODY = "INCOMPLETE_BODY"  # a request body that stalled past its deadline or was cut short
     # The native load or the exact-version probe failed: the version is not servable here and
     # still holds its slot (PREPARED when nothing stayed loaded, FAILED when what was loaded could
@@ -69,6 +72,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.BUCKET_OUT_OF_ORDER: 409,
     ErrorCode.INCOMPATIBLE_ADAPTER: 422,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.TRANSPORT_UNAVAILABLE: 409,
+    ErrorCode.TRANSFER_FAILED: 409,
     ErrorCode.INCOMPLETE_BODY: 400,
     ErrorCode.LOAD_FAILED: 422,
     ErrorCode.IN_FLIGHT_ANOMALY: 409,

@@ -27,6 +27,8 @@ from sglang_ext.protocol import (
     BUCKET_CONTENT_TYPE,
     BeginRequest,
     CleanupRequest,
+    CollectiveConnectReply,
+    CollectiveConnectRequest,
     DrainingReply,
     EndRequest,
     ReceiveBucketMeta,
@@ -197,8 +199,27 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
             finally:
                 source.discard_moved()  # copied (or refused): the moved original goes
 
-        fill = read_bucket if meta.source is None else read_local_source
+        async def acknowledge_collective(cap: int, receiver: BucketReceiver) -> None:
+            await read_body(request, 0, state.body_limits, what)  # the bytes came over the group
+            await service.collective_filler(meta)(cap, receiver)
+
+        if meta.collective:
+            fill = acknowledge_collective
+        else:
+            fill = read_bucket if meta.source is None else read_local_source
         return _ok(await service.receive_bucket(meta, fill))
+
+    @router.post(Routes.COLLECTIVE_CONNECT)
+    async def lora_versions_collective_connect(request: Request) -> Any:
+        req = await json_body(request, CollectiveConnectRequest)
+        _serving(state.publication)
+        link = _serving(state.collective)
+        await link.connect(req.group_id, req.init_method, req.backend)
+        return _ok(
+            CollectiveConnectReply(
+                group_id=req.group_id, incarnation=state.incarnation, timeout_s=link.timeout_s
+            )
+        )
 
     @router.post(Routes.END)
     async def lora_versions_end(request: Request) -> Any:

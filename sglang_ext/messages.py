@@ -17,6 +17,8 @@ from sglang_ext.transport import (
     BUCKET_INDEX_HEADER,
     BUCKET_SHA256_HEADER,
     BUCKET_SOURCE_HEADER,
+    BUCKET_TRANSPORT_HEADER,
+    COLLECTIVE_TRANSPORT,
     LORA_NAME_HEADER,
     BucketSpec,
     plan_problem,
@@ -50,6 +52,7 @@ class Routes:
     END = "/lora_versions/end"
     CLEANUP = "/lora_versions/cleanup"
     RECLAIM = "/lora_versions/reclaim"
+    COLLECTIVE_CONNECT = "/lora_versions/collective/connect"
     STATUS = "/lora_versions"
     # only with SGLANG_LORA_VERSIONS_HOOK_TIMING=1 (sglang_ext.hook_timing)
     HOOK_TIMING = "/lora_versions/hook_timing"
@@ -74,6 +77,10 @@ class BeginRequest(WireModel):
     attempt_token: Token
     manifest: Manifest
     bucket_plan: tuple[BucketSpec, ...] = Field(min_length=1)
+    # How the buckets travel. Not part of the identity: a retried begin is answered from the
+    # table whatever it says. "collective": the engine posts the receives on its collective
+    # group (TRANSPORT_UNAVAILABLE, changing nothing, when it has none) before PREPARED.
+    transport: Literal["http", "collective"] = "http"
 
     @model_validator(mode="after")
     def _consistent(self) -> BeginRequest:
@@ -113,6 +120,15 @@ class ReceiveBucketMeta(WireModel):
     # A file name in the engine's local source directory that holds the payload (the body is
     # then empty): a trainer on the same host hands the bucket over without sending it.
     source: LocalSourceName | None = None
+    # The bucket came over the engine's collective group (the body is empty): this call is its
+    # acknowledgement, answered once it arrived and was verified.
+    collective: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ReceiveBucketMeta:
+        if self.collective and self.source is not None:
+            raise invalid("a bucket comes from one place: a local source or the collective group")
+        return self
 
     def to_headers(self) -> dict[str, str]:
         headers = {
@@ -124,6 +140,8 @@ class ReceiveBucketMeta(WireModel):
         }
         if self.source is not None:
             headers[BUCKET_SOURCE_HEADER] = self.source
+        if self.collective:
+            headers[BUCKET_TRANSPORT_HEADER] = COLLECTIVE_TRANSPORT
         return headers
 
     @classmethod
@@ -142,7 +160,28 @@ class ReceiveBucketMeta(WireModel):
         values = {f: lowered[h.lower()] for f, h in fields.items()}
         if BUCKET_SOURCE_HEADER.lower() in lowered:
             values["source"] = lowered[BUCKET_SOURCE_HEADER.lower()]
+        via = lowered.get(BUCKET_TRANSPORT_HEADER.lower())
+        if via is not None:
+            if via != COLLECTIVE_TRANSPORT:
+                raise invalid(f"{BUCKET_TRANSPORT_HEADER} must be {COLLECTIVE_TRANSPORT!r}, got {via[:50]!r}")
+            values["collective"] = True
         return parse_model(cls, values)
+
+
+class CollectiveConnectRequest(WireModel):
+    """Join the trainer's collective group (rank 1 of 2; the trainer is rank 0 and hosts the
+    rendezvous store at ``init_method``). Idempotent for the group being set up or up."""
+
+    group_id: Token
+    init_method: Annotated[str, StringConstraints(pattern=r"^tcp://[A-Za-z0-9.\-\[\]:]{1,260}$")]
+    backend: Literal["gloo", "nccl"] = "gloo"
+
+
+class CollectiveConnectReply(WireModel):
+    group_id: Token
+    state: Literal["CONNECTED"] = "CONNECTED"
+    incarnation: Token
+    timeout_s: float  # the engine's deadline for the rendezvous and for each bucket
 
 
 class BucketAck(WireModel):

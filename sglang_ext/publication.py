@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sglang_ext.adapter_compat import sglang_load_config
 from sglang_ext.bucket_receiver import BucketReceiver
-from sglang_ext.errors import LoraVersionError
+from sglang_ext.collective_group import token_tag
+from sglang_ext.collective_link import CollectiveLink, ExpectedBucket, transfer_failed
+from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.native_lora import NativeEdge
 from sglang_ext.protocol import (
     BeginRequest,
@@ -34,10 +37,11 @@ from sglang_ext.protocol import (
     PreparedReceipt,
     ReadyReceipt,
     ReceiveBucketMeta,
+    bucket_header,
     check_tensor_set,
     max_payload_bytes,
 )
-from sglang_ext.staging import StagingArea
+from sglang_ext.staging import StagedPart, StagingArea
 from sglang_ext.version_table import (
     BucketDecision,
     CleanupDecision,
@@ -94,6 +98,20 @@ BucketFiller = Callable[[int, BucketReceiver], Awaitable[None]]
 
 
 @dataclass
+class CollectiveStash:
+    """One attempt's buckets on their way over the collective group: a staged part per bucket not
+    yet acknowledged, its header written and its receive posted (the receiver writes the tensor
+    bytes after the header). A part leaves the stash when an acknowledgement takes it."""
+
+    job: str
+    parts: dict[int, StagedPart] = field(default_factory=dict)
+
+    def discard(self, keep: Callable[[int], bool] = lambda _index: False) -> None:
+        for index in [i for i in self.parts if not keep(i)]:
+            StagingArea.discard_part(self.parts.pop(index))
+
+
+@dataclass
 class PhaseTimes:
     """Engine-side time of one attempt, by phase (milliseconds)."""
 
@@ -118,10 +136,17 @@ class PublicationService:
         staging: StagingArea,
         locks: NameLocks | None = None,
         log: Callable[[str], None] | None = None,
+        collective: CollectiveLink | None = None,
     ) -> None:
         self.table = table
         self.native = native
         self.staging = staging
+        self.collective = collective
+        # (name, attempt token) -> its buckets on their way over the collective group
+        self._stashes: dict[AttemptKey, CollectiveStash] = {}
+        self._jobs = itertools.count()
+        if collective is not None:
+            collective.on_break(self._group_broke)
         self._locks = locks if locks is not None else NameLocks()
         self._log = log
         # (name, attempt token) -> engine-side time so far
@@ -140,11 +165,77 @@ class PublicationService:
                 # hold is refused with nothing reserved. (A retried begin of the current attempt
                 # is answered from the table, whatever the room.)
                 self.staging.check_room(req.manifest.total_bytes, f"version {req.lora_name}")
+            over_group = req.transport == "collective" and key not in self._stashes
+            if over_group:
+                self._group().check_usable()  # before the table changes
             receipt = self.table.begin(req)
             if isinstance(receipt, PreparedReceipt):
                 self.staging.attempt_dir(key)
                 self._phases.setdefault(key, PhaseTimes())
+                if over_group:
+                    self._post_receives(key)
             return receipt
+
+    def _group(self) -> CollectiveLink:
+        if self.collective is None:
+            raise LoraVersionError(ErrorCode.TRANSPORT_UNAVAILABLE, "this engine has no collective transport")
+        return self.collective
+
+    def _post_receives(self, key: AttemptKey) -> None:
+        """Stage a part for every bucket not accepted yet, write its header, and post its receive
+        on the group: the engine is ready for the broadcast before it answers PREPARED."""
+        v = self.table.get(key[0])
+        assert v is not None and v.manifest is not None
+        stash = CollectiveStash(job=f"job-{next(self._jobs)}")
+        expected: list[ExpectedBucket] = []
+        try:
+            for spec in v.plan[v.next_bucket :]:
+                header = bucket_header(v.manifest, spec)
+                part = self.staging.new_part(len(header) + spec.total_bytes)
+                stash.parts[spec.index] = part
+                view = part.view
+                view[: len(header)] = header
+                del view
+                expected.append(ExpectedBucket(spec.index, spec.total_bytes, part.path, len(header)))
+            self._group().expect(stash.job, token_tag(key[1]), expected)
+        except BaseException:
+            stash.discard()
+            raise
+        self._stashes[key] = stash
+
+    def collective_filler(self, meta: ReceiveBucketMeta) -> BucketFiller:
+        """The filler of an acknowledgement: the bucket's part, once the receiver reported it
+        whole (at most the plugin's deadline), verified like any other bucket."""
+        key = (meta.lora_name, meta.attempt_token)
+
+        async def fill(_cap: int, receiver: BucketReceiver) -> None:
+            stash = self._stashes.get(key)
+            if stash is None:
+                raise transfer_failed(
+                    f"bucket {meta.index}: this attempt is not being received over the collective group"
+                )
+            await self._group().arrival(stash.job, meta.index)
+            part = stash.parts.pop(meta.index, None)
+            if part is None:
+                raise transfer_failed(f"bucket {meta.index} was taken by an earlier acknowledgement")
+            await receiver.adopt(part)
+
+        return fill
+
+    def _group_broke(self, _reason: str) -> None:
+        """Every transfer on the group is over: the parts still waiting for their bytes go now,
+        not at cleanup. Buckets that arrived whole stay: they are acknowledged (and verified)
+        as usual."""
+        link = self._group()
+        for stash in self._stashes.values():
+            stash.discard(keep=lambda index, job=stash.job: link.arrived(job, index))
+
+    def _drop_stash(self, key: AttemptKey) -> None:
+        stash = self._stashes.pop(key, None)
+        if stash is not None:
+            stash.discard()
+            if self.collective is not None:
+                self.collective.drop(stash.job)  # receives still pending go with the receiver
 
     # ----------------------------------------------------------------------------- buckets
 
@@ -252,6 +343,7 @@ class PublicationService:
         return receipt
 
     def _forget(self, key: AttemptKey) -> None:
+        self._drop_stash(key)
         self.staging.remove(key)
         self._phases.pop(key, None)
 

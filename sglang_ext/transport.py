@@ -276,14 +276,57 @@ def manifest_bucket_checksum(manifest: Manifest, payload: bytes | memoryview) ->
     return bucket_checksum_of(view[: layout.header_end], digests)
 
 
+_SAFETENSORS_TAG = {name: tag for tag, name in SAFETENSORS_DTYPES.items()}
+
+
+def _canonical_header(items: Iterable[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, list[str]]:
+    """The canonical safetensors header of (name, dtype, shape, nbytes) tensors, and their
+    names in data order: by item size descending then name (safetensors' own rule, so every
+    tensor starts aligned to its item size), offsets contiguous, no metadata, the header padded
+    with spaces to a multiple of 8 bytes."""
+    order = sorted(items, key=lambda t: (-DTYPE_ITEMSIZE[t[1]], t[0]))
+    doc: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape, nbytes in order:
+        doc[name] = {
+            "dtype": _SAFETENSORS_TAG[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    body += b" " * (-(HEADER_PREFIX_BYTES + len(body)) % 8)
+    return len(body).to_bytes(HEADER_PREFIX_BYTES, "little") + body, [t[0] for t in order]
+
+
+def bucket_header(manifest: Manifest, spec: BucketSpec) -> bytes:
+    """The header of the bucket :func:`encode_bucket` makes of tensors that match ``manifest``:
+    an engine that knows the manifest and the plan knows every payload's header, so a transport
+    that carries only tensor bytes (the collective one) needs nothing else to rebuild the file."""
+    items = []
+    for name in spec.tensor_names:
+        entry = manifest.entry(name)
+        if entry is None:
+            raise LoraVersionError(ErrorCode.MANIFEST_MISMATCH, f"tensor {name!r} is not in the manifest")
+        items.append((name, entry.dtype, tuple(entry.shape), entry.nbytes))
+    return _canonical_header(items)[0]
+
+
 def encode_bucket(tensors: Mapping[str, torch.Tensor], spec: BucketSpec) -> bytes:
-    """The safetensors payload of exactly ``spec.tensor_names`` taken from ``tensors``."""
-    from safetensors.torch import save
+    """The safetensors payload of exactly ``spec.tensor_names`` taken from ``tensors``, in the
+    canonical layout (:func:`bucket_header`): the same bytes whichever transport carries them."""
+    import torch
 
     missing = [n for n in spec.tensor_names if n not in tensors]
     if missing:
         raise invalid(f"bucket {spec.index}: tensors not provided: {missing[:5]!r}")
-    return save({n: tensors[n].detach().to("cpu").contiguous() for n in spec.tensor_names})
+    flat = {n: tensors[n].detach().to("cpu").contiguous() for n in spec.tensor_names}
+    header, order = _canonical_header(
+        (n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+        for n, t in flat.items()
+    )
+    # one copy: join takes each tensor's bytes through the buffer protocol
+    return b"".join([header, *(flat[n].reshape(-1).view(torch.uint8).numpy() for n in order)])
 
 
 def decode_bucket(payload: bytes, *, expected_sha256: str | None = None) -> dict[str, torch.Tensor]:
@@ -313,4 +356,7 @@ BUCKET_INDEX_HEADER = "X-Bucket-Index"
 BUCKET_SHA256_HEADER = "X-Bucket-Sha256"
 # Optional: the bucket is the named file of the engine's local source directory (empty body).
 BUCKET_SOURCE_HEADER = "X-Bucket-Source"
+# Optional: "collective": the bucket travelled over the collective group (empty body).
+BUCKET_TRANSPORT_HEADER = "X-Bucket-Transport"
+COLLECTIVE_TRANSPORT = "collective"
 BUCKET_CONTENT_TYPE = "application/octet-stream"

@@ -1,0 +1,262 @@
+"""The engine's end of its collective group, in the engine's main process: it owns the receiver
+process (:mod:`sglang_ext.collective_receiver`), knows the group's state, and turns everything
+that can go wrong with it into a typed error on the event loop, which never waits on a
+collective itself.
+
+States: ``NONE`` (never connected in this incarnation) -> ``CONNECTING`` -> ``CONNECTED``; any
+failure (a rendezvous that timed out, a receive that failed, a deadline passed, a cleanup during
+a transfer, the receiver's exit) -> ``BROKEN`` with its reason. A BROKEN or replaced group is
+never used again: the receiver is killed (its pending receives end with it, at once) and the
+trainer connects a new group. Every deadline is enforced here, by the clock of this process:
+the receiver's own timeouts are a second line, not the one we rely on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from sglang_ext.errors import ErrorCode, LoraVersionError
+
+COLLECTIVE_TIMEOUT_ENV = "SGLANG_LORA_VERSIONS_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0
+# what starting the receiver (a Python process importing torch) may take on top of the rendezvous
+RECEIVER_START_ALLOWANCE_S = 60.0
+
+
+def collective_timeout_s() -> float:
+    return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S))
+
+
+class LinkState(StrEnum):
+    NONE = "NONE"
+    CONNECTING = "CONNECTING"
+    CONNECTED = "CONNECTED"
+    BROKEN = "BROKEN"
+
+
+@dataclass(frozen=True)
+class ExpectedBucket:
+    """One bucket the receiver is to write: ``nbytes`` tensor bytes into ``path`` at ``offset``
+    (right after the bucket's header, already written by the engine)."""
+
+    index: int
+    nbytes: int
+    path: Path
+    offset: int
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # a failure nobody waits for is not an "exception never retrieved"
+
+
+def transfer_failed(reason: str, **details: Any) -> LoraVersionError:
+    return LoraVersionError(ErrorCode.TRANSFER_FAILED, reason, **details)
+
+
+class CollectiveLink:
+    def __init__(
+        self,
+        timeout_s: float | None = None,
+        log: Callable[[str], None] | None = None,
+        command: Sequence[str] | None = None,
+    ) -> None:
+        self.timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
+        self._log = log or (lambda _m: None)
+        self._command = list(command or (sys.executable, "-m", "sglang_ext.collective_receiver"))
+        self.state = LinkState.NONE
+        self.group_id: str | None = None
+        self.reason: str | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._connected: asyncio.Future[None] | None = None
+        # job -> bucket index -> arrival; a job is one attempt's transfer
+        self._arrivals: dict[str, dict[int, asyncio.Future[None]]] = {}
+        self._on_break: list[Callable[[str], None]] = []
+
+    def on_break(self, callback: Callable[[str], None]) -> None:
+        """``callback(reason)`` whenever the group breaks (the publication drops its stashes)."""
+        self._on_break.append(callback)
+
+    # ------------------------------------------------------------------------- connect
+
+    async def connect(self, group_id: str, init_method: str, backend: str) -> None:
+        """Join the trainer's group ``group_id`` (idempotent for the group being set up or up).
+        Another group id replaces the current one. Raises TRANSPORT_UNAVAILABLE when the
+        rendezvous fails or does not end within the plugin's timeout; generation goes on
+        meanwhile (the receiver joins; this loop only waits for its word)."""
+        if self.group_id != group_id or self.state is LinkState.BROKEN:
+            if self._proc is not None:
+                self._break(f"replaced by group {group_id}")
+            await self._start(group_id, init_method, backend)
+        assert self._connected is not None
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(self._connected), self.timeout_s + RECEIVER_START_ALLOWANCE_S
+            )
+        except TimeoutError:
+            self._break(f"rendezvous of group {group_id} did not end within {self.timeout_s:.0f} s")
+        except LoraVersionError:
+            pass
+        if self.state is not LinkState.CONNECTED:
+            raise self.unavailable()
+
+    async def _start(self, group_id: str, init_method: str, backend: str) -> None:
+        self.group_id, self.reason = group_id, None
+        self.state = LinkState.CONNECTING
+        loop = asyncio.get_running_loop()
+        self._connected = loop.create_future()
+        self._connected.add_done_callback(_retrieved)
+        self._proc = await asyncio.create_subprocess_exec(
+            *self._command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self._reader = asyncio.create_task(self._read_events(self._proc))
+        self._send(
+            {
+                "op": "connect",
+                "init_method": init_method,
+                "group_id": group_id,
+                "timeout_s": self.timeout_s,
+                "backend": backend,
+            }
+        )
+        self._log(f"collective group {group_id}: receiver pid {self._proc.pid} joining {init_method}")
+
+    def unavailable(self) -> LoraVersionError:
+        return LoraVersionError(
+            ErrorCode.TRANSPORT_UNAVAILABLE,
+            f"no usable collective group on this engine ({self.state.value}"
+            + (f": {self.reason}" if self.reason else "")
+            + "); connect one first",
+            state=self.state.value,
+            group_id=self.group_id,
+        )
+
+    def check_usable(self) -> None:
+        if self.state is not LinkState.CONNECTED:
+            raise self.unavailable()
+
+    # ------------------------------------------------------------------------- transfers
+
+    def expect(self, job: str, tag: bytes, buckets: Sequence[ExpectedBucket]) -> None:
+        """Post the receives of one attempt's buckets, in order (the receiver runs them after any
+        earlier job). Returns at once."""
+        self.check_usable()
+        loop = asyncio.get_running_loop()
+        arrivals: dict[int, asyncio.Future[None]] = {}
+        for b in buckets:
+            fut = loop.create_future()
+            fut.add_done_callback(_retrieved)
+            arrivals[b.index] = fut
+        self._arrivals[job] = arrivals
+        self._send(
+            {
+                "op": "expect",
+                "job": job,
+                "tag": tag.hex(),
+                "buckets": [
+                    {"index": b.index, "nbytes": b.nbytes, "path": str(b.path), "offset": b.offset}
+                    for b in buckets
+                ],
+            }
+        )
+
+    async def arrival(self, job: str, index: int) -> None:
+        """Wait (at most the plugin's timeout) until bucket ``index`` of ``job`` arrived whole.
+        TRANSFER_FAILED when it cannot: the group broke, or the deadline passed (which breaks
+        it: the sender is out of step or gone)."""
+        fut = self._arrivals.get(job, {}).get(index)
+        if fut is None:
+            raise transfer_failed(f"bucket {index} is not expected over the collective group")
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        except TimeoutError:
+            self._break(f"bucket {index} did not arrive within {self.timeout_s:.0f} s")
+            raise transfer_failed(f"bucket {index} did not arrive within {self.timeout_s:.0f} s") from None
+
+    def arrived(self, job: str, index: int) -> bool:
+        fut = self._arrivals.get(job, {}).get(index)
+        return fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
+
+    def drop(self, job: str) -> None:
+        """The attempt is over (READY, or cleaned up). If some of its receives are still pending,
+        the receiver is killed with them (a cleanup during a transfer): a pending receive is
+        never destroyed in place."""
+        arrivals = self._arrivals.pop(job, {})
+        if any(not f.done() for f in arrivals.values()):
+            self._break(f"a transfer was dropped before it ended (job {job})")
+
+    # ------------------------------------------------------------------------- the receiver
+
+    def _send(self, cmd: dict[str, Any]) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        except (BrokenPipeError, ConnectionResetError):
+            self._break("the receiver process is gone")
+            raise self.unavailable() from None
+
+    async def _read_events(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while True:
+            line = await proc.stdout.readline()
+            if not line:
+                break
+            if proc is not self._proc:
+                return  # a replaced receiver: its words no longer count
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            kind = event.get("ev")
+            if kind == "connected" and self._connected is not None and not self._connected.done():
+                self.state = LinkState.CONNECTED
+                self._connected.set_result(None)
+                self._log(f"collective group {self.group_id}: connected")
+            elif kind == "bucket":
+                fut = self._arrivals.get(event.get("job"), {}).get(event.get("index"))
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+            elif kind == "failed":
+                self._break(str(event.get("reason")))
+        code = await proc.wait()
+        if proc is self._proc:
+            self._break(f"the receiver process exited with code {code}")
+
+    def _break(self, reason: str) -> None:
+        """The group is unusable from here on: the receiver goes (with any pending receive), and
+        every wait on it ends with TRANSFER_FAILED."""
+        if self.state is not LinkState.BROKEN:
+            self._log(f"collective group {self.group_id} unusable: {reason}")
+        self.state, self.reason = LinkState.BROKEN, reason
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            if proc.stdin is not None:
+                proc.stdin.close()
+        if self._connected is not None and not self._connected.done():
+            self._connected.set_exception(self.unavailable())
+        error = transfer_failed(f"the collective transfer failed: {reason}")
+        for arrivals in self._arrivals.values():
+            for fut in arrivals.values():
+                if not fut.done():
+                    fut.set_exception(error)
+        for callback in self._on_break:
+            callback(reason)
+
+    async def close(self) -> None:
+        if self._proc is not None:
+            self._break("the engine is shutting down")
