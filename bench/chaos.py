@@ -37,13 +37,22 @@ def main() -> int:
     parser.add_argument(
         "--no-overlap", action="store_true", help="session turns only between faults, not during them"
     )
+    parser.add_argument(
+        "--transport", choices=("http", "collective"), default="http", help="how the buckets travel"
+    )
     args = parser.parse_args()
     out = ROOT / ".runs" / "bench" / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = ChaosConfig(
-        seed=args.seed, faults=args.faults, max_s=args.max_s, out_dir=out, overlap=not args.no_overlap
+        seed=args.seed,
+        faults=args.faults,
+        max_s=args.max_s,
+        out_dir=out,
+        overlap=not args.no_overlap,
+        transport=args.transport,
     )
     report = run_campaign(cfg)
     report["overlap"] = cfg.overlap
+    report["transport"] = cfg.transport
     report["machine"] = platform.platform()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2, default=str))

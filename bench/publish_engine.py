@@ -17,6 +17,9 @@ Per repetition and per engine (the paths interleaved, so load drift hits all of 
 * ``local``: the same, with each bucket handed over as a file in the engines' local source
   directory (on the staging filesystem, so it is taken over, not copied), written before the
   clock as the stock path's adapter file was (``client_write_ms``).
+* ``collective``: the same contract with the tensor bytes broadcast over the engine's gloo group
+  (the bench process is the trainer, through ``relax_glue.collective_sender``; the group is
+  connected once per engine, before the clock), each bucket acknowledged over HTTP.
 * ``stock``: ``/load_lora_adapter`` of the same adapter directory from disk, then (apart) a 1-token
   generation with it, which is what the staged ``end`` includes as its probe, then
   ``/unload_lora_adapter``.
@@ -39,6 +42,7 @@ Prints a table and writes ``bench/results/publish_engine.json``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import atexit
 import contextlib
 import json
@@ -61,6 +65,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import httpx  # noqa: E402
 from _bench_fixtures import LARGE_CONFIG, ensure_bench_fixtures, ensure_sized_adapters, rank_for_mib  # noqa: E402
 
+from relax_glue.collective_sender import CollectiveSender  # noqa: E402
 from relax_glue.snapshot import EncodedBucket, Snapshot  # noqa: E402
 from sglang_ext.devtools.fixtures import ensure_fixtures  # noqa: E402
 from sglang_ext.devtools.launcher import EngineSpec, running_engines  # noqa: E402
@@ -131,12 +136,34 @@ class Driver:
         self.url = url
         self.http = httpx.Client(base_url=url, timeout=HTTP_TIMEOUT)
         self._n = 0
+        self.sender: CollectiveSender | None = None
+        self.connect_ms: float | None = None
 
     def close(self) -> None:
         self.http.close()
 
+    def collective(self) -> CollectiveSender:
+        """The group to this engine, connected on first use (timed apart, never in a total)."""
+        if self.sender is None:
+            sender = CollectiveSender("127.0.0.1", timeout_s=60.0)
+
+            async def ask_engine(group_id: str, init_method: str, backend: str) -> str:
+                body = {"group_id": group_id, "init_method": init_method, "backend": backend}
+                r = await asyncio.to_thread(self.http.post, Routes.COLLECTIVE_CONNECT, json=body)
+                return _check(r, "collective connect").json()["incarnation"]
+
+            t0 = time.perf_counter()
+            asyncio.run(sender.connect(ask_engine))
+            self.connect_ms = (time.perf_counter() - t0) * 1e3
+            self.sender = sender
+        return self.sender
+
     def staged(
-        self, snap: Snapshot, payloads: list[EncodedBucket], source_dir: Path | None = None
+        self,
+        snap: Snapshot,
+        payloads: list[EncodedBucket],
+        source_dir: Path | None = None,
+        collective: bool = False,
     ) -> tuple[dict[str, float], str, str]:
         """One publication begin..end; returns the timings (ms), the lora_name and the attempt token.
 
@@ -147,6 +174,9 @@ class Driver:
         version_id = f"r{self._n}x{uuid.uuid4().hex[:6]}"
         attempt = uuid.uuid4().hex
         begin = snap.begin_request(PREFIX, EPOCH, version_id, attempt)
+        if collective:
+            begin = begin.model_copy(update={"transport": "collective"})
+        sender = self.collective() if collective else None
         body = begin.model_dump(mode="json")
         name = begin.lora_name
         sources: list[str | None] = [None] * len(payloads)
@@ -164,12 +194,19 @@ class Driver:
             t1 = time.perf_counter()
             for b, source in zip(payloads, sources, strict=True):
                 meta = ReceiveBucketMeta(
-                    lora_name=name, attempt_token=attempt, index=b.spec.index, sha256=b.sha256, source=source
+                    lora_name=name,
+                    attempt_token=attempt,
+                    index=b.spec.index,
+                    sha256=b.sha256,
+                    source=source,
+                    collective=collective,
                 )
+                if sender is not None:
+                    asyncio.run(sender.send(attempt, b.spec.index, b.payload))
                 _check(
                     self.http.post(
                         Routes.RECEIVE_BUCKET,
-                        content=b.payload if source is None else b"",
+                        content=b.payload if source is None and not collective else b"",
                         headers=meta.to_headers(),
                     ),
                     f"receive_bucket {b.spec.index}/{len(payloads)} ({len(b.payload)} bytes)",
@@ -254,8 +291,9 @@ def _stats(samples: list[float]) -> dict[str, Any]:
 
 
 ENGINE_PHASES = ("read_ms", "verify_ms", "load_ms", "probe_ms")
-# http: bucket bodies over HTTP; local: files in the engine's local source directory
-TRANSPORTS = ("http", "local")
+# http: bucket bodies over HTTP; local: files in the engine's local source directory;
+# collective: tensor bytes over the engine's gloo group, acknowledged over HTTP
+TRANSPORTS = ("http", "local", "collective")
 MEMORY_KEYS = ("idle_rss_mib", "peak_above_idle_mib", "after_cleanup_above_idle_mib")
 
 
@@ -299,7 +337,12 @@ class Runner:
         try:
             idle = _reset_peak(self.pid)
             source_dir = self.source_dir if transport == "local" else None
-            times, name, attempt = self.d.staged(self.case.snaps[cap], self.case.payloads[cap], source_dir)
+            times, name, attempt = self.d.staged(
+                self.case.snaps[cap],
+                self.case.payloads[cap],
+                source_dir,
+                collective=transport == "collective",
+            )
             peak = _status_mib(self.pid, "VmHWM")
             times.update(_engine_phases(self.log_path, name))
             if not record:
@@ -404,6 +447,7 @@ class Runner:
                 else None
             ),
             "errors": self.errors,
+            "collective_connect_ms": None if self.d.connect_ms is None else round(self.d.connect_ms, 1),
         }
 
 
@@ -419,7 +463,42 @@ def _fmt_cap(n: int) -> str:
 
 
 def _path(row: dict[str, Any]) -> str:
-    return "staged" if row["transport"] == "http" else "local"
+    return {"http": "staged", "local": "local", "collective": "collect"}[row["transport"]]
+
+
+def transport_speedups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per adapter and cap: HTTP begin..end over collective begin..end (medians), and the engine
+    main process's peak memory above idle on each path."""
+    out = []
+    for res in results:
+        rows = {(r["transport"], r["bucket_cap_bytes"]): r for r in res["staged"]}
+        for (transport, cap), row in rows.items():
+            http = rows.get(("http", cap))
+            if (
+                transport != "collective"
+                or http is None
+                or not row["total_ms"]["n"]
+                or not http["total_ms"]["n"]
+            ):
+                continue
+            mem = {
+                t: rows[(t, cap)]["engine_main_memory_mib"]["peak_above_idle_mib"].get("median")
+                for t in TRANSPORTS
+                if (t, cap) in rows
+            }
+            out.append(
+                {
+                    "engine": res["engine"],
+                    "adapter_bytes": res["adapter_bytes"],
+                    "bucket_cap_bytes": cap,
+                    "http_ms": http["total_ms"]["median"],
+                    "collective_ms": row["total_ms"]["median"],
+                    "speedup": round(http["total_ms"]["median"] / row["total_ms"]["median"], 2),
+                    "peak_main_mib_above_idle": mem,
+                    "collective_connect_ms": res.get("collective_connect_ms"),
+                }
+            )
+    return out
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
@@ -458,6 +537,16 @@ def print_table(results: list[dict[str, Any]]) -> None:
         "ratio = staged begin..end / stock /load_lora_adapter; r(+gen) = vs stock load + a 1-token"
         " generation (the staged end includes such a probe)."
     )
+    speedups = transport_speedups(results)
+    if speedups:
+        print("\ncollective vs HTTP (begin..end medians; engine main-process peak above idle, MiB)")
+        for s in speedups:
+            size, cap = _fmt_bytes(s["adapter_bytes"]), _fmt_cap(s["bucket_cap_bytes"])
+            print(
+                f"  {s['engine']:6} {size:>10} cap {cap:>9}: http {s['http_ms']:8.1f}"
+                f"  collective {s['collective_ms']:8.1f}  speedup {s['speedup']:5.2f}x"
+                f"  peak {s['peak_main_mib_above_idle']}  (connect {s['collective_connect_ms']} ms, once)"
+            )
     print("\nengine side (medians, ms; memory of the engine's main process, MiB above idle)")
     head = (
         f"{'engine':6} {'adapter':14} {'cap':>9} {'read':>7} {'verify':>7} {'load':>7} {'probe':>7}"
@@ -695,7 +784,12 @@ def main() -> int:
         ],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {"meta": meta, "results": results, "collective_vs_http": transport_speedups(results)}, indent=2
+        )
+        + "\n"
+    )
     print(f"engine main-process RSS (MiB) before -> after the measurements: {rss_before} -> {rss_after}")
     print(f"\nrun time {meta['run_time_s']}s; load average {load_start} -> {load_after}; wrote {args.out}")
     return 1 if any(res["errors"] for res in results) else 0

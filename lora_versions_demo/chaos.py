@@ -83,6 +83,9 @@ class ChaosConfig:
     # fault itself (a killed engine, a version not restored yet): each must end with its
     # reference tokens or a typed error.
     overlap: bool = False
+    # "collective": the buckets go over each engine's gloo group (relax_glue.collective_sender),
+    # so the engine kills meet a broadcast and a group that a restart made unusable
+    transport: str = "http"
 
 
 @dataclasses.dataclass
@@ -199,7 +202,15 @@ class Campaign:
         self.actor = start_registry_actor(self.epoch, COHORT, db_path=self.out / f"{self.epoch}.db")
         self.registry = AsyncRegistryClient.for_actor(self.actor, retries=3, retry_delay_s=0.2)
         self._record_registry(self.registry)
-        self.clients = {n: EngineClient(n, e.url, admin_key=self.admin_key) for n, e in self.engines.items()}
+        from relax_glue.collective_sender import CollectiveSender
+
+        def sender() -> CollectiveSender | None:
+            return CollectiveSender() if self.cfg.transport == "collective" else None
+
+        self.clients = {
+            n: EngineClient(n, e.url, admin_key=self.admin_key, collective=sender())
+            for n, e in self.engines.items()
+        }
         self.wrapped = {n: FaultInjectingClient(c) for n, c in self.clients.items()}
         self.recorded = {n: _StatusRecorder(w, self) for n, w in self.wrapped.items()}
         self.store = SnapshotStore(self.out / "snapshots")

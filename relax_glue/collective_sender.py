@@ -42,8 +42,9 @@ class CollectiveSender:
         self.incarnation: str | None = None
         self._store: Any = None
         self._group: Any = None
-        # (attempt token, bucket index) broadcast on the current group
-        self._sent: set[tuple[str, int]] = set()
+        # (attempt token, bucket index) -> its broadcast on the current group, run in call order
+        self._sends: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._last: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
     @property
@@ -81,20 +82,50 @@ class CollectiveSender:
         self._store = None
         self.group_id = None
         self.incarnation = None
-        self._sent.clear()
+        self._sends.clear()
+        self._last = None
 
-    def was_sent(self, attempt_token: str, index: int) -> bool:
-        return (attempt_token, index) in self._sent
+    def send_soon(self, attempt_token: str, index: int, payload: bytes) -> asyncio.Task[None]:
+        """Bucket ``index``'s broadcast, started after every broadcast asked for before it (the
+        receiver takes them in plan order). Asked again, the same broadcast: a bucket goes over
+        the group once per attempt, whoever asks (the publisher's send-ahead, then the
+        acknowledgement, or a retried acknowledgement after a lost reply)."""
+        key = (attempt_token, index)
+        task = self._sends.get(key)
+        if task is None:
+            for other in [k for k in self._sends if k[0] != attempt_token]:
+                del self._sends[other]  # an earlier attempt's record is of no use any more
+            job = self._send_after(self._last, self._group, attempt_token, index, payload)
+            task = asyncio.ensure_future(job)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._sends[key] = task
+            self._last = task
+        return task
 
     async def send(self, attempt_token: str, index: int, payload: bytes) -> None:
-        """Broadcast bucket ``index``: its frame, then exactly its tensor bytes (the payload after
-        its header, which the engine builds itself). TRANSFER_FAILED when the group fails; the
-        group is then forgotten (the engine's end is gone or out of step)."""
+        await asyncio.shield(self.send_soon(attempt_token, index, payload))
+
+    async def _send_after(
+        self, previous: asyncio.Task[None] | None, group: Any, attempt_token: str, index: int, payload: bytes
+    ) -> None:
+        if previous is not None and not previous.done():
+            await asyncio.wait([previous])
+        if previous is not None and (previous.cancelled() or previous.exception() is not None):
+            raise LoraVersionError(
+                ErrorCode.TRANSFER_FAILED,
+                f"bucket {index} not broadcast: an earlier broadcast on this group failed",
+                index=index,
+            )
+        await self._broadcast(group, attempt_token, index, payload)
+
+    async def _broadcast(self, group: Any, attempt_token: str, index: int, payload: bytes) -> None:
+        """Bucket ``index``: its frame, then exactly its tensor bytes (the payload after its
+        header, which the engine builds itself). TRANSFER_FAILED when the group fails; the group
+        is then forgotten (the engine's end is gone or out of step)."""
         n = header_length(payload[:HEADER_PREFIX_BYTES])
         if n is None:
             raise ValueError("not a bucket payload")
         data = memoryview(payload)[HEADER_PREFIX_BYTES + n :]
-        group = self._group
         if group is None:
             raise LoraVersionError(ErrorCode.TRANSPORT_UNAVAILABLE, "no collective group to this engine")
         frame = Frame(index=index, nbytes=len(data), tag=token_tag(attempt_token)).encode()
@@ -106,7 +137,6 @@ class CollectiveSender:
             raise LoraVersionError(
                 ErrorCode.TRANSFER_FAILED, f"broadcast of bucket {index} failed: {exc}", index=index
             ) from None
-        self._sent.add((attempt_token, index))
 
 
 def _broadcast_bucket(group: Any, frame: bytes, data: memoryview) -> None:

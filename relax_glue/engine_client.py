@@ -614,8 +614,7 @@ class EngineClient:
             # The bytes go over the group (once per attempt and bucket: a retried
             # acknowledgement after a lost reply does not send them again); this call is the
             # acknowledgement, answered once the engine verified them.
-            if not self.collective.was_sent(meta.attempt_token, meta.index):
-                await self.collective.send(meta.attempt_token, meta.index, payload)
+            await self.collective.send(meta.attempt_token, meta.index, payload)
             return await self._send_bucket(meta.model_copy(update={"collective": True}), b"")
         if self.local_source_dir is None:
             return await self._send_bucket(meta, payload)

@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -57,7 +57,7 @@ from relax_glue.registry_types import (
     VersionState,
     VersionView,
 )
-from relax_glue.snapshot import Snapshot
+from relax_glue.snapshot import EncodedBucket, Snapshot
 from relax_glue.snapshot_store import SnapshotStore, live_digests
 from sglang_ext import protocol as wire
 from sglang_ext.errors import ErrorCode, LoraVersionError
@@ -416,9 +416,21 @@ class Publisher(CohortDriver):
     async def _bucket_phase(self, att: _Attempt, engines: Sequence[str]) -> PublishResult | None:
         assert att.snapshot is not None
         t = time.monotonic()
-        # One payload in memory at a time; each bucket is acknowledged by every engine before
-        # the next one is sent (RFC 3.2), so a failure stops the transfer everywhere at once.
-        for bucket in att.snapshot.iter_buckets():
+        buckets: Iterable[EncodedBucket] = att.snapshot.iter_buckets()
+        # Engines reached over a collective group get every bucket broadcast at once, now that
+        # all of them are PREPARED (their receives are posted): the transfer of bucket i+1
+        # overlaps the verification of bucket i. The acknowledgements below stay in order, one
+        # bucket at a time, and take each broadcast as it is (none is sent twice). This holds
+        # the whole encoded version in memory while it is on the wire.
+        senders = [s for e in engines if (s := getattr(self.engines[e], "collective", None)) is not None]
+        if senders:
+            buckets = list(buckets)
+            for sender in senders:
+                for bucket in buckets:
+                    sender.send_soon(att.token, bucket.spec.index, bucket.payload)
+        # Otherwise one payload in memory at a time; each bucket is acknowledged by every engine
+        # before the next one is sent (RFC 3.2), so a failure stops the transfer everywhere.
+        for bucket in buckets:
             meta = wire.ReceiveBucketMeta(
                 lora_name=att.lora_name,
                 attempt_token=att.token,

@@ -229,6 +229,13 @@ class BucketReceiver:
             self._run(_VERIFIERS, self._verify_group, group)
         await self._drain_jobs()
 
+    def take_verified(self, other: BucketReceiver) -> None:
+        """Take the part ``other`` already received and verified, with its results (the
+        collective transport verifies each bucket on arrival, before its acknowledgement)."""
+        self.part, other.part = other.part, None
+        self.layout, self._filled = other.layout, other._filled
+        self._digests, self._error = other._digests, other._error
+
     def _parse_header(self, allocate: bool = True) -> bool:
         n = header_length(self._head)
         if n is None:

@@ -148,6 +148,24 @@ class CollectiveLink:
         if self.state is not LinkState.CONNECTED:
             raise self.unavailable()
 
+    def check_idle(self) -> None:
+        """One transfer at a time per group: the receiver runs jobs in order, so a new attempt's
+        frames would meet an older attempt's pending receive. A trainer that moved on from an
+        unfinished transfer without cleaning it up connects a new group (which takes the old
+        receives with the old receiver)."""
+        self.check_usable()
+        pending = sorted(
+            job for job, arrivals in self._arrivals.items() if any(not f.done() for f in arrivals.values())
+        )
+        if pending:
+            raise LoraVersionError(
+                ErrorCode.TRANSPORT_UNAVAILABLE,
+                "the collective group is busy with another attempt's transfer; clean that attempt up "
+                "or connect a new group",
+                state=self.state.value,
+                group_id=self.group_id,
+            )
+
     # ------------------------------------------------------------------------- transfers
 
     def expect(self, job: str, tag: bytes, buckets: Sequence[ExpectedBucket]) -> None:
@@ -186,6 +204,14 @@ class CollectiveLink:
             self._break(f"bucket {index} did not arrive within {self.timeout_s:.0f} s")
             raise transfer_failed(f"bucket {index} did not arrive within {self.timeout_s:.0f} s") from None
 
+    async def arrived_whole(self, job: str, index: int) -> None:
+        """Wait, without a deadline of its own, for bucket ``index`` of ``job`` (TRANSFER_FAILED
+        if the group breaks first)."""
+        fut = self._arrivals.get(job, {}).get(index)
+        if fut is None:
+            raise transfer_failed(f"bucket {index} is not expected over the collective group")
+        await asyncio.shield(fut)
+
     def arrived(self, job: str, index: int) -> bool:
         fut = self._arrivals.get(job, {}).get(index)
         return fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
@@ -215,7 +241,7 @@ class CollectiveLink:
             if not line:
                 break
             if proc is not self._proc:
-                return  # a replaced receiver: its words no longer count
+                break  # a replaced receiver: its words no longer count
             try:
                 event = json.loads(line)
             except ValueError:
@@ -258,5 +284,9 @@ class CollectiveLink:
             callback(reason)
 
     async def close(self) -> None:
+        reader = self._reader
         if self._proc is not None:
             self._break("the engine is shutting down")
+        if reader is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reader, 10)

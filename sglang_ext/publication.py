@@ -30,10 +30,12 @@ from sglang_ext.native_lora import NativeEdge
 from sglang_ext.protocol import (
     BeginRequest,
     BucketAck,
+    BucketSpec,
     CleanupReceipt,
     CleanupRequest,
     DrainingReply,
     EndRequest,
+    Manifest,
     PreparedReceipt,
     ReadyReceipt,
     ReceiveBucketMeta,
@@ -97,6 +99,16 @@ AttemptKey = tuple[str, str]
 BucketFiller = Callable[[int, BucketReceiver], Awaitable[None]]
 
 
+_BACKGROUND: set[asyncio.Future[None]] = set()
+
+
+def _in_background(job: Awaitable[None]) -> None:
+    """Run ``job`` to its end without a caller (a reference is kept until then)."""
+    task = asyncio.ensure_future(job)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
 @dataclass
 class CollectiveStash:
     """One attempt's buckets on their way over the collective group: a staged part per bucket not
@@ -105,10 +117,22 @@ class CollectiveStash:
 
     job: str
     parts: dict[int, StagedPart] = field(default_factory=dict)
+    # bucket index -> its verification, started the moment the bucket arrived whole
+    verifying: dict[int, asyncio.Task[BucketReceiver]] = field(default_factory=dict)
 
     def discard(self, keep: Callable[[int], bool] = lambda _index: False) -> None:
         for index in [i for i in self.parts if not keep(i)]:
             StagingArea.discard_part(self.parts.pop(index))
+
+    def release(self) -> None:
+        """Everything goes: parts not arrived, verifications running or done and never taken."""
+        self.discard()
+        for task in self.verifying.values():
+            if not task.done():
+                task.cancel()  # its receiver abandons its part on the way out
+            elif not task.cancelled() and task.exception() is None:
+                _in_background(task.result().abandon())
+        self.verifying.clear()
 
 
 @dataclass
@@ -167,7 +191,7 @@ class PublicationService:
                 self.staging.check_room(req.manifest.total_bytes, f"version {req.lora_name}")
             over_group = req.transport == "collective" and key not in self._stashes
             if over_group:
-                self._group().check_usable()  # before the table changes
+                self._group().check_idle()  # before the table changes
             receipt = self.table.begin(req)
             if isinstance(receipt, PreparedReceipt):
                 self.staging.attempt_dir(key)
@@ -188,20 +212,45 @@ class PublicationService:
         assert v is not None and v.manifest is not None
         stash = CollectiveStash(job=f"job-{next(self._jobs)}")
         expected: list[ExpectedBucket] = []
+        link = self._group()
         try:
             for spec in v.plan[v.next_bucket :]:
                 header = bucket_header(v.manifest, spec)
-                part = self.staging.new_part(len(header) + spec.total_bytes)
+                # Sparse: the receiver process allocates the pages as the bytes land (a full
+                # filesystem ends it, not this process); the header is written with a call
+                # that fails with an error, never through the mapping.
+                part = self.staging.new_part(len(header) + spec.total_bytes, reserve=False)
                 stash.parts[spec.index] = part
-                view = part.view
-                view[: len(header)] = header
-                del view
+                with open(part.path, "r+b") as f:
+                    f.write(header)
                 expected.append(ExpectedBucket(spec.index, spec.total_bytes, part.path, len(header)))
-            self._group().expect(stash.job, token_tag(key[1]), expected)
+            link.expect(stash.job, token_tag(key[1]), expected)
         except BaseException:
             stash.discard()
             raise
+        for spec in v.plan[v.next_bucket :]:
+            stash.verifying[spec.index] = asyncio.ensure_future(
+                self._verify_on_arrival(stash, v.manifest, spec)
+            )
         self._stashes[key] = stash
+
+    async def _verify_on_arrival(
+        self, stash: CollectiveStash, manifest: Manifest, spec: BucketSpec
+    ) -> BucketReceiver:
+        """Verify a bucket the moment the receiver reports it whole, while the next ones are
+        still on the wire; the acknowledgement then only compares the checksum. No deadline
+        here: the acknowledgement's wait has one, and the receiver's receives have theirs."""
+        await self._group().arrived_whole(stash.job, spec.index)
+        part = stash.parts.pop(spec.index, None)
+        if part is None:
+            raise transfer_failed(f"bucket {spec.index} was dropped")
+        receiver = BucketReceiver(self.staging, manifest, spec, "", self._bucket_cap(manifest, spec))
+        try:
+            await receiver.adopt(part)
+        except BaseException:
+            await receiver.abandon()
+            raise
+        return receiver
 
     def collective_filler(self, meta: ReceiveBucketMeta) -> BucketFiller:
         """The filler of an acknowledgement: the bucket's part, once the receiver reported it
@@ -214,11 +263,16 @@ class PublicationService:
                 raise transfer_failed(
                     f"bucket {meta.index}: this attempt is not being received over the collective group"
                 )
-            await self._group().arrival(stash.job, meta.index)
-            part = stash.parts.pop(meta.index, None)
-            if part is None:
+            verified = stash.verifying.pop(meta.index, None)
+            if verified is None:
                 raise transfer_failed(f"bucket {meta.index} was taken by an earlier acknowledgement")
-            await receiver.adopt(part)
+            try:
+                await self._group().arrival(stash.job, meta.index)  # at most the deadline
+                receiver.take_verified(await asyncio.shield(verified))
+            except BaseException:
+                if not verified.done():
+                    verified.cancel()
+                raise
 
         return fill
 
@@ -233,7 +287,7 @@ class PublicationService:
     def _drop_stash(self, key: AttemptKey) -> None:
         stash = self._stashes.pop(key, None)
         if stash is not None:
-            stash.discard()
+            stash.release()
             if self.collective is not None:
                 self.collective.drop(stash.job)  # receives still pending go with the receiver
 
@@ -251,7 +305,7 @@ class PublicationService:
         # The body is read and verified without the name lock: a slow or stalled upload must not
         # block cleanup, end or begin of its version (the reader has a deadline of its own), and
         # the hashing runs on worker threads so generation keeps its event loop.
-        cap = min(max_payload_bytes(manifest, spec), self.table.limits.max_bucket_bytes) + _HEADER_SLACK
+        cap = self._bucket_cap(manifest, spec)
         receiver = BucketReceiver(self.staging, manifest, spec, meta.sha256, cap)
         key = (meta.lora_name, meta.attempt_token)
         try:
@@ -277,6 +331,9 @@ class PublicationService:
                 return BucketAck(index=meta.index, accepted=True)
         finally:
             await receiver.abandon()  # a no-op once committed
+
+    def _bucket_cap(self, manifest: Manifest, spec: BucketSpec) -> int:
+        return min(max_payload_bytes(manifest, spec), self.table.limits.max_bucket_bytes) + _HEADER_SLACK
 
     # ----------------------------------------------------------------------------- end
 

@@ -170,14 +170,21 @@ class StagingArea:
 
     # -- bucket files -----------------------------------------------------------------------
 
-    def new_part(self, size: int) -> StagedPart:
+    def new_part(self, size: int, reserve: bool = True) -> StagedPart:
         """A fresh file of ``size`` bytes (space reserved up front), mapped for writing. It lies
         outside every attempt's directory until :meth:`commit_part`, so a cleanup that races an
-        upload never sees half a bucket, and a load never reads one."""
+        upload never sees half a bucket, and a load never reads one.
+
+        ``reserve=False``: a sparse file, its pages allocated by whoever writes them. Only for a
+        writer that a full filesystem cannot harm: the collective receiver process (a SIGBUS
+        ends it, a typed error here), never this process's own writes."""
         path = self.root / f"incoming-{next(self._seq)}.part"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            if size:
+            if size and not reserve:
+                os.ftruncate(fd, size)
+                mapping: mmap.mmap | None = mmap.mmap(fd, size)
+            elif size:
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as exc:
@@ -186,7 +193,7 @@ class StagingArea:
                         f"no room for a {size}-byte bucket in {self.base}: {exc.strerror}",
                         limit=size,
                     ) from None
-                mapping: mmap.mmap | None = mmap.mmap(fd, size)
+                mapping = mmap.mmap(fd, size)
             else:
                 mapping = None
         except BaseException:
