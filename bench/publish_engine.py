@@ -202,7 +202,7 @@ class Driver:
                     collective=collective,
                 )
                 if sender is not None:
-                    asyncio.run(sender.send(attempt, b.spec.index, b.payload))
+                    break  # the whole bucket phase runs below, in one event loop
                 _check(
                     self.http.post(
                         Routes.RECEIVE_BUCKET,
@@ -211,6 +211,8 @@ class Driver:
                     ),
                     f"receive_bucket {b.spec.index}/{len(payloads)} ({len(b.payload)} bytes)",
                 )
+            if sender is not None:
+                asyncio.run(self._collective_buckets(sender, name, attempt, payloads))
             t2 = time.perf_counter()
             r = _check(self.http.post(Routes.END, json={"lora_name": name, "attempt_token": attempt}), "end")
             if r.json().get("state") != "READY_LOCAL":
@@ -232,6 +234,23 @@ class Driver:
             "end_ms": (t3 - t2) * 1e3,
         }
         return times, name, attempt
+
+    async def _collective_buckets(
+        self, sender: CollectiveSender, name: str, attempt: str, payloads: list[EncodedBucket]
+    ) -> None:
+        """As the publisher does it: every bucket broadcast at once (the engine is PREPARED), then
+        the acknowledgements in order, each taking its broadcast as it is."""
+        for b in payloads:
+            sender.send_soon(attempt, b.spec.index, b.payload)
+        for b in payloads:
+            await sender.send(attempt, b.spec.index, b.payload)
+            meta = ReceiveBucketMeta(
+                lora_name=name, attempt_token=attempt, index=b.spec.index, sha256=b.sha256, collective=True
+            )
+            r = await asyncio.to_thread(
+                self.http.post, Routes.RECEIVE_BUCKET, content=b"", headers=meta.to_headers()
+            )
+            _check(r, f"receive_bucket {b.spec.index}/{len(payloads)} (collective acknowledgement)")
 
     def cleanup(self, name: str, attempt: str) -> float:
         t0 = time.perf_counter()

@@ -689,6 +689,13 @@ def run_campaign(cfg: ChaosConfig) -> dict[str, Any]:
             "faults": [dataclasses.asdict(f) for f in camp.faults],
             "duration_s": round(time.monotonic() - t0, 1),
             "engine_restarts": {e: len(logs) - 1 for e, logs in camp.incarnation_logs.items()},
+            "transport": cfg.transport,
+            # groups the trainer connected per engine (collective: one per engine incarnation used)
+            "collective_connects": {
+                n: c.collective.connects
+                for n, c in getattr(camp, "clients", {}).items()
+                if c.collective is not None
+            },
         }
     )
     (cfg.out_dir / "chaos.json").write_text(json.dumps(report, indent=2, default=str))

@@ -22,6 +22,7 @@ from sglang_ext.collective_group import (
     SENDER_RANK,
     Frame,
     broadcast,
+    device_of,
     host_store,
     open_group,
     token_tag,
@@ -46,6 +47,7 @@ class CollectiveSender:
         self._sends: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._last: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        self.connects = 0  # groups connected so far (one per engine incarnation used)
 
     @property
     def connected(self) -> bool:
@@ -72,6 +74,7 @@ class CollectiveSender:
                 joined.add_done_callback(lambda t: t.cancelled() or t.exception())
                 raise
             self._store, self._group, self.group_id, self.incarnation = store, group, group_id, incarnation
+            self.connects += 1
 
     def forget(self) -> None:
         """The group is unusable (the engine restarted, or a broadcast failed)."""
@@ -130,7 +133,7 @@ class CollectiveSender:
             raise LoraVersionError(ErrorCode.TRANSPORT_UNAVAILABLE, "no collective group to this engine")
         frame = Frame(index=index, nbytes=len(data), tag=token_tag(attempt_token)).encode()
         try:
-            await asyncio.to_thread(_broadcast_bucket, group, frame, data)
+            await asyncio.to_thread(_broadcast_bucket, group, frame, data, device_of(self.backend))
         except Exception as exc:
             if self._group is group:
                 self.forget()
@@ -139,14 +142,14 @@ class CollectiveSender:
             ) from None
 
 
-def _broadcast_bucket(group: Any, frame: bytes, data: memoryview) -> None:
+def _broadcast_bucket(group: Any, frame: bytes, data: memoryview, device: str) -> None:
     import torch
 
     assert len(frame) == FRAME_BYTES
-    broadcast(group, torch.frombuffer(bytearray(frame), dtype=torch.uint8))
+    broadcast(group, torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(device))
     if len(data):
         with warnings.catch_warnings():
             # the payload is read-only bytes; a broadcast from the root only reads it
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             tensor = torch.frombuffer(data, dtype=torch.uint8)
-        broadcast(group, tensor)
+        broadcast(group, tensor.to(device))  # NCCL: a device copy (not run here: no GPU)

@@ -121,6 +121,11 @@ def host_store(host: str, port: int, timeout_s: float) -> Any:
     )
 
 
+def device_of(backend: str) -> str:
+    """Where a backend's buffers live: NCCL moves device memory only (not run here: no GPU)."""
+    return "cuda" if backend == "nccl" else "cpu"
+
+
 def broadcast(group: Any, tensor: Any) -> None:
     """One broadcast from the sender, waited for (raises on a broken peer or a timeout)."""
     import torch.distributed as dist

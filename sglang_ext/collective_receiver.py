@@ -34,7 +34,7 @@ import signal
 import sys
 from typing import Any
 
-from sglang_ext.collective_group import FRAME_BYTES, RECEIVER_RANK, Frame, broadcast, open_group
+from sglang_ext.collective_group import FRAME_BYTES, RECEIVER_RANK, Frame, broadcast, device_of, open_group
 
 EXIT_FAILED = 2
 _PR_SET_PDEATHSIG = 1
@@ -52,6 +52,7 @@ class Receiver:
     def __init__(self, events_fd: int) -> None:
         self.events_fd = events_fd
         self.group: Any = None
+        self.device = "cpu"
 
     def emit(self, **event: Any) -> None:
         os.write(self.events_fd, (json.dumps(event) + "\n").encode())
@@ -61,6 +62,7 @@ class Receiver:
         os._exit(EXIT_FAILED)  # no interpreter shutdown: a pending gloo op must not be waited for
 
     def connect(self, cmd: dict[str, Any]) -> None:
+        self.device = device_of(cmd["backend"])
         try:
             self.group = open_group(
                 cmd["init_method"], RECEIVER_RANK, cmd["group_id"], float(cmd["timeout_s"]), cmd["backend"]
@@ -73,14 +75,14 @@ class Receiver:
         import torch
 
         job, tag = cmd["job"], bytes.fromhex(cmd["tag"])
-        frame_buf = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        frame_buf = torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=self.device)
         for bucket in cmd["buckets"]:
             index, nbytes = int(bucket["index"]), int(bucket["nbytes"])
             try:
                 broadcast(self.group, frame_buf)
             except Exception as exc:
                 self.fail(f"bucket {index}: frame not received: {exc}", job=job, index=index)
-            frame = Frame.decode(frame_buf.numpy().tobytes())
+            frame = Frame.decode(frame_buf.cpu().numpy().tobytes())
             if frame is None or (frame.index, frame.nbytes, frame.tag) != (index, nbytes, tag):
                 got = "no frame" if frame is None else f"bucket {frame.index} of {frame.nbytes} bytes"
                 self.fail(
@@ -108,7 +110,13 @@ class Receiver:
             os.close(fd)
         try:
             target = torch.frombuffer(mapping, dtype=torch.uint8, offset=offset, count=nbytes)
-            broadcast(self.group, target)
+            if self.device == "cpu":
+                broadcast(self.group, target)  # straight into the file's pages
+            else:  # NCCL receives into device memory only (not run here: no GPU)
+                staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                broadcast(self.group, staging)
+                target.copy_(staging)
+                del staging
             del target
         finally:
             with contextlib.suppress(BufferError):

@@ -79,10 +79,23 @@ def snapshot_of(adapter_dir: Path) -> Snapshot:
     return Snapshot.from_peft_dir(adapter_dir, max_bucket_bytes=BUCKET_CAP)
 
 
-def make_clients(engines: Sequence[Any], admin_key: str | None, names: Sequence[str] | None = None) -> dict:
-    """One REAL EngineClient per engine (``engine.url``), keyed by engine id."""
+def make_clients(
+    engines: Sequence[Any], admin_key: str | None, names: Sequence[str] | None = None, transport: str = "http"
+) -> dict:
+    """One REAL EngineClient per engine (``engine.url``), keyed by engine id; with
+    ``transport="collective"`` each has its own collective group (this process is the trainer)."""
+    from relax_glue.collective_sender import CollectiveSender
+
     ids = list(names) if names is not None else [e.name for e in engines]
-    return {i: EngineClient(i, e.url, admin_key=admin_key) for i, e in zip(ids, engines, strict=True)}
+    return {
+        i: EngineClient(
+            i,
+            e.url,
+            admin_key=admin_key,
+            collective=CollectiveSender() if transport == "collective" else None,
+        )
+        for i, e in zip(ids, engines, strict=True)
+    }
 
 
 async def aclose_all(clients: Iterable[Any]) -> None:

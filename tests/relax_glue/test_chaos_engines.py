@@ -31,3 +31,31 @@ def test_short_seeded_chaos_campaign_keeps_every_invariant(run_dir) -> None:
     assert report["faults_injected"] >= 3, report["faults"]
     assert report["faults_survived"] == report["faults_injected"]
     assert sum(report["engine_restarts"].values()) >= 1
+
+
+COLLECTIVE_KINDS = ("kill_buckets", "kill_before_commit")
+
+
+def test_short_seeded_chaos_over_the_collective_transport(run_dir) -> None:
+    """The same invariants with the buckets broadcast over each engine's gloo group: an engine
+    SIGKILLed while its buckets are on the wire, and one restarted between READY and commit
+    (its new incarnation has no group: the trainer connects a new one when it stages again)."""
+    cfg = ChaosConfig(
+        seed=17,
+        faults=len(COLLECTIVE_KINDS),
+        kinds=COLLECTIVE_KINDS,
+        max_s=1200.0,
+        out_dir=run_dir / "chaos-collective",
+        transport="collective",
+    )
+    report = run_campaign(cfg)
+    print_report(report)
+    assert report["violations"] == [], report["violations"]
+    inv = report["invariants"]
+    assert inv["final_publication_ok"] is True
+    assert report["faults_injected"] == report["faults_survived"] == len(COLLECTIVE_KINDS), report["faults"]
+    assert sum(report["engine_restarts"].values()) >= len(COLLECTIVE_KINDS)
+    # the buckets did go over the groups, and each restarted engine got a new one
+    connects = report["collective_connects"]
+    assert set(connects) == {"E0", "E1"} and all(n >= 1 for n in connects.values())
+    assert sum(connects.values()) >= 2 + len(COLLECTIVE_KINDS) - 1, connects

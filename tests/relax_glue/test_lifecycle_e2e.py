@@ -107,12 +107,13 @@ class World:
         cohort: tuple[str, ...] = COHORT,
         epoch: str | None = None,
         store: Any = None,
+        transport: str = "http",
     ) -> None:
         self.store = store
         self.epoch = epoch or new_epoch()
         self.cohort = cohort
         self.reg = registry if registry is not None else LoRAVersionRegistry(self.epoch, cohort)
-        self.clients: dict[str, Any] = make_clients(engines, ADMIN_KEY, cohort)
+        self.clients: dict[str, Any] = make_clients(engines, ADMIN_KEY, cohort, transport)
         self.pub_engines: dict[str, EngineAPI] = dict(self.clients)
         self.pub = self._publisher()
         self.sm = SessionManager(self.reg, self.clients, drain_timeout_s=10.0)
@@ -201,12 +202,16 @@ def lora_paths(s: Session) -> set[str]:
 # =============================================================================== RFC 3.4
 
 
-async def test_rfc34_happy_path_step_by_step(engines, stock_engine, fixtures, snaps, run_dir) -> None:
+@pytest.mark.parametrize("transport", ["http", "collective"])
+async def test_rfc34_happy_path_step_by_step(
+    engines, stock_engine, fixtures, snaps, run_dir, transport
+) -> None:
     """Bootstrap A through the protocol (binds before A commits: NO_PUBLISHED_VERSION); S_old
     binds A; B READY on E0 only: S_mid binds A, default unchanged; E1 READY, commit: S_new binds
     B; S_old / S_mid go on with tool turns, a retry and an abort/resume, all on A; every token
-    stream equals the stock single-version baseline for its full prefix."""
-    async with World(engines, stock_engine, fixtures) as w:
+    stream equals the stock single-version baseline for its full prefix. The same with the
+    buckets over each engine's collective group (gloo)."""
+    async with World(engines, stock_engine, fixtures, transport=transport) as w:
         e1 = w.wrap("E1", Interceptor(w.clients["E1"]))
         tx, N = w.tx, 8
 
@@ -296,7 +301,8 @@ async def test_rfc34_happy_path_step_by_step(engines, stock_engine, fixtures, sn
         bad = await tx.mismatches(w.refs, w.adapter_of)
         print("\n" + tx.table(w.adapter_of))
         write_json(
-            run_dir / "e2e_happy_path.json", {"turns": [t.__dict__ for t in tx.turns], "mismatches": bad}
+            run_dir / f"e2e_happy_path_{transport}.json",
+            {"turns": [t.__dict__ for t in tx.turns], "mismatches": bad},
         )
         assert not bad, f"token streams differ from the single-version baselines: {bad}"
         # the two temporary aborts are the only generations not "ok" in the audit: "aborted"
@@ -579,14 +585,15 @@ async def test_partial_failure_on_e1_cleans_both_engines_and_leaves_a_alone(
 # ===================================================================== ambiguous outcome
 
 
+@pytest.mark.parametrize("transport", ["http", "collective"])
 async def test_ambiguous_outcome_holds_the_slot_until_resolved(
-    engines, stock_engine, fixtures, snaps
+    engines, stock_engine, fixtures, snaps, transport
 ) -> None:
     """E1's reply is lost (the REAL client's call goes through; only the Nth reply is dropped):
     first a bucket reply during A's bootstrap, then B's end reply. The slot stays held, nothing is
     cleaned or freed on a guess, no new publication starts; resolve() asks E1 and the protocol
-    goes on to commit."""
-    async with World(engines, stock_engine, fixtures) as w:
+    goes on to commit. Over the collective transport the resolution sends no bucket twice."""
+    async with World(engines, stock_engine, fixtures, transport=transport) as w:
         # --- bootstrap A; E1's first bucket reply is lost
         fic = w.wrap("E1", FaultInjectingClient(w.clients["E1"]).drop_reply("receive_bucket", 1))
         res = await w.publish(snaps, "A")

@@ -1,0 +1,93 @@
+"""The trainer's end of a collective group against the real receiver process (driven by the
+engine-side link, in this process): buckets go once and in order, and a receiver that dies in the
+middle of a broadcast (its engine SIGKILLed: the receiver dies with it) fails the broadcast at
+once with a typed error, the group forgotten."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from relax_glue.collective_sender import CollectiveSender
+from sglang_ext import protocol as p
+from sglang_ext.collective_group import token_tag
+from sglang_ext.collective_link import CollectiveLink, ExpectedBucket, LinkState
+from sglang_ext.errors import ErrorCode, LoraVersionError
+
+CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+
+
+async def pair(timeout_s: float = 30.0) -> tuple[CollectiveSender, CollectiveLink]:
+    sender = CollectiveSender("127.0.0.1", timeout_s=timeout_s)
+    link = CollectiveLink(timeout_s=timeout_s)
+
+    async def ask_engine(group_id: str, init_method: str, backend: str) -> str:
+        await link.connect(group_id, init_method, backend)
+        return "incarnation-1"
+
+    await sender.connect(ask_engine)
+    assert sender.connected and sender.incarnation == "incarnation-1" and sender.connects == 1
+    return sender, link
+
+
+def buckets_of(tensors: dict[str, torch.Tensor], cap: int) -> tuple[p.Manifest, list]:
+    manifest = p.manifest_from_tensors(CONFIG, tensors)
+    return manifest, [(spec, p.encode_bucket(tensors, spec)) for spec in p.plan_buckets(manifest, cap)]
+
+
+def staged_files(tmp_path: Path, manifest: p.Manifest, buckets: list) -> list[ExpectedBucket]:
+    out = []
+    for spec, _payload in buckets:
+        header = p.bucket_header(manifest, spec)
+        path = tmp_path / f"b{spec.index}"
+        with open(path, "wb") as f:
+            f.write(header)
+            f.truncate(len(header) + spec.total_bytes)
+        out.append(ExpectedBucket(spec.index, spec.total_bytes, path, len(header)))
+    return out
+
+
+async def test_every_bucket_goes_once_in_order_and_lands_as_its_payload(tmp_path: Path) -> None:
+    sender, link = await pair()
+    tensors = {f"w{i}": torch.randn(64, 32) for i in range(6)}
+    manifest, buckets = buckets_of(tensors, 3 * 64 * 32 * 4)
+    expected = staged_files(tmp_path, manifest, buckets)
+    link.expect("job-1", token_tag("tok"), expected)
+    # asked in order, twice: the second ask is the same broadcast, never a second one
+    first = [sender.send_soon("tok", spec.index, payload) for spec, payload in buckets]
+    again = [sender.send_soon("tok", spec.index, payload) for spec, payload in buckets]
+    assert first == again
+    for (spec, payload), e in zip(buckets, expected, strict=True):
+        await sender.send("tok", spec.index, payload)
+        await link.arrival("job-1", spec.index)
+        assert e.path.read_bytes() == payload  # the engine's file is the HTTP payload, byte for byte
+    await link.close()
+
+
+async def test_a_receiver_killed_mid_broadcast_fails_it_at_once(tmp_path: Path) -> None:
+    sender, link = await pair()
+    big = {"w": torch.zeros(256 * 1024 * 1024 // 4)}  # 256 MiB: long enough to be cut
+    manifest, buckets = buckets_of(big, 10**9)
+    link.expect("job-1", token_tag("tok"), staged_files(tmp_path, manifest, buckets))
+    assert link._proc is not None
+    receiver = link._proc.pid
+    spec, payload = buckets[0]
+    sending = asyncio.ensure_future(sender.send("tok", spec.index, payload))
+    await asyncio.sleep(0.05)
+    os.kill(receiver, signal.SIGKILL)  # what the engine's death does to its receiver
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(LoraVersionError) as err:
+        await asyncio.wait_for(sending, 60)
+    assert err.value.code is ErrorCode.TRANSFER_FAILED, err.value
+    assert asyncio.get_running_loop().time() - t0 < 30  # not torch's 30-minute default
+    assert not sender.connected  # the group is forgotten: the next begin connects a new one
+    with pytest.raises(LoraVersionError) as err2:
+        await link.arrival("job-1", 0)
+    assert err2.value.code is ErrorCode.TRANSFER_FAILED
+    assert link.state is LinkState.BROKEN
+    await link.close()
