@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import os
+import threading
 import traceback
 import warnings
 from collections.abc import Sequence
@@ -74,10 +76,24 @@ def hash_while_receiving() -> bool:
     return _CORES > 2
 
 
+# Publication work is background work: its threads (and the collective receiver process) run
+# at this niceness, so on a machine without spare cores the decode of running sessions goes
+# first and a publication takes longer instead (measured: bench/transport_gap.py).
+BACKGROUND_NICE = 10
+
+
+def yield_to_generation() -> None:
+    """Lower the calling thread's CPU priority (Linux nice applies per thread)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
 # The ordered lane (strides of one body, in order) and the parallel pool (disjoint groups).
-_STREAM_LANE = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-versions-hash")
+_STREAM_LANE = concurrent.futures.ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="lora-versions-hash", initializer=yield_to_generation
+)
 _VERIFIERS = concurrent.futures.ThreadPoolExecutor(
-    max_workers=VERIFY_WORKERS, thread_name_prefix="lora-versions-verify"
+    max_workers=VERIFY_WORKERS, thread_name_prefix="lora-versions-verify", initializer=yield_to_generation
 )
 
 

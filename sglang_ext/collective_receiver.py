@@ -34,6 +34,7 @@ import signal
 import sys
 from typing import Any
 
+from sglang_ext.bucket_receiver import BACKGROUND_NICE
 from sglang_ext.collective_group import FRAME_BYTES, RECEIVER_RANK, Frame, broadcast, device_of, open_group
 
 EXIT_FAILED = 2
@@ -125,6 +126,8 @@ class Receiver:
 
 def main() -> None:
     _die_with_parent()
+    with contextlib.suppress(OSError):
+        os.nice(BACKGROUND_NICE)  # the engine's decode goes first (sglang_ext.bucket_receiver)
     events_fd = os.dup(1)
     os.dup2(2, 1)  # anything printed by a library goes to the log, never into the event stream
     sys.stdout = sys.stderr
