@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _bench_fixtures import ensure_bench_fixtures, ensure_sized_adapters, rank_for_mib  # noqa: E402
-from decode_gap import Streams, Window, _now, abba, run_windows, summarize_pairs  # noqa: E402
+from decode_gap import Streams, Window, _now, abba, plugin_stalls, run_windows, summarize_pairs  # noqa: E402
 from publish_engine import Driver, _engine_phases, _lora_flags, _reset_peak, _status_mib  # noqa: E402
 
 from relax_glue.snapshot import Snapshot  # noqa: E402
@@ -82,8 +82,16 @@ def publish_window(
         def one(engine: str, results: dict[str, Any] = results) -> None:
             d = drivers[engine]
             times, name, attempt = d.staged(snap, payloads, None, collective=collective)
+            t_end = _now()
+            c0 = _now()
             d.cleanup(name, attempt)
-            results[engine] = {"total_ms": times["total_ms"], **_engine_phases(logs[engine], name)}
+            results[engine] = {
+                "total_ms": times["total_ms"],
+                # the scheduler's own work: the load + probe (end) and the unload (cleanup)
+                "load": (t_end - times["end_ms"] / 1e3, t_end),
+                "unload": (c0, _now()),
+                **_engine_phases(logs[engine], name),
+            }
 
         threads = [threading.Thread(target=one, args=(e,)) for e in drivers]
         for t in threads:
@@ -184,6 +192,8 @@ def main() -> int:
                         "max_gap_ratio": round(max_pub / max_quiet, 2) if max_quiet else None,
                         "p99_ratio": summary["p99_ratio"],
                         "pairs": summary["pairs"],
+                        # the largest gaps overlapping the scheduler's load / unload, and the rest
+                        "stalls": plugin_stalls(streams, windows),
                         "engine_main_peak_above_idle_mib": {
                             e: round(peak[e] - idle[e], 1) if peak[e] and idle[e] else None for e in pids
                         },
@@ -241,6 +251,12 @@ def main() -> int:
             f" {b['publish_ms_median'] or 0:10.1f}"
             f" {b['max_gap_publish_ms']:11.1f} {b['max_gap_quiet_ms']:7.1f} {b['max_gap_ratio'] or 0:6.2f}"
             f"   main peak {b['engine_main_peak_above_idle_mib']} receiver {b['receiver_peak_mib']}"
+        )
+        st = b["stalls"]
+        print(
+            f"{'':16} largest gap overlapping a load {st['max_gap_overlapping_load_ms']:.1f} ms, an unload"
+            f" {st['max_gap_overlapping_unload_ms']:.1f} ms, neither (the transfer)"
+            f" {st['max_gap_transfer_only_ms']:.1f} ms"
         )
     speedups = {}
     for s in sizes:
