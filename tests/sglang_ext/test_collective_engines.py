@@ -117,6 +117,31 @@ def assert_collective_publication_works(trainers, engine, snap, cleanup_after) -
     assert generate(engine.url, PROMPT, s.name).status_code == 200
 
 
+def begun(trainers, engine, snap, cleanup_after) -> tuple[GroupTrainer, Staged]:
+    """A collective attempt of ``snap`` on ``engine``, PREPARED (its receives posted)."""
+    t = trainers[engine.name]
+    s = t.staged(snap)
+    cleanup_after.append(s)
+    assert s.begin().status_code == 200
+    return t, s
+
+
+def in_background(send) -> None:
+    """A broadcast the engine refuses: the trainer's side fails or waits; the test goes on."""
+    threading.Thread(target=lambda: _suppress(send), daemon=True).start()
+
+
+def cleaned_and_serving(trainers, engine, s: Staged, snap, cleanup_after, *, new_group: bool) -> None:
+    """Every fault ends so: the attempt cleaned up, the engine generating, and a collective
+    publication working again (over a new group when the fault broke the old one)."""
+    assert s.cleanup().json()["state"] == "CLEANED"
+    cleanup_after.remove(s)
+    assert generate(engine.url, PROMPT).status_code == 200
+    if new_group:
+        reconnect(trainers, engine)
+    assert_collective_publication_works(trainers, engine, snap, cleanup_after)
+
+
 def test_collective_publication_on_two_engines_equals_http(
     engines, stock_engine, trainers, snaps, fixtures, a_sessions, cleanup_after
 ):
@@ -174,10 +199,7 @@ def test_corrupted_data_is_refused_and_the_group_stays_usable(
     engines, trainers, snaps, a_sessions, cleanup_after
 ):
     e = engines[0]
-    t = trainers[e.name]
-    s = t.staged(snaps["B"])
-    cleanup_after.append(s)
-    assert s.begin().status_code == 200
+    t, s = begun(trainers, e, snaps["B"], cleanup_after)
     buckets = s.buckets()
     before = visible_state(e.url)
     data = bytearray(tensor_bytes(buckets[0].payload))
@@ -193,25 +215,17 @@ def test_corrupted_data_is_refused_and_the_group_stays_usable(
     # kept the pair in step, so the group serves the next publication
     for b in buckets[1:]:
         t.send(s, b)
-    assert s.cleanup().json()["state"] == "CLEANED"
-    cleanup_after.remove(s)
-    assert_collective_publication_works(trainers, e, snaps["B"], cleanup_after)
+    cleaned_and_serving(trainers, e, s, snaps["B"], cleanup_after, new_group=False)
 
 
 def test_wrong_size_is_refused_before_any_byte_lands(engines, trainers, snaps, a_sessions, cleanup_after):
     e = engines[1]
-    t = trainers[e.name]
-    s = t.staged(snaps["B"])
-    cleanup_after.append(s)
-    assert s.begin().status_code == 200
+    t, s = begun(trainers, e, snaps["B"], cleanup_after)
     b0 = s.buckets()[0]
     before = visible_state(e.url)
     # the frame announces one byte more than the plan: refused on the frame, the data receive
     # is never posted (the sender's data broadcast then fails on its side)
-    sender = threading.Thread(
-        target=lambda: _suppress(lambda: t.send(s, b0, data=tensor_bytes(b0.payload) + b"\0")), daemon=True
-    )
-    sender.start()
+    in_background(lambda: t.send(s, b0, data=tensor_bytes(b0.payload) + b"\0"))
     r = t.ack(s, b0)
     assert r.status_code == 409 and error_code(r) == "TRANSFER_FAILED" and "announced" in r.text, r.text
     assert visible_state(e.url) == before
@@ -220,45 +234,28 @@ def test_wrong_size_is_refused_before_any_byte_lands(engines, trainers, snaps, a
     r = s2.begin()
     assert r.status_code == 409 and error_code(r) == "TRANSPORT_UNAVAILABLE", r.text
     assert s2.name not in versions(e.url)
-    assert s.cleanup().json()["state"] == "CLEANED"
-    cleanup_after.remove(s)
-    assert generate(e.url, PROMPT).status_code == 200
-    reconnect(trainers, e)
-    assert_collective_publication_works(trainers, e, snaps["B"], cleanup_after)
+    cleaned_and_serving(trainers, e, s, snaps["B"], cleanup_after, new_group=True)
 
 
 def test_more_bytes_than_announced_end_the_receiver_not_the_engine(
     engines, trainers, snaps, a_sessions, cleanup_after
 ):
     e = engines[1]
-    t = trainers[e.name]
-    s = t.staged(snaps["B"])
-    cleanup_after.append(s)
-    assert s.begin().status_code == 200
+    t, s = begun(trainers, e, snaps["B"], cleanup_after)
     b0 = s.buckets()[0]
     body = tensor_bytes(b0.payload)
     # a frame that tells the truth about the plan, then more data than it said: gloo aborts the
     # receiving process, which is the receiver, never the engine
-    sender = threading.Thread(
-        target=lambda: _suppress(lambda: t.send(s, b0, data=body + b"\0" * 4096, announce=len(body))),
-        daemon=True,
-    )
-    sender.start()
+    in_background(lambda: t.send(s, b0, data=body + b"\0" * 4096, announce=len(body)))
     r = t.ack(s, b0)
     assert r.status_code == 409 and error_code(r) == "TRANSFER_FAILED", r.text
     assert generate(e.url, PROMPT).status_code == 200
-    assert s.cleanup().json()["state"] == "CLEANED"
-    cleanup_after.remove(s)
-    reconnect(trainers, e)
-    assert_collective_publication_works(trainers, e, snaps["B"], cleanup_after)
+    cleaned_and_serving(trainers, e, s, snaps["B"], cleanup_after, new_group=True)
 
 
 def test_cleanup_during_a_transfer(engines, trainers, snaps, a_sessions, cleanup_after):
     e = engines[0]
-    t = trainers[e.name]
-    s = t.staged(snaps["B"])
-    cleanup_after.append(s)
-    assert s.begin().status_code == 200
+    t, s = begun(trainers, e, snaps["B"], cleanup_after)
     buckets = s.buckets()
     t.send(s, buckets[0])
     assert t.ack(s, buckets[0]).status_code == 200
@@ -312,14 +309,9 @@ def test_trainer_sigkilled_before_during_after_the_broadcast(
         r = ack.ack(s, buckets[count])
         assert r.status_code == 409 and error_code(r) == "TRANSFER_FAILED", r.text
         assert time.monotonic() - t0 < 20  # the dead peer is seen at once, not after 30 minutes
-        assert s.cleanup().json()["state"] == "CLEANED"
     else:
         assert s.end().json()["state"] == "READY_LOCAL"  # nothing was missing
-        assert s.cleanup().json()["state"] == "CLEANED"
-    cleanup_after.remove(s)
-    assert generate(e.url, PROMPT).status_code == 200
-    reconnect(trainers, e)
-    assert_collective_publication_works(trainers, e, snap, cleanup_after)
+    cleaned_and_serving(trainers, e, s, snap, cleanup_after, new_group=True)
 
 
 def _suppress(fn) -> None:
