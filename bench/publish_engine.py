@@ -192,27 +192,20 @@ class Driver:
             if r.json().get("state") != "PREPARED":
                 raise BenchError(f"begin: expected PREPARED, got {r.text[:500]}")
             t1 = time.perf_counter()
-            for b, source in zip(payloads, sources, strict=True):
+            if sender is not None:  # the whole bucket phase in one event loop, as the publisher
+                asyncio.run(self._collective_buckets(sender, name, attempt, payloads))
+            for b, source in zip(payloads, sources, strict=True) if sender is None else ():
                 meta = ReceiveBucketMeta(
-                    lora_name=name,
-                    attempt_token=attempt,
-                    index=b.spec.index,
-                    sha256=b.sha256,
-                    source=source,
-                    collective=collective,
+                    lora_name=name, attempt_token=attempt, index=b.spec.index, sha256=b.sha256, source=source
                 )
-                if sender is not None:
-                    break  # the whole bucket phase runs below, in one event loop
                 _check(
                     self.http.post(
                         Routes.RECEIVE_BUCKET,
-                        content=b.payload if source is None and not collective else b"",
+                        content=b.payload if source is None else b"",
                         headers=meta.to_headers(),
                     ),
                     f"receive_bucket {b.spec.index}/{len(payloads)} ({len(b.payload)} bytes)",
                 )
-            if sender is not None:
-                asyncio.run(self._collective_buckets(sender, name, attempt, payloads))
             t2 = time.perf_counter()
             r = _check(self.http.post(Routes.END, json={"lora_name": name, "attempt_token": attempt}), "end")
             if r.json().get("state") != "READY_LOCAL":

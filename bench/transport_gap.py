@@ -64,6 +64,11 @@ def receiver_pids(engine_pid: int) -> list[int]:
     return out
 
 
+def largest_gap(streams: Streams, windows: list[Window], kind: str) -> float:
+    """The largest gap (s) between two chunks of one stream in the windows of ``kind``."""
+    return max((max(streams.gaps(w.lo, w.hi), default=0) for w in windows if w.kind == kind), default=0)
+
+
 def publish_window(
     drivers: dict[str, Driver],
     snap: Snapshot,
@@ -175,9 +180,10 @@ def main() -> int:
                 }
                 summary = summarize_pairs(streams, windows, "publish")
                 pub = [w for w in windows if w.kind == "publish"]
-                quiet = [w for w in windows if w.kind == "quiet"]
-                max_pub = max((max(streams.gaps(w.lo, w.hi), default=0) for w in pub), default=0)
-                max_quiet = max((max(streams.gaps(w.lo, w.hi), default=0) for w in quiet), default=0)
+                max_pub, max_quiet = (
+                    largest_gap(streams, windows, "publish"),
+                    largest_gap(streams, windows, "quiet"),
+                )
                 totals = [ev[e]["total_ms"] for w in pub for ev in w.events for e in ev]
                 blocks.append(
                     {
@@ -225,10 +231,10 @@ def main() -> int:
 
             windows = run_windows(abba("connect", args.pairs), args.window_s, reconnect)
             summary = summarize_pairs(streams, windows, "connect")
-            act = [w for w in windows if w.kind == "connect"]
-            quiet = [w for w in windows if w.kind == "quiet"]
-            max_act = max((max(streams.gaps(w.lo, w.hi), default=0) for w in act), default=0)
-            max_quiet = max((max(streams.gaps(w.lo, w.hi), default=0) for w in quiet), default=0)
+            max_act, max_quiet = (
+                largest_gap(streams, windows, "connect"),
+                largest_gap(streams, windows, "quiet"),
+            )
             connect_block = {
                 "connect_ms_median": statistics.median(connect_ms) if connect_ms else None,
                 "connect_ms_all": [round(x, 1) for x in connect_ms],
