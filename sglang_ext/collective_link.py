@@ -191,13 +191,17 @@ class CollectiveLink:
             }
         )
 
+    def _arrival_of(self, job: str, index: int) -> asyncio.Future[None]:
+        fut = self._arrivals.get(job, {}).get(index)
+        if fut is None:
+            raise transfer_failed(f"bucket {index} is not expected over the collective group")
+        return fut
+
     async def arrival(self, job: str, index: int) -> None:
         """Wait (at most the plugin's timeout) until bucket ``index`` of ``job`` arrived whole.
         TRANSFER_FAILED when it cannot: the group broke, or the deadline passed (which breaks
         it: the sender is out of step or gone)."""
-        fut = self._arrivals.get(job, {}).get(index)
-        if fut is None:
-            raise transfer_failed(f"bucket {index} is not expected over the collective group")
+        fut = self._arrival_of(job, index)
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
         except TimeoutError:
@@ -207,10 +211,7 @@ class CollectiveLink:
     async def arrived_whole(self, job: str, index: int) -> None:
         """Wait, without a deadline of its own, for bucket ``index`` of ``job`` (TRANSFER_FAILED
         if the group breaks first)."""
-        fut = self._arrivals.get(job, {}).get(index)
-        if fut is None:
-            raise transfer_failed(f"bucket {index} is not expected over the collective group")
-        await asyncio.shield(fut)
+        await asyncio.shield(self._arrival_of(job, index))
 
     def arrived(self, job: str, index: int) -> bool:
         fut = self._arrivals.get(job, {}).get(index)
