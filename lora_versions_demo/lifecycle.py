@@ -68,12 +68,16 @@ class TurnRecord:
     adapter: str
     prefix: list[int]
     tokens: list[int]
+    cached_tokens: int = 0  # of the prompt, served from the engine's KV (radix) cache
     reference_ok: bool | None = None
 
 
 class Demo:
-    def __init__(self, engines: Sequence[Any], fixtures: Any, out_dir: Path, admin_key: str) -> None:
+    def __init__(
+        self, engines: Sequence[Any], fixtures: Any, out_dir: Path, admin_key: str, gateway_url: str
+    ) -> None:
         from relax_glue.engine_client import EngineClient
+        from relax_glue.gateway import GatewayClient
         from relax_glue.publisher import Publisher
         from relax_glue.registry import LoRAVersionRegistry
         from relax_glue.sessions import SessionManager
@@ -86,7 +90,10 @@ class Demo:
         self.reg = LoRAVersionRegistry(self.epoch, COHORT)
         self.clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
         self.pub = Publisher(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
-        self.sm = SessionManager(self.reg, self.clients, drain_timeout_s=10.0)
+        # Every generation goes through the smg gateway (the session key is its routing key);
+        # publication and reclaim talk to each engine directly.
+        self.gw = GatewayClient(gateway_url, self.clients)
+        self.sm = SessionManager(self.reg, self.clients, gateway=self.gw, drain_timeout_s=10.0)
         # Frozen snapshots of the fixture PEFT adapters, 16 KB buckets (several per adapter).
         self.snaps = {
             n: Snapshot.from_peft_dir(fixtures.adapter_dir(n), max_bucket_bytes=16 * 1024) for n in "ABC"
@@ -136,13 +143,16 @@ class Demo:
         prefix = list(self.history[label])
         body = {"input_ids": prefix, "sampling_params": _greedy(TURN_TOKENS)}
         if stream is None:
-            tokens = list((await s.generate(body))["output_ids"])
+            last = await s.generate(body)
         else:
-            tokens = []
+            last = {}
             async for chunk in s.generate_stream(body):
                 stream.append(time.monotonic())
-                tokens = list(chunk["output_ids"])
-        rec = TurnRecord(label, self.engine_of(s), s.lora_path, self.adapter_of[s.lora_path], prefix, tokens)
+                last = chunk
+        tokens = list(last["output_ids"])
+        cached = int(last.get("meta_info", {}).get("cached_tokens") or 0)
+        engine = s.requests[-1].engine_id  # as the gateway reported it for this very request
+        rec = TurnRecord(label, engine, s.lora_path, self.adapter_of[s.lora_path], prefix, tokens, cached)
         self.turns.append(rec)
         self.history[label] = [*prefix, *tokens, *TOOL_IDS]
         return rec
@@ -262,6 +272,12 @@ class Demo:
         for label in labels_a:
             await self.open(label)
         await asyncio.gather(*(self.turn(label) for label in labels_a))
+        # The gateway hashes each session key to an engine; the demo wants A traffic on both
+        # engines while B is published, so it opens sessions until the gateway used both.
+        while {self.engine_of(self.sessions[x]) for x in labels_a} != set(COHORT) and len(labels_a) < 16:
+            labels_a.append(f"S{len(labels_a) + 1}")
+            await self.open(labels_a[-1])
+            await self.turn(labels_a[-1])
         self.show_sessions(labels_a)
         self.check("every session is bound to A", {self.sessions[x].lora_path for x in labels_a} == {a})
         self.check(
@@ -323,7 +339,7 @@ class Demo:
 
         # 4 -------------------------------------------------------------------------
         self.step("new sessions bind B; the old ones stay on A (tool turns)")
-        labels_b = ["S5", "S6"]
+        labels_b = [f"S{len(labels_a) + 1}", f"S{len(labels_a) + 2}"]
         for label in labels_b:
             await self.open(label)
         await asyncio.gather(*(self.turn(x) for x in [*labels_a, *labels_b]))
@@ -374,7 +390,7 @@ class Demo:
         self.check("A is RECLAIMED (UNLOADED receipts from E0 and E1)", bool(results) and results[0].done)
         self.check("A was physically unloaded exactly once per engine", set(unload_counts.values()) == {1})
         try:
-            await self.clients["E0"].generate(
+            await self.gw.route("late-A").generate(
                 {
                     "input_ids": list(PROMPTS[0]),
                     "sampling_params": _greedy(2),
@@ -384,11 +400,11 @@ class Demo:
             )
             late = None
         except LoraVersionError as err:
-            late = err.code
+            late = err
         self.check(
-            "a late request naming A is refused (no fallback, no implicit reload)",
-            late is ErrorCode.VERSION_RECLAIMED,
-            late.value if late else "served",
+            "a late request naming A, through the gateway, is refused (no fallback, no implicit reload)",
+            late is not None and late.code is ErrorCode.VERSION_RECLAIMED,
+            f"{late.code.value} from {late.details.get('engine_id')}" if late else "served",
         )
         self.show_registry()
 
@@ -402,12 +418,13 @@ class Demo:
             "C committed; default is C",
             res.outcome is PublishOutcome.PUBLISHED and self.reg.status().default_lora_name == c,
         )
-        await self.open("S7")
-        await asyncio.gather(*(self.turn(x) for x in [*labels_b, "S7"]))
-        self.show_sessions([*labels_b, "S7"])
+        label_c = f"S{len(labels_a) + 3}"
+        await self.open(label_c)
+        await asyncio.gather(*(self.turn(x) for x in [*labels_b, label_c]))
+        self.show_sessions([*labels_b, label_c])
         self.check(
-            "S7 is bound to C; S5/S6 are still on B",
-            self.sessions["S7"].lora_path == c and {self.sessions[x].lora_path for x in labels_b} == {b},
+            f"{label_c} is bound to C; {'/'.join(labels_b)} are still on B",
+            self.sessions[label_c].lora_path == c and {self.sessions[x].lora_path for x in labels_b} == {b},
         )
         self.show_registry()
         await self.show_engines()
@@ -421,7 +438,8 @@ class Demo:
             not bad,
             [dataclasses.asdict(t) for t in bad][:3] or "",
         )
-        logs = [cl.audit for cl in self.clients.values()]
+        self.check_gateway()
+        logs = [cl.audit for cl in (*self.clients.values(), self.gw.client)]
         self.check("no pause / flush / abort-all endpoint was ever called", not forbidden_calls(logs))
         failed = [e for lg in logs for e in lg.entries(kind="generation") if e.outcome != "ok"]
         expected = {("late-A", "refused:VERSION_RECLAIMED")}  # S0's early turn was never sent
@@ -451,9 +469,37 @@ class Demo:
             )
             t.reference_ok = want == t.tokens
 
+    def check_gateway(self) -> None:
+        """Stickiness through the gateway: one engine per session, and what it buys (the share
+        of each later turn's prompt served from that engine's KV cache)."""
+        per_session: dict[str, set[str]] = collections.defaultdict(set)
+        later: list[TurnRecord] = []  # every turn but each session's first (which meets a cold cache)
+        for t in self.turns:
+            if t.session in per_session:
+                later.append(t)
+            per_session[t.session].add(t.engine)
+        prompt = sum(len(t.prefix) for t in later)
+        hit = sum(t.cached_tokens for t in later) / prompt if prompt else 0.0
+        self._step["gateway"] = {
+            "engines_per_session": {k: sorted(v) for k, v in per_session.items()},
+            "later_turns": len(later),
+            "cache_hit_rate_later_turns": round(hit, 3),
+        }
+        self.check(
+            "through the gateway, every session's turns ran on one engine (routing key = session key)",
+            all(len(v) == 1 for v in per_session.values()),
+            f"{len(per_session)} sessions, {len(self.turns)} turns",
+        )
+        self.check(
+            "later turns found their prefix in that engine's KV cache (cached / prompt tokens)",
+            hit >= 0.5,
+            f"{hit:.0%} over {len(later)} turns",
+        )
+
     async def aclose(self) -> None:
         for cl in self.clients.values():
             await cl.aclose()
+        await self.gw.aclose()
 
     def report(self) -> dict[str, Any]:
         return {
@@ -478,6 +524,8 @@ async def _unload_lines(log_path: Path, lora_id: str | None, expect: int = 1, ti
 
 
 def run_demo(out_dir: Path) -> int:
+    from relax_glue.devtools.gateway_process import running_gateway
+    from relax_glue.gateway import SMG_VERSION
     from sglang_ext.devtools.fixtures import ensure_fixtures
     from sglang_ext.devtools.launcher import EngineSpec, running_engines
 
@@ -498,15 +546,13 @@ def run_demo(out_dir: Path) -> int:
     t0 = time.monotonic()
     with running_engines(specs) as engines:
         print(f"[demo] both engines healthy after {time.monotonic() - t0:.1f}s")
-        demo = Demo(engines, fx, out_dir, admin_key)
-        t1 = time.monotonic()
-        try:
-            asyncio.run(_run(demo))
-        except Exception as exc:  # report what happened, still write demo.json
-            demo.check("the demo ran to the end", False, f"{type(exc).__name__}: {exc}")
-        report = demo.report()
-        report["run_s"] = round(time.monotonic() - t1, 1)
-        report["engine_start_s"] = round(t1 - t0, 1)
+        with running_gateway([e.url for e in engines], out_dir / "gateway.log") as gw:
+            print(
+                f"[demo] gateway smg {SMG_VERSION} at {gw.url} in front of E0/E1 "
+                "(consistent_hashing on X-SMG-Routing-Key = the session key, --disable-retries); "
+                "sessions generate through it, control calls go to each engine"
+            )
+            report = _run_demo(engines, fx, out_dir, admin_key, gw.url, t0)
     (out_dir / "demo.json").write_text(json.dumps(report, indent=2, default=str))
     n_ok = sum(c["ok"] for c in report["checks"])
     verdict = "ALL CHECKS HELD" if report["ok"] else "SOME CHECKS FAILED"
@@ -515,6 +561,22 @@ def run_demo(out_dir: Path) -> int:
         f"engines stopped; results in {out_dir / 'demo.json'}"
     )
     return 0 if report["ok"] else 1
+
+
+def _run_demo(
+    engines: Sequence[Any], fx: Any, out_dir: Path, admin_key: str, gateway_url: str, t0: float
+) -> dict[str, Any]:
+    demo = Demo(engines, fx, out_dir, admin_key, gateway_url)
+    t1 = time.monotonic()
+    try:
+        asyncio.run(_run(demo))
+    except Exception as exc:  # report what happened, still write demo.json
+        demo.check("the demo ran to the end", False, f"{type(exc).__name__}: {exc}")
+    report = demo.report()
+    report["run_s"] = round(time.monotonic() - t1, 1)
+    report["engine_start_s"] = round(t1 - t0, 1)
+    report["gateway"] = gateway_url
+    return report
 
 
 async def _run(demo: Demo) -> None:

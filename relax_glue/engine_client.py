@@ -513,6 +513,7 @@ class EngineClient:
         content: bytes | None = None,
         headers: Mapping[str, str] | None = None,
         outcome_of: Callable[[T], str] | None = None,
+        on_reply: Callable[[httpx.Response], None] | None = None,
     ) -> T:
         if path in FORBIDDEN_PATHS:  # defence in depth: no code path should get here
             raise ValueError(f"{path} is never called by this client")
@@ -536,6 +537,8 @@ class EngineClient:
                 classify_outcome(self.engine_id, op, error=exc)  # always raises OutcomeUnknown
                 raise
             status_code = response.status_code
+            if on_reply is not None:
+                on_reply(response)
             try:
                 result = classify_outcome(self.engine_id, op, response=response, parse=parse)
             except (LoraVersionError, OutcomeUnknown) as exc:
@@ -712,9 +715,17 @@ class EngineClient:
 
     # ------------------------------------------------------------------------ generation
 
-    async def generate(self, body: Mapping[str, Any]) -> dict[str, Any]:
+    async def generate(
+        self,
+        body: Mapping[str, Any],
+        *,
+        headers: Mapping[str, str] | None = None,
+        on_reply: Callable[[httpx.Response], None] | None = None,
+    ) -> dict[str, Any]:
         """One ``POST /generate``, sent exactly once. The body is sent as given (the session
-        layer puts ``lora_path`` and ``rid`` in it)."""
+        layer puts ``lora_path`` and ``rid`` in it). ``headers`` and ``on_reply`` (called with
+        the response before it is read as an outcome) serve a gateway in front of the engines:
+        the routing key out, the engine that served it back."""
         return await self._call(
             "generation",
             "generate",
@@ -724,10 +735,18 @@ class EngineClient:
             read_timeout=self.timeouts.generate,
             detail=str(body.get("rid", "")),
             json_body=dict(body),
+            headers=headers,
             outcome_of=generation_outcome,
+            on_reply=on_reply,
         )
 
-    async def generate_stream(self, body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate_stream(
+        self,
+        body: Mapping[str, Any],
+        *,
+        headers: Mapping[str, str] | None = None,
+        on_reply: Callable[[httpx.Response], None] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
         """Streaming ``POST /generate`` (``stream: true``): yields each SSE chunk as a dict.
 
         A refusal before the stream starts is classified like any reply; an error chunk with our
@@ -741,9 +760,15 @@ class EngineClient:
         try:
             try:
                 async with self.generation_http.stream(
-                    "POST", GENERATE_PATH, json=payload, timeout=self._timeout(self.timeouts.generate)
+                    "POST",
+                    GENERATE_PATH,
+                    json=payload,
+                    headers=headers,
+                    timeout=self._timeout(self.timeouts.generate),
                 ) as response:
                     status_code = response.status_code
+                    if on_reply is not None:
+                        on_reply(response)
                     if not 200 <= status_code < 300:
                         await response.aread()
                         classify_outcome(self.engine_id, op, response=response)

@@ -52,6 +52,7 @@ from relax_glue.engine_client import (
     generation_outcome,
     outcome_label,
 )
+from relax_glue.gateway import GatewayClient
 from relax_glue.registry_types import Binding, SessionKey, SessionView
 from relax_glue.router import Router, StickyRoundRobinRouter
 from sglang_ext.errors import ErrorCode, LoraVersionError
@@ -250,8 +251,9 @@ class Session:
     def _finish(self, flight: _InFlight, lora_path: str, outcome: str, started: float, t0: float) -> None:
         flight.done.set()
         self._in_flight.pop(flight.rid, None)
+        engine_id = self._m._served_by(flight.rid, flight.engine_id)
         self.requests.append(
-            RequestRecord(flight.rid, flight.engine_id, lora_path, outcome, started, time.monotonic() - t0)
+            RequestRecord(flight.rid, engine_id, lora_path, outcome, started, time.monotonic() - t0)
         )
 
     async def generate(self, body: Mapping[str, Any], *, rid: str | None = None) -> dict[str, Any]:
@@ -266,7 +268,7 @@ class Session:
         try:
             while True:
                 try:
-                    result = await self._m.engines[engine_id].generate(req)
+                    result = await self._m._target(self.key, engine_id).generate(req)
                     break
                 except (LoraVersionError, OutcomeUnknown) as err:
                     if not await self._wait_to_resend(err, engine_id, req["lora_path"], deadline):
@@ -293,7 +295,7 @@ class Session:
             while True:
                 streamed = False
                 try:
-                    async for chunk in self._m.engines[engine_id].generate_stream(req):
+                    async for chunk in self._m._target(self.key, engine_id).generate_stream(req):
                         streamed = True
                         aborted = generation_aborted(chunk)
                         yield chunk
@@ -335,7 +337,7 @@ class Session:
         elif err.code is ErrorCode.VERSION_NOT_READY:
             wait = float(err.details.get("retry_after_s") or err.retry_after_s or m.resend_interval_s)
         elif err.code is ErrorCode.UNKNOWN_VERSION and m.on_version_missing is not None:
-            await m.on_version_missing(engine_id, lora_path)
+            await m.on_version_missing(str(err.details.get("engine_id") or engine_id), lora_path)
             wait = m.resend_interval_s
         else:
             return False
@@ -368,7 +370,7 @@ class Session:
                 f"{rid!r} is not a turn with an unknown outcome", unknown_rids=list(self._unknown_turns)
             )
         try:
-            await self._m.engines[turn.engine_id].abort_request(rid)
+            await self._m._target(self.key, turn.engine_id).abort_request(rid)
         except OutcomeUnknown as exc:
             # Refused connection: no engine process listens there, so nothing of ours runs. Any
             # other failure leaves the turn unsettled (it may still run): the caller asks again.
@@ -383,7 +385,7 @@ class Session:
         flight = self._in_flight.get(rid)
         if flight is None:
             return False
-        await self._m.engines[flight.engine_id].abort_request(rid)
+        await self._m._target(self.key, flight.engine_id).abort_request(rid)
         return True
 
     # ---------------------------------------------------------------------------- close
@@ -428,7 +430,8 @@ class Session:
         while self._in_flight:
             flights = list(self._in_flight.values())
             results = await asyncio.gather(
-                *(self._m.engines[f.engine_id].abort_request(f.rid) for f in flights), return_exceptions=True
+                *(self._m._target(self.key, f.engine_id).abort_request(f.rid) for f in flights),
+                return_exceptions=True,
             )
             for r in results:
                 if isinstance(r, BaseException) and not isinstance(r, LoraVersionError | OutcomeUnknown):
@@ -464,6 +467,7 @@ class SessionManager:
         engines: Mapping[str, EngineAPI],
         *,
         router: Router | None = None,
+        gateway: GatewayClient | None = None,
         drain_timeout_s: float = 30.0,
         abort_interval_s: float = 0.5,
         registry_retries: int = 0,
@@ -476,7 +480,12 @@ class SessionManager:
         # A registry object is wrapped in an in-process client; a client passed in keeps its own retries.
         self.registry = AsyncRegistryClient.of(registry, retries=registry_retries)
         self.engines: dict[str, EngineAPI] = dict(engines)
-        self.router: Router = router or StickyRoundRobinRouter(sorted(self.engines))
+        if gateway is not None and router is not None:
+            raise ValueError("either a gateway routes the sessions or a router does, not both")
+        # Through a gateway, the gateway picks the engine (by the session key); without one, the
+        # in-process sticky router does (tests with in-memory engines, setups with no gateway).
+        self.gateway = gateway
+        self.router: Router = gateway or router or StickyRoundRobinRouter(sorted(self.engines))
         self.drain_timeout_s = drain_timeout_s
         self.abort_interval_s = abort_interval_s
         # Bound on re-sending a request refused before admission (VERSION_NOT_READY, or
@@ -494,6 +503,19 @@ class SessionManager:
         self.renewals = 0
         self._epoch: str | None = None
         self._sessions: dict[SessionKey, Session] = {}
+
+    def _target(self, session_key: SessionKey, engine_id: str) -> EngineAPI:
+        """Where a session's request (or an abort of one) goes: its route through the gateway,
+        or the engine the router picked."""
+        if self.gateway is not None:
+            return self.gateway.route(session_key)  # type: ignore[return-value]
+        return self.engines[engine_id]
+
+    def _served_by(self, rid: str, engine_id: str) -> str:
+        """The engine that served ``rid`` (through a gateway: as the gateway reported it)."""
+        if self.gateway is not None:
+            return self.gateway.served_by(rid) or engine_id
+        return engine_id
 
     @property
     def sessions(self) -> Mapping[SessionKey, Session]:
