@@ -57,6 +57,7 @@ def gateway_command(
     host: str = "127.0.0.1",
     executable: str = "smg",
     retries: bool = False,
+    metrics_port: int | None = None,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """The one place that knows how the gateway is launched in front of a cohort.
@@ -81,6 +82,10 @@ def gateway_command(
         "--log-level",
         "warn",
     ]
+    if metrics_port is not None:
+        # smg serves its own Prometheus metrics on 0.0.0.0:29000 unless told otherwise, so a
+        # second gateway on one host fails to start; give each its port, on the same host.
+        cmd += ["--prometheus-host", host, "--prometheus-port", str(metrics_port)]
     if not retries:
         cmd.append("--disable-retries")  # RFC 4.2: the gateway never resends a turn on its own
     return [*cmd, *extra_args]

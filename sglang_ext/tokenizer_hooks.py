@@ -31,8 +31,17 @@ INTERNAL_FIELDS = (
     "num_items_assigned",
     "encoder_urls",
 )
-# Also refused in a raw /generate body (set legitimately by the OpenAI layer or internal only).
-HTTP_ONLY_FORBIDDEN = ("received_time", "positional_embed_overrides", "return_bytes")
+# The fields a raw /generate body may not set, with GenerateReqInput's default for each (sglang
+# 0.5.23): the internal fields above, and three set legitimately only by the OpenAI layer or
+# internally. A body that names a field with exactly its default changes nothing and is
+# accepted: a gateway that re-serializes the request (smg 1.13.0 writes "return_bytes": false
+# into every /generate body it buffers for retries) is not a forger. Any other value is refused.
+RAW_FIELD_DEFAULTS: dict[str, Any] = {
+    **dict.fromkeys(INTERNAL_FIELDS),
+    "received_time": None,
+    "positional_embed_overrides": None,
+    "return_bytes": False,
+}
 # Req.extra_key = client extra_key + lora_id (plain concatenation): a base request whose extra_key
 # ends like a lora_id would share that adapter's prefix-cache namespace.
 _LORA_ID_SUFFIX = re.compile(r"[0-9a-f]{32}$")
@@ -82,6 +91,12 @@ def check_servable(names: list[str]) -> None:
         err = state.table.request_gate(name, state.native.lora_id_of(name), probing=managed_call.get())
         if err is not None:
             raise refuse(err.code, err.message, **err.details)
+
+
+def raw_forbidden_fields(body: dict[str, Any]) -> list[str]:
+    """Engine-internal fields a raw request body sets to anything but their upstream default
+    (``is``: JSON null and false are singletons; 0 is not false here)."""
+    return sorted(f for f, default in RAW_FIELD_DEFAULTS.items() if f in body and body[f] is not default)
 
 
 def forbidden_fields(obj: Any) -> list[str]:
@@ -236,9 +251,7 @@ async def precheck_generate(original: Any, obj: Any, request: Any, *args: Any, *
     """AROUND http_server.serve_generate_request (looked up at call time by the /generate route)."""
     try:
         body = await request.json()
-        raw_bad = (
-            sorted(set(body) & set(INTERNAL_FIELDS + HTTP_ONLY_FORBIDDEN)) if isinstance(body, dict) else []
-        )
+        raw_bad = raw_forbidden_fields(body) if isinstance(body, dict) else []
         bad = sorted(set(raw_bad) | set(forbidden_fields(obj)))
         if bad:
             raise refuse(

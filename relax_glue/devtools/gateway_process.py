@@ -116,7 +116,12 @@ def start_gateway(
 ) -> GatewayProcess:
     port = port or _free_port()
     cmd = gateway_command(
-        worker_urls, port=port, executable=smg_executable(), retries=retries, extra_args=extra_args
+        worker_urls,
+        port=port,
+        executable=smg_executable(),
+        retries=retries,
+        metrics_port=_free_port(),
+        extra_args=extra_args,
     )
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:

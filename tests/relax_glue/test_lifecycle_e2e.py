@@ -11,192 +11,56 @@ without any managed version it created.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _admin_key import ADMIN_KEY
 from _e2e_helpers import (
+    COHORT,
     PROMPTS,
     TOOL_IDS,
     Gate,
     Interceptor,
-    References,
-    Transcript,
+    World,
     abort_and_resume,
-    aclose_all,
     assert_clean_audit,
     begins_for,
     corrupt_bucket,
     engine_versions,
     greedy,
-    live_versions,
+    lora_paths,
     lose_bucket,
-    make_clients,
     new_epoch,
-    purge,
+    reach,
     snapshot_of,
     turn,
     unload_lines,
+    vstate,
+    wait_until,
     write_json,
 )
 
 from relax_glue.devtools.fault_injection import FaultInjectingClient
-from relax_glue.engine_client import EngineAPI
-from relax_glue.publisher import Publisher, PublishOutcome, PublishResult
-from relax_glue.registry import LoRAVersionRegistry
-from relax_glue.registry_types import AttemptPhase, VersionKey, VersionState
-from relax_glue.sessions import Session, SessionManager
+from relax_glue.publisher import PublishOutcome
+from relax_glue.registry_types import AttemptPhase, VersionState
+from relax_glue.sessions import Session
 from sglang_ext import protocol as wire
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
 pytestmark = pytest.mark.engine
 
-COHORT = ("E0", "E1")
 S = wire.EngineVersionState
 
 
 @pytest.fixture(scope="module")
 def snaps(fixtures) -> dict:
     return {name: snapshot_of(fixtures.adapter_dir(name)) for name in ("A", "B", "C")}
-
-
-async def reach(gate: Gate, task: asyncio.Task, timeout_s: float = 60.0) -> None:
-    """Wait until the held call arrived at ``gate``; fail at once if the publication ended first."""
-    waiter = asyncio.ensure_future(gate.reached.wait())
-    done, _ = await asyncio.wait({waiter, task}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    if waiter not in done:
-        waiter.cancel()
-        if task in done:
-            raise AssertionError(f"the publication ended before reaching the gate: {task.result()}")
-        raise AssertionError(f"the gate was not reached within {timeout_s}s")
-
-
-async def wait_until(pred: Callable[[], Any], timeout_s: float = 60.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-class World:
-    """One test's deployment: a registry of its own epoch, real clients for E0/E1, the
-    publisher, the session manager and the stock baselines. ``async with`` tears it down:
-    sessions closed, every managed version of this epoch removed from the engines."""
-
-    def __init__(
-        self,
-        engines: tuple,
-        stock: Any,
-        fixtures: Any,
-        *,
-        registry: Any = None,
-        cohort: tuple[str, ...] = COHORT,
-        epoch: str | None = None,
-        store: Any = None,
-        transport: str = "http",
-    ) -> None:
-        self.store = store
-        self.epoch = epoch or new_epoch()
-        self.cohort = cohort
-        self.reg = registry if registry is not None else LoRAVersionRegistry(self.epoch, cohort)
-        self.clients: dict[str, Any] = make_clients(engines, ADMIN_KEY, cohort, transport)
-        self.pub_engines: dict[str, EngineAPI] = dict(self.clients)
-        self.pub = self._publisher()
-        self.sm = SessionManager(self.reg, self.clients, drain_timeout_s=10.0)
-        self.refs = References(stock.url, {n: fixtures.adapter_dir(n) for n in ("A", "B", "C")})
-        self.adapter_of: dict[str, str] = {}  # lora_name -> fixture adapter
-        self.name_of: dict[str, str] = {}  # version id -> lora_name
-        self.tx = Transcript()
-        self.extra_clients: list[Any] = []
-
-    def _publisher(self) -> Publisher:
-        return Publisher(
-            self.reg,
-            self.pub_engines,
-            reclaim_wait_s=1.0,
-            reclaim_poll_s=0.05,
-            reclaim_deadline_s=60.0,
-            store=self.store,
-        )
-
-    def wrap(self, engine: str, wrapper: Any) -> Any:
-        """The publisher talks to ``engine`` through ``wrapper`` (around the real client)."""
-        self.pub_engines[engine] = wrapper
-        self.pub = self._publisher()
-        return wrapper
-
-    def unwrap(self) -> None:
-        self.pub_engines = dict(self.clients)
-        self.pub = self._publisher()
-
-    @property
-    def marker(self) -> str:
-        return f"@{self.epoch}-"
-
-    def key(self, vid: str) -> VersionKey:
-        return VersionKey(self.epoch, vid)
-
-    def note(self, snap: Any, vid: str, adapter: str) -> str:
-        name = snap.lora_name(wire.DEFAULT_LORA_PREFIX, self.epoch, vid)
-        self.adapter_of[name] = adapter
-        self.name_of[vid] = name
-        return name
-
-    async def publish(self, snaps: Mapping[str, Any], adapter: str, vid: str | None = None) -> PublishResult:
-        vid = vid or adapter
-        self.note(snaps[adapter], vid, adapter)
-        return await self.pub.publish(snaps[adapter], vid)
-
-    async def reg_call(self, op: str, **kw: Any) -> Any:
-        return await getattr(self.pub.registry, op)(**kw)
-
-    async def version(self, vid: str) -> Any:
-        return await self.reg_call("version", version_key=self.key(vid))
-
-    async def status(self) -> Any:
-        return await self.reg_call("status")
-
-    async def __aenter__(self) -> World:
-        # The contract between modules sharing E0/E1: nobody leaves a managed version behind.
-        live = await live_versions(self.clients)
-        for engine, names in live.items():
-            assert not names, f"{engine} starts with managed versions another test left behind: {names}"
-        return self
-
-    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        try:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.sm.close_all(), 30)
-            left = await purge(self.clients, self.marker)
-            assert not any(left.values()), f"versions left on the engines: {left}"
-        except Exception:
-            if exc is None:
-                raise  # otherwise the test's own failure is the one to report, not the purge's
-        finally:
-            await self.refs.aclose()
-            await aclose_all([*self.clients.values(), *self.extra_clients])
-
-
-def vstate(view: Any) -> VersionState | None:
-    return None if view is None else view.state
-
-
-def lora_paths(s: Session) -> set[str]:
-    return {r.lora_path for r in s.requests}
 
 
 # =============================================================================== RFC 3.4
