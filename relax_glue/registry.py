@@ -146,7 +146,7 @@ MUTATING_OPS: tuple[str, ...] = (
     "claim_reclaim",
     "confirm_reclaim",
 )
-QUERY_OPS: tuple[str, ...] = ("status", "binding_of", "session", "version", "dump")
+QUERY_OPS: tuple[str, ...] = ("status", "binding_of", "session", "sessions", "version", "dump")
 # Ops that take the registry's clock as an argument (``now``, unix seconds). The registry stays
 # pure: whoever hosts it (the actor, an in-process client) stamps ``now`` once, before the call,
 # and the journal keeps it, so a replay makes the same decisions.
@@ -847,6 +847,16 @@ class LoRAVersionRegistry:
     def session(self, session_key: SessionKey | Sequence[str]) -> SessionView | None:
         s = self._sessions.get(self._session_key(session_key))
         return self._session_view(s) if s else None
+
+    def sessions(self, include_closed: bool = False, limit: int | None = None) -> tuple[SessionView, ...]:
+        """Sessions in the order they were opened (the newest ``limit`` of them); CLOSED
+        tombstones only when ``include_closed``. For operators: the registry's own view."""
+        views = [
+            self._session_view(s)
+            for s in self._sessions.values()
+            if include_closed or s.state is not SessionState.CLOSED
+        ]
+        return tuple(views if limit is None else views[-limit:] if limit > 0 else [])
 
     # ================================================================ invariants and dumps
 

@@ -138,6 +138,9 @@ class RegistryOps:
     def session(self, session_key: SessionKey | Sequence[str]) -> SessionView | None:
         return self._dispatch("session", session_key=session_key)
 
+    def sessions(self, include_closed: bool = False, limit: int | None = None) -> tuple[SessionView, ...]:
+        return self._dispatch("sessions", include_closed=include_closed, limit=limit)
+
     def dump(self) -> str:
         return self._dispatch("dump")
 

@@ -67,6 +67,7 @@ __all__ = [
     "StoreError",
     "StoreLockedError",
     "StoreMismatchError",
+    "read_registry",
 ]
 
 # 2: the registry's per-engine records renamed from *Receipt to *Evidence (journal type tags).
@@ -287,6 +288,30 @@ class DurableRegistry(RegistryOps):
             with contextlib.suppress(sqlite3.Error):
                 self._conn.execute("ROLLBACK")
             raise StoreBrokenError(f"commit to {self.path} failed: {exc!r}; reopen the store") from exc
+
+
+def read_registry(path: str | os.PathLike[str]) -> LoRAVersionRegistry:
+    """A point-in-time copy of the registry in ``path``, read without the writer lock (for
+    operators: ``lora-versions status`` while the trainer holds the registry). Opened read-only
+    (WAL readers never block the writer); the copy is never written back."""
+    path = Path(path)
+    if not path.exists():
+        raise StoreError(f"{path}: no registry database")
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+    try:
+        conn.execute("BEGIN")  # one snapshot of the checkpoint and the journal after it
+        try:
+            if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
+                raise StoreMismatchError(f"{path} is not a LoRA version registry database")
+            meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+            fresh = LoRAVersionRegistry(
+                meta["epoch"], tuple(loads(meta["engines"])), int(meta["capacity"]), debug_checks=False
+            )
+            return _replay(conn, path, fresh)
+        finally:
+            conn.execute("ROLLBACK")
+    finally:
+        conn.close()
 
 
 def _take_writer_lock(path: Path) -> int:

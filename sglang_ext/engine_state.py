@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sglang_ext.metrics import NO_METRICS, Metrics
 from sglang_ext.names import MANAGED_CAPACITY
 from sglang_ext.protocol import EngineStatus
 from sglang_ext.staging import local_source_dir
@@ -65,6 +66,7 @@ class EngineState:
     publication: PublicationService | None = None
     reclaim: ReclaimService | None = None
     collective: CollectiveLink | None = None
+    metrics: Metrics = NO_METRICS
     body_limits: BodyLimits = field(default_factory=BodyLimits.from_env)
     # where a trainer on this host may hand buckets over as files (None: bodies only)
     local_source_dir: Path | None = field(default_factory=local_source_dir)
@@ -79,6 +81,10 @@ class EngineState:
         from sglang_ext.staging import StagingArea
         from sglang_ext.version_table import VersionTable
 
+        if upstream.metrics_enabled():
+            from sglang_ext.metrics import VersionMetrics
+
+            self.metrics = VersionMetrics()
         self.native = NativeLora(tokenizer_manager)
         self.table = VersionTable(
             self.incarnation,
@@ -92,7 +98,7 @@ class EngineState:
         self.publication = PublicationService(
             self.table, self.native, staging, locks, log=log_line, collective=self.collective
         )
-        self.reclaim = ReclaimService(self.table, self.native, locks)
+        self.reclaim = ReclaimService(self.table, self.native, locks, metrics=self.metrics)
 
     def status(self) -> EngineStatus:
         versions = ()

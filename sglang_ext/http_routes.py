@@ -22,6 +22,7 @@ from sglang_ext import hook_timing
 from sglang_ext.bucket_receiver import BucketReceiver
 from sglang_ext.engine_state import BodyLimits, EngineState, engine_state
 from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.metrics import NO_METRICS
 from sglang_ext.plugin import log_line
 from sglang_ext.protocol import (
     BUCKET_CONTENT_TYPE,
@@ -40,6 +41,8 @@ from sglang_ext.wire import invalid
 
 
 def error_response(err: LoraVersionError) -> JSONResponse:
+    """The one way a typed refusal leaves the engine (control and generation routes alike)."""
+    engine_state().metrics.refused(err.code.value)
     retry = err.retry_after_s
     headers = {"Retry-After": str(retry)} if retry is not None else None
     return JSONResponse(err.to_body(), status_code=err.http_status, headers=headers)
@@ -54,9 +57,12 @@ def _ok(model: Any) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json"))
 
 
-def _removal_reply(reply: Any) -> JSONResponse:
+def _removal_reply(reply: Any, op: dict[str, str]) -> JSONResponse:
     """A reclaim or cleanup: 200 once done, 202 while DRAINING (not an error: it goes on)."""
-    status = 202 if isinstance(reply, DrainingReply) else 200
+    draining = isinstance(reply, DrainingReply)
+    if draining:
+        op["outcome"] = "draining"
+    status = 202 if draining else 200
     return JSONResponse(reply.model_dump(mode="json"), status_code=status)
 
 
@@ -168,8 +174,9 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
 
     @router.post(Routes.BEGIN)
     async def lora_versions_begin(request: Request) -> Any:
-        req = await json_body(request, BeginRequest)
-        return _ok(await _serving(state.publication).begin(req))
+        with state.metrics.timed_op("begin"):
+            req = await json_body(request, BeginRequest)
+            return _ok(await _serving(state.publication).begin(req))
 
     @router.post(Routes.RECEIVE_BUCKET)
     async def lora_versions_receive_bucket(request: Request) -> Any:
@@ -207,7 +214,8 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
             fill = acknowledge_collective
         else:
             fill = read_bucket if meta.source is None else read_local_source
-        return _ok(await service.receive_bucket(meta, fill))
+        with state.metrics.timed_op("bucket"):
+            return _ok(await service.receive_bucket(meta, fill))
 
     @router.post(Routes.COLLECTIVE_CONNECT)
     async def lora_versions_collective_connect(request: Request) -> Any:
@@ -223,18 +231,21 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
 
     @router.post(Routes.END)
     async def lora_versions_end(request: Request) -> Any:
-        req = await json_body(request, EndRequest)
-        return _ok(await _serving(state.publication).end(req))
+        with state.metrics.timed_op("end"):
+            req = await json_body(request, EndRequest)
+            return _ok(await _serving(state.publication).end(req))
 
     @router.post(Routes.CLEANUP)
     async def lora_versions_cleanup(request: Request) -> Any:
-        req = await json_body(request, CleanupRequest)
-        return _removal_reply(await _serving(state.publication).cleanup(req))
+        with state.metrics.timed_op("cleanup") as op:
+            req = await json_body(request, CleanupRequest)
+            return _removal_reply(await _serving(state.publication).cleanup(req), op)
 
     @router.post(Routes.RECLAIM)
     async def lora_versions_reclaim(request: Request) -> Any:
-        req = await json_body(request, ReclaimRequest)
-        return _removal_reply(await _serving(state.reclaim).reclaim(req))
+        with state.metrics.timed_op("reclaim") as op:
+            req = await json_body(request, ReclaimRequest)
+            return _removal_reply(await _serving(state.reclaim).reclaim(req), op)
 
     if hook_timing.enabled():
 
@@ -255,6 +266,24 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
     return router.routes
 
 
+class RefreshMetricsOnScrape:
+    """ASGI middleware: a GET of SGLang's ``/metrics`` first sets the per-version gauges from
+    the engine's own status (states and native in-flight counts as of the scrape). Every other
+    request passes through with one path comparison."""
+
+    def __init__(self, app: Any, refresh: Callable[[], None]) -> None:
+        self.app = app
+        self.refresh = refresh
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") == "http" and scope.get("path", "").startswith("/metrics"):
+            try:
+                self.refresh()
+            except Exception as exc:  # a scrape must never fail on our gauges
+                log_line(f"metrics refresh failed: {type(exc).__name__}: {exc}")
+        await self.app(scope, receive, send)
+
+
 def install(app: Any, state: EngineState, guard: Callable[[Any], Any] = lambda endpoint: endpoint) -> None:
     """Mount the control routes of ``state`` and the typed-error handlers on ``app``; ``guard``
     marks every route's auth level (identity for an app without SGLang's auth middleware)."""
@@ -272,4 +301,6 @@ def mount(app: Any, server_args: Any, tokenizer_manager: Any) -> None:
     state = engine_state()
     state.attach(server_args, tokenizer_manager)
     install(app, state, guard=admin_optional)
+    if state.metrics is not NO_METRICS:
+        app.add_middleware(RefreshMetricsOnScrape, refresh=lambda: state.metrics.refresh(state.status()))
     app.state.lora_versions_mounted = True

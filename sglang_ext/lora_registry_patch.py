@@ -81,6 +81,8 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "TokenizerManager": ("sglang.srt.managers.tokenizer_manager", "TokenizerManager"),
     "OpenAIServingBase": ("sglang.srt.entrypoints.openai.serving_base", "OpenAIServingBase"),
     "ConcurrentCounter": ("sglang.srt.utils.common", "ConcurrentCounter"),
+    # the observability settings http_server reads to mount /metrics (--enable-metrics)
+    "get_observability": ("sglang.srt.runtime_context", "get_observability"),
 }
 
 # (symbol, attribute) that must exist on the class itself.
@@ -295,6 +297,12 @@ def resolved_server_args(server_args: Any) -> Any:
 
 def http_app() -> Any:
     return symbol("http_app")
+
+
+def metrics_enabled() -> bool:
+    """True when SGLang serves /metrics (``--enable-metrics``): the same switch
+    ``http_server._setup_and_run_http_server`` reads before ``add_prometheus_middleware``."""
+    return bool(getattr(symbol("get_observability")(), "enable_metrics", False))
 
 
 def admin_optional(endpoint: Callable[..., Any]) -> Callable[..., Any]:

@@ -10,6 +10,9 @@ on, and a later call with the same ``reclaim_id`` resumes it. The wait never hol
 
 from __future__ import annotations
 
+import time
+
+from sglang_ext.metrics import NO_METRICS, Metrics
 from sglang_ext.native_lora import NativeEdge
 from sglang_ext.protocol import DrainingReply, ReclaimRequest, UnloadedReceipt
 from sglang_ext.publication import NameLocks, remove_version
@@ -17,10 +20,14 @@ from sglang_ext.version_table import ReclaimDecision, VersionTable, in_flight_an
 
 
 class ReclaimService:
-    def __init__(self, table: VersionTable, native: NativeEdge, locks: NameLocks) -> None:
+    def __init__(
+        self, table: VersionTable, native: NativeEdge, locks: NameLocks, metrics: Metrics = NO_METRICS
+    ) -> None:
         self.table = table
         self.native = native
         self._locks = locks
+        self._metrics = metrics
+        self._drain_started: dict[str, float] = {}  # lora_name -> when its reclaim started
 
     def _unloaded(self, req: ReclaimRequest) -> UnloadedReceipt:
         return UnloadedReceipt(
@@ -33,8 +40,11 @@ class ReclaimService:
             if v is not None:  # checked before anything changes: a negative count never drains
                 anomaly = in_flight_anomaly(req.lora_name, self.native.in_flight(v.lora_id))
                 if anomaly is not None:
+                    self._metrics.anomaly("negative_in_flight")
                     raise anomaly
             decision = self.table.start_reclaim(req.lora_name, req.reclaim_id)
+            if decision is ReclaimDecision.START:
+                self._drain_started[req.lora_name] = time.monotonic()
             if decision in (ReclaimDecision.DONE, ReclaimDecision.NOT_LOADED):
                 return self._unloaded(req)
         # Not under the name lock: a repeat call (same reclaim id) joins the drain instead of queueing.
@@ -48,6 +58,9 @@ class ReclaimService:
                 return self._unloaded(req)
             if left is None:
                 self.table.finish_reclaim(req.lora_name, req.reclaim_id)
+                started = self._drain_started.pop(req.lora_name, None)
+                if started is not None:
+                    self._metrics.drained(time.monotonic() - started)
                 return self._unloaded(req)
             return DrainingReply(
                 lora_name=req.lora_name,

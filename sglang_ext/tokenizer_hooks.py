@@ -202,10 +202,16 @@ async def serve_only_ready_managed_versions(
         return await original(self, obj, *args, **kwargs)
     check_servable(managed)
     try:
-        return await original(self, obj, *args, **kwargs)
+        result = await original(self, obj, *args, **kwargs)
     except ValueError:
         check_servable(managed)
         raise
+    from sglang_ext.engine_state import engine_state
+
+    metrics = engine_state().metrics
+    for name in managed:
+        metrics.served(name)  # acquired: admitted for that version
+    return result
 
 
 def release_only_what_was_acquired(original: Any, self: Any, state: Any) -> Any:

@@ -184,6 +184,43 @@ def build_command(spec: EngineSpec, port: int) -> list[str]:
     return cmd
 
 
+def gpu_launch_command(
+    model: str | Path,
+    *,
+    port: int = 30000,
+    host: str = "0.0.0.0",
+    max_lora_rank: int = 64,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The launch line for a CUDA host, run with ``SGLANG_LORA_VERSIONS=1`` in the environment
+    (never ``SGLANG_EXT_CPU_DEV``). Not run here: no machine of ours has a GPU.
+
+    What the plugin requires and why: LoRA on, room for two pinned managed versions plus one
+    free slot (``--max-loras-per-batch`` and ``--max-loaded-loras`` 3 or more), the overlap
+    scheduler off (the deferred-free hazard is not proven closed on GPU), tp 1, one tokenizer
+    worker; it refuses to start otherwise. ``--enable-metrics`` adds the plugin's series to
+    ``/metrics``; add ``--admin-api-key`` to guard the control routes."""
+    return [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        *LORA_FLAGS[:5],  # LoRA on, 3 per batch, 3 loaded
+        "--max-lora-rank",
+        str(max_lora_rank),
+        "--lora-target-modules",
+        "all",
+        "--disable-overlap-schedule",
+        "--enable-metrics",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *extra_args,
+    ]
+
+
 def build_env(spec: EngineSpec) -> dict[str, str]:
     env = dict(os.environ)
     env.pop(PLUGIN_SWITCH_ENV, None)
