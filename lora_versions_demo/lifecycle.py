@@ -1,6 +1,7 @@
-"""The main job: the full lifecycle of immutable LoRA versions on two real CPU SGLang engines.
+"""The main job: the full lifecycle of immutable LoRA versions on real CPU SGLang engines.
 
-Two engines E0/E1 (plugin on, admin key on the control endpoints) serve the tiny fixture Qwen3;
+A cohort of engines (E0/E1 by default, ``--engines N``; plugin on, admin key on the control
+endpoints) serves the tiny fixture Qwen3 behind the smg gateway;
 the trainer side is the real ``relax_glue`` stack: the registry (in process), the publisher
 (staged begin / ordered buckets / end / commit, reclaim), the session layer (first-bind, the
 exact ``lora_path`` on every request, close) and the engine client (separate pools, audit log).
@@ -41,7 +42,13 @@ TOOL_IDS: tuple[int, ...] = (
 )  # fmt: skip
 TURN_TOKENS = 8
 EPOCH = "demo"
-COHORT = ("E0", "E1")
+DEFAULT_ENGINES = 2
+
+
+def cohort_of(n: int) -> tuple[str, ...]:
+    if n < 1:
+        raise ValueError("the demo needs at least one engine")
+    return tuple(f"E{i}" for i in range(n))
 
 
 def _greedy(n: int) -> dict[str, Any]:
@@ -87,7 +94,9 @@ class Demo:
         self.fx = fixtures
         self.out_dir = out_dir
         self.epoch = EPOCH
-        self.reg = LoRAVersionRegistry(self.epoch, COHORT)
+        self.cohort = tuple(e.name for e in engines)
+        self.all_engines = "both engines" if len(self.cohort) == 2 else f"all {len(self.cohort)} engines"
+        self.reg = LoRAVersionRegistry(self.epoch, self.cohort)
         self.clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
         self.pub = Publisher(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
         # Every generation goes through the smg gateway (the session key is its routing key);
@@ -195,7 +204,9 @@ class Demo:
     async def show_engines(self) -> dict[str, dict[str, str]]:
         view = await self.engine_view()
         names = sorted({n for v in view.values() for n in v})
-        self.show(["engine", *names], [[e, *(view[e].get(n, "-") for n in names)] for e in COHORT], "engines")
+        self.show(
+            ["engine", *names], [[e, *(view[e].get(n, "-") for n in names)] for e in self.cohort], "engines"
+        )
         return view
 
     def session_rows(self, labels: Sequence[str]) -> list[list[Any]]:
@@ -259,7 +270,7 @@ class Demo:
         )
         res = await self.pub.publish(self.snaps["A"], "A")
         self.show_publish("A", res)
-        self.check("A committed on E0 and E1", res.outcome is PublishOutcome.PUBLISHED)
+        self.check(f"A committed on {'/'.join(self.cohort)}", res.outcome is PublishOutcome.PUBLISHED)
         self.check(
             f"A travelled in {len(self.snaps['A'].bucket_plan)} ordered buckets",
             len(self.snaps["A"].bucket_plan) > 1,
@@ -274,15 +285,15 @@ class Demo:
         await asyncio.gather(*(self.turn(label) for label in labels_a))
         # The gateway hashes each session key to an engine; the demo wants A traffic on both
         # engines while B is published, so it opens sessions until the gateway used both.
-        while {self.engine_of(self.sessions[x]) for x in labels_a} != set(COHORT) and len(labels_a) < 16:
+        while {self.engine_of(self.sessions[x]) for x in labels_a} != set(self.cohort) and len(labels_a) < 24:
             labels_a.append(f"S{len(labels_a) + 1}")
             await self.open(labels_a[-1])
             await self.turn(labels_a[-1])
         self.show_sessions(labels_a)
         self.check("every session is bound to A", {self.sessions[x].lora_path for x in labels_a} == {a})
         self.check(
-            "the A sessions run on both engines",
-            {self.engine_of(self.sessions[x]) for x in labels_a} == set(COHORT),
+            f"the A sessions run on {self.all_engines}",
+            {self.engine_of(self.sessions[x]) for x in labels_a} == set(self.cohort),
         )
 
         # 3 -------------------------------------------------------------------------
@@ -310,7 +321,7 @@ class Demo:
         self.check("B committed", res.outcome is PublishOutcome.PUBLISHED)
         self.check("no A request failed while B was published", not errors, errors or "")
         gaps_during, gaps_before = [], []
-        per_engine = dict.fromkeys(COHORT, 0)
+        per_engine = dict.fromkeys(self.cohort, 0)
         for label, ts in stamps.items():
             engine = self.engine_of(self.sessions[label])
             per_engine[engine] += sum(1 for t in ts if pub_lo <= t <= pub_hi)
@@ -331,7 +342,9 @@ class Demo:
             f"{gap_row['max_gap_during_publication_ms']} ms during the {gap_row['publication_ms']} ms "
             f"publication; tokens streamed during it: {per_engine}"
         )
-        self.check("both engines kept decoding during the publication", all(per_engine.values()), per_engine)
+        self.check(
+            f"{self.all_engines} kept decoding during the publication", all(per_engine.values()), per_engine
+        )
         self.check(
             "the A sessions stayed on A",
             all(t.lora_path == a for t in self.turns if t.session in labels_a),
@@ -382,12 +395,15 @@ class Demo:
         results = await self.pub.reclaim_ready()
         rows = []
         unload_counts = {}
-        for eid in COHORT:
+        for eid in self.cohort:
             unload_counts[eid] = await _unload_lines(self.engines[eid].log_path, lora_ids[eid])
             r = results[0].engines.get(eid, "-") if results else "-"
             rows.append([eid, r, lora_ids[eid], unload_counts[eid]])
         self.show(["engine", "reclaim", "engine-local lora_id", "unload log lines"], rows, "reclaim")
-        self.check("A is RECLAIMED (UNLOADED receipts from E0 and E1)", bool(results) and results[0].done)
+        self.check(
+            f"A is RECLAIMED (UNLOADED receipts from {'/'.join(self.cohort)})",
+            bool(results) and results[0].done,
+        )
         self.check("A was physically unloaded exactly once per engine", set(unload_counts.values()) == {1})
         try:
             await self.gw.route("late-A").generate(
@@ -523,7 +539,7 @@ async def _unload_lines(log_path: Path, lora_id: str | None, expect: int = 1, ti
         await asyncio.sleep(0.1)
 
 
-def run_demo(out_dir: Path) -> int:
+def run_demo(out_dir: Path, n_engines: int = DEFAULT_ENGINES) -> int:
     from relax_glue.devtools.gateway_process import running_gateway
     from relax_glue.gateway import SMG_VERSION
     from sglang_ext.devtools.fixtures import ensure_fixtures
@@ -533,6 +549,7 @@ def run_demo(out_dir: Path) -> int:
     print("[demo] preparing fixtures (tiny Qwen3 + BPE tokenizer + adapters A/B/C; cached)")
     fx = ensure_fixtures()
     admin_key = secrets.token_hex(16)
+    cohort = cohort_of(n_engines)
     specs = [
         EngineSpec(
             name=n,
@@ -540,15 +557,15 @@ def run_demo(out_dir: Path) -> int:
             log_path=out_dir / f"{n}.log",
             extra_args=["--admin-api-key", admin_key],
         )
-        for n in COHORT
+        for n in cohort
     ]
-    print(f"[demo] starting E0 and E1 in parallel (CPU dev mode, plugin on; logs in {out_dir})")
+    print(f"[demo] starting {'/'.join(cohort)} in parallel (CPU dev mode, plugin on; logs in {out_dir})")
     t0 = time.monotonic()
     with running_engines(specs) as engines:
-        print(f"[demo] both engines healthy after {time.monotonic() - t0:.1f}s")
+        print(f"[demo] {len(cohort)} engines healthy after {time.monotonic() - t0:.1f}s")
         with running_gateway([e.url for e in engines], out_dir / "gateway.log") as gw:
             print(
-                f"[demo] gateway smg {SMG_VERSION} at {gw.url} in front of E0/E1 "
+                f"[demo] gateway smg {SMG_VERSION} at {gw.url} in front of {'/'.join(cohort)} "
                 "(consistent_hashing on X-SMG-Routing-Key = the session key, --disable-retries); "
                 "sessions generate through it, control calls go to each engine"
             )

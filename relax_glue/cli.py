@@ -306,8 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         type=Path,
         default=Path(".runs") / "demo" / time.strftime("%Y%m%d-%H%M%S"),
-        help="logs, demo.json",
+        help="where engine logs and demo.json go",
     )
+    demo.add_argument("--engines", type=int, default=2, help="engines in the cohort (default 2)")
 
     status = sub.add_parser("status", parents=[common, cohort], help="registry and every engine")
     status.add_argument("--registry", default=None, help="sqlite:PATH or ray:EPOCH[@ADDRESS] (optional)")
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from lora_versions_demo.lifecycle import run_demo
 
-        return run_demo(args.out)
+        return run_demo(args.out, args.engines)
     from relax_glue.engine_client import OutcomeUnknown
     from relax_glue.store import StoreError, StoreLockedError
     from sglang_ext.errors import LoraVersionError

@@ -82,6 +82,21 @@ class Snapshot:
         )
 
     @classmethod
+    def from_peft_model(
+        cls, model: Any, adapter_name: str = "default", *, max_bucket_bytes: int = BUCKET_TARGET_BYTES
+    ) -> Snapshot:
+        """Freeze the adapter of a live PEFT model (what a trainer holds between steps): the
+        same tensor names and config that ``model.save_pretrained`` would write, so the snapshot
+        (and its digest) equals :meth:`from_peft_dir` of that saved directory."""
+        from peft import get_peft_model_state_dict
+
+        tensors = get_peft_model_state_dict(model, adapter_name=adapter_name)
+        config = model.peft_config[adapter_name].to_dict()
+        # A PeftConfig holds sets (target_modules); save_pretrained writes them as lists.
+        config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+        return cls.from_tensors(config, tensors, max_bucket_bytes=max_bucket_bytes)
+
+    @classmethod
     def from_peft_dir(cls, path: str | Path, *, max_bucket_bytes: int = BUCKET_TARGET_BYTES) -> Snapshot:
         config, tensors = read_peft_dir(path)
         return cls.from_tensors(config, tensors, max_bucket_bytes=max_bucket_bytes)

@@ -617,6 +617,7 @@ async def test_live_traffic_keeps_decoding_on_both_engines_during_publication(
 
 
 RESTART_TESTS = {
+    "test_a_cohort_of_three_engines_publishes_serves_and_reclaims",
     "test_engine_restart_between_ready_and_commit_is_not_committed_until_ready_again",
     "test_engine_killed_between_ready_and_commit_blocks_the_commit_until_it_answers",
     "test_engine_killed_after_commit_serves_its_sessions_exact_versions_again",
@@ -649,6 +650,39 @@ def spare_engine(request, engines, fixtures, run_dir):
         yield holder
     finally:
         stop_engine(holder["engine"])
+
+
+async def test_a_cohort_of_three_engines_publishes_serves_and_reclaims(
+    engines, stock_engine, fixtures, snaps, spare_engine
+) -> None:
+    """N engines, N = 3: A and B are staged on E0, E1 and E2 and committed only when all three
+    are READY; C is refused at capacity; the A sessions spread over the three engines stay on A
+    and equal the baselines; once they close, A is reclaimed with one unload per engine."""
+    e2 = spare_engine["engine"]
+    await asyncio.to_thread(e2.wait_healthy, 300.0)
+    cohort = ("E0", "E1", "E2")
+    async with World((*engines, e2), stock_engine, fixtures, cohort=cohort) as w:
+        res_a = await w.publish(snaps, "A")
+        assert res_a.outcome is PublishOutcome.PUBLISHED
+        assert w.reg.version(w.key("A")).attempt_phases == dict.fromkeys(cohort, AttemptPhase.READY)
+        s_a = [await w.sm.open(f"S{i}") for i in range(3)]  # round robin: one per engine
+        for i, s in enumerate(s_a):
+            await turn(w.tx, s, PROMPTS[i], 8)
+        assert {s.requests[-1].engine_id for s in s_a} == set(cohort)
+        assert (await w.publish(snaps, "B")).outcome is PublishOutcome.PUBLISHED
+        refused = await w.publish(snaps, "C")
+        assert refused.error is not None and refused.error.code is ErrorCode.CAPACITY_ERROR
+        for i, s in enumerate(s_a):
+            await turn(w.tx, s, [*PROMPTS[i], *TOOL_IDS], 8, kind="tool")
+        assert all(lora_paths(s) == {w.name_of["A"]} for s in s_a)
+        assert not await w.tx.mismatches(w.refs, w.adapter_of)
+        for s in s_a:
+            await s.close()
+        done = await w.pub.reclaim_ready()
+        assert [r.version_key for r in done if r.done] == [w.key("A")]
+        assert set(done[0].engines) == set(cohort) and set(done[0].engines.values()) == {"UNLOADED"}
+        views = {eid: await engine_versions(c, w.marker) for eid, c in w.clients.items()}
+        assert all(v[w.name_of["A"]].state is S.UNLOADED for v in views.values())
 
 
 async def test_engine_restart_between_ready_and_commit_is_not_committed_until_ready_again(

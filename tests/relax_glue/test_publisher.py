@@ -661,3 +661,25 @@ def test_resolve_has_one_action_for_every_engine_state():
         resolve_action(status(EngineVersionState.READY_LOCAL, attempt_token="other"), token, digest)
         is ResolveAction.DOOMED
     )
+
+
+# ---------------------------------------------------------------------------- N engines
+
+THREE = ("E0", "E1", "E2")
+
+
+async def test_a_cohort_of_three_commits_only_when_all_three_are_ready_and_reclaims_on_all() -> None:
+    w = World(new_registry(engines=THREE), make_cluster(THREE))
+    w.fakes["E2"].fail("end", code=ErrorCode.LOAD_FAILED)
+    res = await w.publish("A")
+    assert res.outcome is PublishOutcome.FAILED_CLEAN, res  # E0/E1 READY are not enough
+    assert set(w.engine_states("A").values()) <= {EngineVersionState.CLEANED, None}
+    assert w.status().slots_used == 0
+    for vid in ("B", "C"):
+        assert (await w.publish(vid)).outcome is PublishOutcome.PUBLISHED
+    assert w.version("B").attempt_phases == dict.fromkeys(THREE, AttemptPhase.READY)
+    (done,) = await w.pub.reclaim_ready()  # B retired with no session refs
+    assert done.done and done.engines == dict.fromkeys(THREE, "UNLOADED")
+    assert w.version("B").reclaim_phases == dict.fromkeys(THREE, ReclaimPhase.UNLOADED)
+    assert set(w.engine_states("B").values()) == {EngineVersionState.UNLOADED}
+    assert w.cluster.audit.forbidden() == []
