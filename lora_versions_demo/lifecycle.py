@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import itertools
 import json
 import secrets
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -539,7 +541,17 @@ async def _unload_lines(log_path: Path, lora_id: str | None, expect: int = 1, ti
         await asyncio.sleep(0.1)
 
 
-def run_demo(out_dir: Path, n_engines: int = DEFAULT_ENGINES) -> int:
+def run_demo(out_dir: Path, n_engines: int = DEFAULT_ENGINES, *, as_json: bool = False) -> int:
+    """Run the demo; ``as_json``: the tables go to stderr and the report (demo.json) to stdout."""
+    if not as_json:
+        return _demo(out_dir, n_engines)
+    with contextlib.redirect_stdout(sys.stderr):
+        code = _demo(out_dir, n_engines)
+    print((out_dir / "demo.json").read_text())
+    return code
+
+
+def _demo(out_dir: Path, n_engines: int) -> int:
     from relax_glue.devtools.gateway_process import running_gateway
     from relax_glue.gateway import SMG_VERSION
     from sglang_ext.devtools.fixtures import ensure_fixtures

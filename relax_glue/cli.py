@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from lora_versions_demo.lifecycle import run_demo
 
-        return run_demo(args.out, args.engines)
+        return run_demo(args.out, args.engines, as_json=args.json)
     from relax_glue.engine_client import OutcomeUnknown
     from relax_glue.store import StoreError, StoreLockedError
     from sglang_ext.errors import LoraVersionError

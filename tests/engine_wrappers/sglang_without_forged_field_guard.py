@@ -12,6 +12,6 @@ import sys
 import sglang_ext.tokenizer_hooks as hooks
 
 hooks.forbidden_fields = lambda obj: []  # the AROUND hook on generate_request lets lora_id through
-hooks.INTERNAL_FIELDS = ()  # the HTTP pre-check lets it through too
+hooks.raw_forbidden_fields = lambda body: []  # the HTTP pre-check lets it through too
 sys.argv[0] = "sglang.launch_server"
 runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)

@@ -154,3 +154,42 @@ def test_usage_errors_are_typed_and_exit_2(tmp_path: Path) -> None:
         "publish", str(tmp_path), "--version-id", "x", "--registry", f"sqlite:{tmp_path / 'n.db'}"
     )
     assert code == 2 and "epoch" in out["error"]["message"]
+
+
+def test_the_engine_command_starts_a_cpu_engine_with_the_plugin_and_stops_it_on_interrupt(
+    tmp_path: Path,
+) -> None:
+    import signal
+
+    import httpx
+
+    from sglang_ext.devtools.launcher import free_port
+
+    port = free_port()
+    log = tmp_path / "engine.log"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "relax_glue.cli", "engine", "--port", str(port), "--log", str(log), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        text, record = "", None
+        assert p.stdout is not None
+        for line in p.stdout:  # the record is printed once the engine is healthy
+            text += line
+            try:
+                record = json.loads(text)
+                break
+            except json.JSONDecodeError:
+                continue
+        assert record is not None and record["url"] == f"http://127.0.0.1:{port}", (text, p.stderr)
+        status = httpx.get(f"{record['url']}/lora_versions", timeout=10)
+        assert status.status_code == 200 and status.json()["versions"] == []  # the plugin is on
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{record['url']}/health", timeout=5)
+    finally:
+        if p.poll() is None:
+            p.kill()

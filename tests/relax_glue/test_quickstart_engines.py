@@ -52,26 +52,26 @@ async def test_the_readme_quickstart_runs_as_written(engines, fixtures, monkeypa
         first = await ns["after_training_step"](model, 1)
         assert first.outcome is PublishOutcome.PUBLISHED, first
         episodes = await asyncio.gather(*(ns["rollout"](list(p), list(TOOL_IDS)) for p in PROMPTS))
-        assert all(len(e) == 32 for e in episodes)
+        assert all(0 < len(e) <= 32 for e in episodes), episodes  # two sampled turns each
 
         a_training_step(model)
         second = await ns["after_training_step"](model, 2)
         assert second.outcome is PublishOutcome.PUBLISHED and second.digest != first.digest
-        # step-1 is retired and unreferenced but still holds its slot: the third publication is
-        # refused with CAPACITY_ERROR, the block reclaims step-1 and publishes again
+        # step1 is retired and unreferenced but still holds its slot: the third publication is
+        # refused with CAPACITY_ERROR, the block reclaims step1 and publishes again
         a_training_step(model)
         third = await ns["after_training_step"](model, 3)
         assert third.outcome is PublishOutcome.PUBLISHED, third
         states = {v.version_key.version_id: v.state for v in registry.status().versions}
         assert states == {
-            "step-1": VersionState.RECLAIMED,
-            "step-2": VersionState.RETIRED,
-            "step-3": VersionState.PUBLISHED,
+            "step1": VersionState.RECLAIMED,
+            "step2": VersionState.RETIRED,
+            "step3": VersionState.PUBLISHED,
         }
-        assert registry.version(VersionKey("run-1", "step-1")).session_refs == 0
+        assert registry.version(VersionKey("run1", "step1")).session_refs == 0
         await ns["rollout"](list(PROMPTS[0]), list(TOOL_IDS))
         assert registry.status().sessions["CLOSED"] == len(PROMPTS) + 1  # every episode released once
     finally:
-        left = await purge(clients, "@run-1-")
+        left = await purge(clients, "@run1-")
         await aclose_all(clients.values())
         assert not any(left.values()), left
