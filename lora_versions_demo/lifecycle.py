@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from relax_glue.cli import table
+
 PROMPTS: tuple[tuple[int, ...], ...] = (
     (302, 356, 417, 494, 439),  # "The quick brown" in the fixture tokenizer
     (2, 87, 82, 293, 202, 90, 72, 492, 313),
@@ -55,14 +57,6 @@ def cohort_of(n: int) -> tuple[str, ...]:
 
 def _greedy(n: int) -> dict[str, Any]:
     return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in headers], *[[str(c) for c in r] for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join("  " + line for line in lines)
 
 
 def _toks(tokens: Sequence[int], k: int = 8) -> str:
@@ -133,7 +127,7 @@ class Demo:
         return bool(ok)
 
     def show(self, headers: Sequence[str], rows: Sequence[Sequence[Any]], key: str) -> None:
-        print(_table(headers, rows))
+        print(table(headers, rows))
         self._step[key] = [dict(zip(headers, r, strict=True)) for r in rows]
 
     # --------------------------------------------------------------------- helpers

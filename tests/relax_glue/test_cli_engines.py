@@ -55,6 +55,13 @@ async def test_the_cli_runs_a_publication_lifecycle_on_real_engines(
     cohort = [f"E0={engines[0].url}", f"E1={engines[1].url}"]
     clients = make_clients(engines, ADMIN_KEY)
     marker = f"@{epoch}-"
+
+    def publish(adapter: str) -> tuple[int, Any, str]:
+        return cli(
+            "publish", str(fixtures.adapter_dir(adapter)), "--version-id", adapter, "--registry", registry,
+            cohort=cohort,
+        )  # fmt: skip
+
     try:
         # --- publish A from its PEFT directory: a new registry (epoch + cohort), progress on stderr
         code, a, err = cli(
@@ -81,39 +88,15 @@ async def test_the_cli_runs_a_publication_lifecycle_on_real_engines(
             assert e["consistent"] is True, e
             assert {v["lora_name"]: v["state"] for v in e["versions"]}[a["lora_name"]] == "READY_LOCAL"
 
-        code, locked, _ = cli(
-            "publish",
-            str(fixtures.adapter_dir("B")),
-            "--version-id",
-            "B",
-            "--registry",
-            registry,
-            cohort=cohort,
-        )
+        code, locked, _ = publish("B")
         assert code == 1 and locked["error"]["code"] == "REGISTRY_LOCKED" and locked["error"]["hint"], locked
         await sm.aclose()
         store.close()  # the trainer steps aside; the session stays OPEN on A in the registry
 
         # --- B is published (A retired, still referenced); C is refused with its hint
-        code, b, _ = cli(
-            "publish",
-            str(fixtures.adapter_dir("B")),
-            "--version-id",
-            "B",
-            "--registry",
-            registry,
-            cohort=cohort,
-        )
+        code, b, _ = publish("B")
         assert code == 0 and b["outcome"] == "PUBLISHED", b
-        code, c, _ = cli(
-            "publish",
-            str(fixtures.adapter_dir("C")),
-            "--version-id",
-            "C",
-            "--registry",
-            registry,
-            cohort=cohort,
-        )
+        code, c, _ = publish("C")
         assert code == 1 and c["outcome"] == "REFUSED" and c["error"]["code"] == "CAPACITY_ERROR", c
         code, nothing, _ = cli("reclaim", "--registry", registry, cohort=cohort)
         assert code == 0 and nothing == [], "A still has a session ref: nothing may be reclaimed"
