@@ -30,6 +30,10 @@ COLLECTIVE_TIMEOUT_ENV = "SGLANG_LORA_VERSIONS_COLLECTIVE_TIMEOUT_S"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0
 # what starting the receiver (a Python process importing torch) may take on top of the rendezvous
 RECEIVER_START_ALLOWANCE_S = 60.0
+# How long a cleanup waits for receives still landing before it kills the receiver with them: a
+# trainer's broadcast returns once its bytes are on the wire, so a cleanup right after the last
+# send would otherwise break a healthy group on a guess. A dead trainer costs only this much more.
+SETTLE_S = 1.0
 
 
 def collective_timeout_s() -> float:
@@ -216,6 +220,14 @@ class CollectiveLink:
     def arrived(self, job: str, index: int) -> bool:
         fut = self._arrivals.get(job, {}).get(index)
         return fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
+
+    async def settle(self, job: str, timeout_s: float = SETTLE_S) -> None:
+        """Wait at most ``timeout_s`` for ``job``'s pending receives to land (they may be the
+        last bytes of a transfer the trainer already finished), so that :meth:`drop` only kills
+        the receiver for a transfer that is really still going."""
+        pending = [f for f in self._arrivals.get(job, {}).values() if not f.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
 
     def drop(self, job: str) -> None:
         """The attempt is over (READY, or cleaned up). If some of its receives are still pending,

@@ -434,6 +434,9 @@ class PublicationService:
                                 in_flight=left,
                                 incarnation=self.table.incarnation,
                             )
+                    stash = self._stashes.get(key)
+                    if stash is not None and self.collective is not None:
+                        await self.collective.settle(stash.job)  # bytes still landing, not a dead sender
                     self._forget(key)
                     self._loads.pop(key, None)
                     return self.table.finish_cleanup(req.lora_name, req.attempt_token)

@@ -158,6 +158,37 @@ async def test_dropping_a_pending_transfer_kills_the_receiver_at_once(tmp_path: 
     await link.close()
 
 
+async def test_a_cleanup_right_after_the_last_send_lets_the_bytes_land_and_keeps_the_group(
+    tmp_path: Path,
+) -> None:
+    """The trainer's broadcast returns once its bytes are on the wire, before the receiver has
+    reported them: settle() waits for them (bounded), so the drop that follows breaks nothing.
+    Seen in CI before settle existed: a cleanup right after the last send broke a healthy group."""
+    link, trainer = await connected()
+    data = os.urandom(64 << 20)
+    path = part_file(tmp_path, "p0", 16 + len(data))
+    link.expect("job-1", TAG, [ExpectedBucket(0, len(data), path, 16)])
+    sending = asyncio.create_task(asyncio.to_thread(trainer.send, 0, data))
+    await asyncio.sleep(0.02)  # the bytes are on their way, not yet reported
+    await link.settle("job-1")
+    link.drop("job-1")
+    await sending
+    assert link.state is LinkState.CONNECTED and path.read_bytes()[16:] == data
+    await link.close()
+
+
+async def test_settle_is_bounded_for_a_sender_that_never_comes(tmp_path: Path) -> None:
+    link, _trainer = await connected(timeout_s=60.0)
+    path = part_file(tmp_path, "p0", 16 + 100)
+    link.expect("job-1", TAG, [ExpectedBucket(0, 100, path, 16)])
+    t0 = asyncio.get_running_loop().time()
+    await link.settle("job-1", timeout_s=0.5)
+    assert 0.4 < asyncio.get_running_loop().time() - t0 < 5
+    link.drop("job-1")  # then the receiver goes with the pending receive, as before
+    assert link.state is LinkState.BROKEN
+    await link.close()
+
+
 async def test_a_rendezvous_nobody_joins_is_bounded_and_typed() -> None:
     store = host_store("127.0.0.1", 0, 2.0)  # a store, but no rank 0 ever joins the group
     link = CollectiveLink(timeout_s=2.0)
