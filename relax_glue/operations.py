@@ -14,9 +14,9 @@ Where the registry lives, as the CLI names it (``--registry``):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -113,20 +113,6 @@ async def open_registry(
 # ------------------------------------------------------------------------------ status views
 
 
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=_default))
-
-
-def _default(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json")
-    if isinstance(value, Mapping):
-        return dict(value)
-    return str(value)
-
-
 def registry_record(status: StatusView) -> dict[str, Any]:
     return {
         "epoch": status.epoch,
@@ -147,7 +133,7 @@ def registry_record(status: StatusView) -> dict[str, Any]:
             }
             for v in status.versions
         ],
-        "unknown_outcomes": _jsonable(list(status.unknown_outcomes)),
+        "unknown_outcomes": [dataclasses.asdict(u) for u in status.unknown_outcomes],
     }
 
 
@@ -178,7 +164,6 @@ async def cohort_status(
     """The registry's view and every engine's own, side by side; ``consistent`` says whether
     each engine runs the incarnation the registry knows (False: a restart the registry has not
     seen yet, which the publisher's next run or ``resolve`` handles)."""
-    import asyncio
 
     engines = dict(
         zip(clients, await asyncio.gather(*(_engine_record(c) for c in clients.values())), strict=True)
