@@ -7,21 +7,30 @@ no installed file is edited.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sglang_ext import lora_registry_patch as upstream
+
+logger = logging.getLogger(__name__)
 
 
 def refuse_unsupported_setup(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE ServerArgs.check_server_args: called by Engine._launch_subprocesses in the main
     process after ``resolve_once()``, so the view below holds the resolved values."""
     from sglang_ext.plugin import refuse_to_start
-    from sglang_ext.setup_checks import setup_problems
+    from sglang_ext.setup_checks import overlap_proof_active, setup_problems
 
     verify_hooks_applied(upstream.MAIN_PROCESS_TARGETS)
-    problems = setup_problems(upstream.resolved_server_args(server_args))
+    resolved = upstream.resolved_server_args(server_args)
+    problems = setup_problems(resolved)
     if problems:
         refuse_to_start("; ".join(problems))
+    if overlap_proof_active(resolved):
+        logger.warning(
+            "lora-versions: the overlap scheduler is ON for the GPU proof test only; reclaim is NOT "
+            "proven safe with it (gpu_tests/README.md). Never serve this way."
+        )
     return None
 
 

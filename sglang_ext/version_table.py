@@ -51,11 +51,34 @@ def may_unload_now(v: ManagedVersion | None, in_flight: int | None) -> bool:
     """The one predicate for "may this managed version be physically unloaded now" (the vLLM seed's
     lesson: release and eviction paths share one rule). Only a version whose removal has started
     (reclaim, or cleanup of a never-committed candidate) and whose native in-flight count is
-    exactly zero; a negative or unknown count never qualifies."""
+    exactly zero; a negative or unknown count never qualifies.
+
+    Without the overlap scheduler (which the plugin refuses, ``setup_checks``), a count of zero
+    also means every GPU step that read the adapter's slot has completed: SGLang's normal loop
+    processes a batch's results before it plans the next. Under overlap it does not (a finish is
+    streamed while the next batch, still holding the finished request's row, runs on the GPU);
+    the fence that would close it is :func:`step_fence_passed`, a third term of this predicate
+    evaluated in the scheduler process (gpu_tests/README.md, "The overlap scheduler")."""
     if v is None:
         return True  # not managed: stock rules apply
     removal_started = v.state is S.RECLAIMING or v.cleaning
     return removal_started and in_flight == 0
+
+
+@dataclass(frozen=True)
+class LaunchedBatch:
+    """A batch the scheduler launched whose results it may not have processed yet: the engine-
+    local LoRA ids its rows read, and whether its GPU work is known complete (None: unknown)."""
+
+    lora_ids: frozenset[str]
+    done: bool | None
+
+
+def step_fence_passed(lora_id: str, launched: list[LaunchedBatch]) -> bool:
+    """The step fence of the vLLM seed (free only after the step that used the resource has
+    completed), for one adapter: every launched batch either has no row on ``lora_id`` or is known
+    complete. An unknown completion never passes: nothing is freed on a guess."""
+    return all(lora_id not in b.lora_ids or b.done is True for b in launched)
 
 
 def in_flight_anomaly(lora_name: str, in_flight: int | None) -> LoraVersionError | None:

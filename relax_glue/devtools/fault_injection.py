@@ -34,6 +34,9 @@ class FaultKind(StrEnum):
     DROP_REPLY = "DROP_REPLY"  # the request is sent and processed; its reply is discarded
     FAIL_BEFORE_SEND = "FAIL_BEFORE_SEND"  # the request never leaves: the engine sees nothing
     HOOK_BEFORE_SEND = "HOOK_BEFORE_SEND"  # a hook runs (e.g. kills the engine), then the call goes out
+    # receive_bucket only: the payload goes out with its last byte flipped (its checksum header
+    # unchanged), so the engine must refuse it (CHECKSUM_MISMATCH): a clean partial failure.
+    CORRUPT_PAYLOAD = "CORRUPT_PAYLOAD"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +93,9 @@ class FaultInjectingClient:
         self._hooks[(op, nth)] = hook
         return self._add(op, nth, FaultKind.HOOK_BEFORE_SEND)
 
+    def corrupt_bucket(self, nth: int = 1) -> FaultInjectingClient:
+        return self._add("receive_bucket", nth, FaultKind.CORRUPT_PAYLOAD)
+
     def disarm(self) -> list[tuple[str, int, FaultKind]]:
         """Drop every fault not injected yet (returned); later calls all pass through."""
         left = self.pending()
@@ -120,6 +126,10 @@ class FaultInjectingClient:
         if kind is FaultKind.HOOK_BEFORE_SEND:
             await self._hooks.pop((op, nth))()
             self.injected.append(InjectedFault(self.engine_id, op, nth, kind, "-"))
+        if kind is FaultKind.CORRUPT_PAYLOAD:
+            meta, payload = args
+            self.injected.append(InjectedFault(self.engine_id, op, nth, kind, "-"))
+            return await self.inner.receive_bucket(meta, payload[:-1] + bytes([payload[-1] ^ 0xFF]))
         if kind in (None, FaultKind.HOOK_BEFORE_SEND):
             return await getattr(self.inner, op)(*args)
         try:

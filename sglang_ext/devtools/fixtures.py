@@ -167,10 +167,12 @@ def _write_model(model_dir: Path) -> dict:
     return write_random_qwen3(model_dir, TINY_SHAPE, seed=MODEL_SEED, std=0.2)
 
 
-def write_random_qwen3(model_dir: Path, shape: dict, *, seed: int, std: float) -> dict:
-    """A Qwen3 of ``shape`` with every matrix drawn from N(0, std), saved beside the tokenizer
-    already in ``model_dir``; returns its config. (The default init gives near-flat logits, and
-    the greedy outputs of base and adapters would be too similar to tell apart.)"""
+def write_random_qwen3(
+    model_dir: Path, shape: dict, *, seed: int, std: float, dtype: str = "float32"
+) -> dict:
+    """A Qwen3 of ``shape`` with every matrix drawn from N(0, std), saved in ``dtype`` beside the
+    tokenizer already in ``model_dir``; returns its config. (The default init gives near-flat
+    logits, and the greedy outputs of base and adapters would be too similar to tell apart.)"""
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -181,7 +183,7 @@ def write_random_qwen3(model_dir: Path, shape: dict, *, seed: int, std: float) -
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
         bos_token_id=None,
-        torch_dtype="float32",
+        torch_dtype=dtype,
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
@@ -190,6 +192,7 @@ def write_random_qwen3(model_dir: Path, shape: dict, *, seed: int, std: float) -
         for _, p in sorted(model.named_parameters()):
             if p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
+    model.to(getattr(torch, dtype))
     model.save_pretrained(str(model_dir), safe_serialization=True)
     return json.loads((model_dir / "config.json").read_text())
 
@@ -236,14 +239,17 @@ def adapter_config(rank: int) -> dict:
     }
 
 
-def write_adapter(out: Path, model_config: dict, *, seed: int, rank: int) -> None:
+def write_adapter(
+    out: Path, model_config: dict, *, seed: int, rank: int, std: float = 0.5, dtype: str = "float32"
+) -> None:
+    import torch
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapter_config.json").write_text(json.dumps(adapter_config(rank), indent=2, sort_keys=True))
-    save_file(
-        make_adapter_tensors(model_config, seed=seed, rank=rank), str(out / "adapter_model.safetensors")
-    )
+    tensors = make_adapter_tensors(model_config, seed=seed, rank=rank, std=std)
+    tensors = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"))
 
 
 if __name__ == "__main__":

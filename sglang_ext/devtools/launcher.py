@@ -27,21 +27,26 @@ from sglang_ext.devtools import cpu
 
 PLUGIN_SWITCH_ENV = "SGLANG_LORA_VERSIONS"
 
+
 # LoRA serving flags the managed lifecycle needs (see setup_checks.MIN_LORAS_PER_BATCH).
-LORA_FLAGS: tuple[str, ...] = (
-    "--enable-lora",
-    "--max-loras-per-batch",
-    "3",
-    "--max-loaded-loras",
-    "3",
-    "--max-lora-rank",
-    "8",
-    "--lora-target-modules",
-    "all",
-)
+def lora_flags(max_lora_rank: int = 8, backend: str | None = None) -> tuple[str, ...]:
+    """LoRA on, room for two pinned managed versions plus one free slot, every linear module."""
+    flags = (
+        "--enable-lora",
+        "--max-loras-per-batch",
+        "3",
+        "--max-loaded-loras",
+        "3",
+        "--max-lora-rank",
+        str(max_lora_rank),
+        "--lora-target-modules",
+        "all",
+    )
+    return flags + (("--lora-backend", backend) if backend else ())
+
+
+LORA_FLAGS: tuple[str, ...] = lora_flags()
 COMMON_FLAGS: tuple[str, ...] = (
-    "--dtype",
-    "float32",
     "--skip-server-warmup",
     "--log-level",
     "info",
@@ -72,6 +77,9 @@ class EngineSpec:
     overlap_schedule: bool = False
     # Replaces ``python -m sglang.launch_server`` (e.g. a wrapper script used by a test).
     command_prefix: Sequence[str] | None = None
+    # fp32 on CPU (the fixtures are fp32 and the tests compare logprobs with epsilon 0);
+    # bfloat16 for the GPU acceptance profile (sglang_ext.devtools.device_profile).
+    dtype: str = "float32"
 
 
 def free_port() -> int:
@@ -175,7 +183,7 @@ def build_command(spec: EngineSpec, port: int) -> list[str]:
     cmd = [*prefix, "--model-path", str(spec.model_path)]
     if spec.cpu_dev:
         cmd += cpu.ENGINE_FLAGS
-    cmd += COMMON_FLAGS
+    cmd += ["--dtype", spec.dtype, *COMMON_FLAGS]
     if not spec.overlap_schedule:
         cmd.append("--disable-overlap-schedule")
     cmd += spec.lora_flags
@@ -206,11 +214,7 @@ def gpu_launch_command(
         "sglang.launch_server",
         "--model-path",
         str(model),
-        *LORA_FLAGS[:5],  # LoRA on, 3 per batch, 3 loaded
-        "--max-lora-rank",
-        str(max_lora_rank),
-        "--lora-target-modules",
-        "all",
+        *lora_flags(max_lora_rank),
         "--disable-overlap-schedule",
         "--enable-metrics",
         "--host",

@@ -490,3 +490,22 @@ async def test_drop_reply_of_a_refusal_is_still_unknown() -> None:
 def test_wrapper_refuses_unknown_ops() -> None:
     with pytest.raises(ValueError):
         FaultInjectingClient(FakeEngine("E0").client()).drop_reply("pause_generation")
+
+
+async def test_corrupt_bucket_flips_one_byte_of_only_the_nth_payload() -> None:
+    seen: list[bytes] = []
+
+    class Recorder:
+        engine_id = "E0"
+
+        async def receive_bucket(self, meta: object, payload: bytes) -> str:
+            seen.append(payload)
+            return "ack"
+
+    client = FaultInjectingClient(Recorder()).corrupt_bucket(nth=2)  # type: ignore[arg-type]
+    payloads = [b"abc", b"def", b"ghi"]
+    assert [await client.receive_bucket(None, x) for x in payloads] == ["ack"] * 3  # type: ignore[arg-type]
+    assert seen == [b"abc", b"de" + bytes([ord("f") ^ 0xFF]), b"ghi"]
+    assert [(f.op, f.nth, f.kind) for f in client.injected] == [
+        ("receive_bucket", 2, FaultKind.CORRUPT_PAYLOAD)
+    ]

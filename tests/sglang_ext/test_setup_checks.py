@@ -48,3 +48,15 @@ def test_all_problems_are_reported_together():
 def test_max_loaded_loras_of_three_or_unset_is_fine():
     for value in (None, 3, 6):
         assert setup_problems(SimpleNamespace(**{**GOOD, "max_loaded_loras": value})) == []
+
+
+def test_the_overlap_proof_switch_opens_only_on_cuda():
+    from sglang_ext.setup_checks import OVERLAP_PROOF_ENV, overlap_proof_active
+
+    proof = {OVERLAP_PROOF_ENV: "1"}
+    on_cuda = SimpleNamespace(**{**GOOD, "disable_overlap_schedule": False, "device": "cuda"})
+    on_cpu = SimpleNamespace(**{**GOOD, "disable_overlap_schedule": False, "device": "cpu"})
+    assert setup_problems(on_cuda, proof) == [] and overlap_proof_active(on_cuda, proof)
+    assert len(setup_problems(on_cpu, proof)) == 1 and not overlap_proof_active(on_cpu, proof)
+    assert len(setup_problems(on_cuda, {})) == 1  # without the switch: refused as always
+    assert len(setup_problems(on_cuda, {OVERLAP_PROOF_ENV: "yes"})) == 1
