@@ -218,12 +218,32 @@ class Cohort:
         t3 = await self.turn(s, prefix, n, kind="retry")
         return [t1, t2, t3]
 
+    async def abort_and_resume(self, s: Session, prefix: Sequence[int], n: int, after: int = 3) -> Turn:
+        """Stream a turn, abort it by rid after ``after`` tokens (a temporary abort: the binding
+        stays), then resume it with the partial output appended to the prefix. The partial is
+        kept as a "partial" turn (its tokens must be the baseline's first ones), the resumed turn
+        as a "resume" turn with its full prefix."""
+        rid = f"{s.name}-abort-{uuid.uuid4().hex[:8]}"
+        partial: list[int] = []
+        aborted = False
+        async for chunk in s.generate_stream(
+            {"input_ids": list(prefix), "sampling_params": greedy(n)}, rid=rid
+        ):
+            partial = list(chunk.get("output_ids") or partial)
+            if not aborted and len(partial) >= after:
+                aborted = await s.abort(rid)
+        assert aborted and 0 < len(partial) < n, (aborted, len(partial))
+        assert s.lora_path is not None
+        engine = s.requests[-1].engine_id
+        self.turns.append(Turn(s.name, "partial", engine, s.lora_path, list(prefix), partial, [], 0))
+        return await self.turn(s, [*prefix, *partial], n - len(partial), kind="resume")
+
     async def check(self, t: Turn, adapter: str | None = None) -> Comparison:
-        """``t`` against the clean baseline of ``adapter`` (default: of the version it carried)."""
+        """``t`` against the clean baseline of ``adapter`` (default: of the version it carried). A
+        partial (aborted) turn has no logprobs: its tokens must be the baseline's first ones."""
         ref = await self.baselines.generate(adapter or self.adapter_of[t.lora_path], t.prefix, len(t.tokens))
-        return compare(
-            t.tokens, t.logprobs, ref["output_ids"], logprobs_of(ref), self.profile.logprob_epsilon
-        )
+        ref_lps = [] if t.kind == "partial" else logprobs_of(ref)
+        return compare(t.tokens, t.logprobs, ref["output_ids"], ref_lps, self.profile.logprob_epsilon)
 
     async def live(self) -> dict[str, list[str]]:
         """Per engine: this epoch's managed versions that still hold something."""

@@ -89,6 +89,12 @@ def deployment(
         yield {e.name: e for e in engines}
 
 
+@pytest.fixture(autouse=True)
+def _device_of_each_test(request: pytest.FixtureRequest, profile: DeviceProfile) -> None:
+    """Every test says which device and backends it ran with (junit XML, ``-rA``)."""
+    request.node.user_properties.append(("acceptance_profile", profile.banner()))
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     try:
         return "acceptance: " + detect_profile().banner()

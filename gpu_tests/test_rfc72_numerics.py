@@ -25,9 +25,9 @@ async def test_sessions_bound_to_a_and_b_reproduce_their_clean_baselines(
     deployment, acceptance_fixtures, profile, report
 ) -> None:
     """Sessions bind A, B is published, new sessions bind B; old ones keep A. Every turn (first
-    turn, tool turn, retry, and a turn after B's commit) is compared with the clean engine of the
-    version the session bound, with the turn's full prefix. Turns run one at a time, so the
-    managed engine and the baseline compute the same batch shape."""
+    turn, tool turn, retry, a turn after B's commit, an aborted stream and its resume) is compared
+    with the clean engine of the version the session bound, with the turn's full prefix. Turns
+    run one at a time, so the managed engine and the baseline compute the same batch shape."""
     async with Cohort(deployment, acceptance_fixtures, profile) as c:
         assert (await c.publish("A")).outcome is PublishOutcome.PUBLISHED
         a_sessions = [await c.sm.open(f"a{i}") for i in range(2)]
@@ -39,6 +39,8 @@ async def test_sessions_bound_to_a_and_b_reproduce_their_clean_baselines(
             await c.episode(s, prompt(200 + i), TURN_TOKENS)
         for i, s in enumerate(a_sessions):  # B is the default now; these stay on A
             await c.turn(s, prompt(300 + i), TURN_TOKENS)
+        for i, s in enumerate([*a_sessions, *b_sessions]):  # abort mid-stream, resume on the same version
+            await c.abort_and_resume(s, prompt(350 + i), TURN_TOKENS)
 
         checks = [(t, await c.check(t)) for t in c.turns]
         bad = [(t.short(), cmp) for t, cmp in checks if not cmp.ok]
