@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,14 +36,6 @@ LARGE_CONFIG = {
     "max_position_embeddings": 2048,
 }
 LARGE_RANK = 64
-
-# Tokenizer files copied beside the large base (everything but weights and model config).
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-)
 
 
 @dataclass(frozen=True)
@@ -82,10 +73,7 @@ def ensure_bench_fixtures(root: Path | None = None) -> BenchFixtures:
 
     def build(tmp: Path) -> None:
         model_dir = tmp / "model"
-        model_dir.mkdir(parents=True)
-        for name in _TOKENIZER_FILES:
-            if (small.model_dir / name).is_file():
-                shutil.copy2(small.model_dir / name, model_dir / name)
+        tiny.copy_tokenizer(small.model_dir, model_dir)
         config = tiny.write_random_qwen3(model_dir, LARGE_CONFIG, seed=MODEL_SEED, std=BASE_STD)
         _write_adapter(tmp / "adapter", config)
 

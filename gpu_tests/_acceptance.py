@@ -15,11 +15,11 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from relax_glue.devtools.teardown import live_versions, purge
 from relax_glue.engine_client import EngineAPI, EngineClient, forbidden_calls
 from relax_glue.publisher import Publisher, PublishResult
 from relax_glue.registry import LoRAVersionRegistry
@@ -30,7 +30,6 @@ from sglang_ext.devtools.device_profile import AcceptanceFixtures, DeviceProfile
 
 ACCEPTANCE_ADMIN_KEY = "lora-versions-acceptance-admin-key"
 COHORT = ("E0", "E1")
-GONE = frozenset({wire.EngineVersionState.CLEANED, wire.EngineVersionState.UNLOADED})
 # "<|im_start|>tool\nweather in Paris: 18 C, cloudy<|im_end|>\n" in the fixture tokenizer: what a
 # scripted tool returns (both profiles share the tokenizer).
 TOOL_IDS: tuple[int, ...] = (
@@ -247,13 +246,7 @@ class Cohort:
 
     async def live(self) -> dict[str, list[str]]:
         """Per engine: this epoch's managed versions that still hold something."""
-        out = {}
-        for eid, c in self.clients.items():
-            status = await c.status()
-            out[eid] = sorted(
-                v.lora_name for v in status.versions if self.epoch in v.lora_name and v.state not in GONE
-            )
-        return out
+        return await live_versions(self.clients, self.epoch)
 
     def forbidden(self) -> list[Any]:
         return forbidden_calls([c.audit for c in self.clients.values()])
@@ -265,45 +258,13 @@ class Cohort:
         try:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.sm.close_all(), 60)
-            await purge(self.clients, self.epoch)
+            left = await purge(self.clients, self.epoch, timeout_s=120.0)
+            assert not left, f"versions left on the engines: {left}"
         finally:
             await self.baselines.aclose()
             for c in self.clients.values():
                 with contextlib.suppress(Exception):
                     await c.aclose()
-
-
-async def purge(clients: Mapping[str, EngineAPI], marker: str, timeout_s: float = 120.0) -> None:
-    """Remove every managed version named with ``marker`` through the engines' own protocol
-    (cleanup for a candidate, reclaim for a loaded version); raise if one stays."""
-    S = wire.EngineVersionState
-    deadline = time.monotonic() + timeout_s
-    for c in clients.values():
-        while True:
-            status = await c.status()
-            todo = [v for v in status.versions if marker in v.lora_name and v.state not in GONE]
-            if not todo:
-                break
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{c.engine_id} keeps {[v.lora_name for v in todo]}")
-            for v in todo:
-                with contextlib.suppress(Exception):
-                    if v.state in (S.PREPARED, S.LOADING):
-                        await c.cleanup(
-                            wire.CleanupRequest(lora_name=v.lora_name, attempt_token=v.attempt_token)
-                        )
-                    else:
-                        rid = v.reclaim_id or f"teardown-{uuid.uuid4().hex[:12]}"
-                        await c.reclaim(
-                            wire.ReclaimRequest(lora_name=v.lora_name, reclaim_id=rid, timeout_s=5.0)
-                        )
-            await asyncio.sleep(0.1)
-
-
-def unload_lines(log_path: Path, lora_id: str) -> int:
-    """Scheduler log lines of SGLang's physical unload of exactly this engine-local lora_id."""
-    text = Path(log_path).read_text(errors="replace")
-    return sum(1 for line in text.splitlines() if "LoRA adapter unloading starts" in line and lora_id in line)
 
 
 # ------------------------------------------------------------------------------ the report

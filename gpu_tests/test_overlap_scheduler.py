@@ -25,11 +25,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from _acceptance import ACCEPTANCE_ADMIN_KEY, TOOL_IDS, Cohort, greedy, prompt, unload_lines
+from _acceptance import ACCEPTANCE_ADMIN_KEY, TOOL_IDS, Cohort, greedy, prompt
 from engine_wrappers.step_fence_probe import probe_lines
 
 from relax_glue.publisher import PublishOutcome
 from relax_glue.sessions import Session
+from sglang_ext.devtools.engine_log import unload_lines
 from sglang_ext.setup_checks import OVERLAP_PROOF_ENV
 
 pytestmark = pytest.mark.engine

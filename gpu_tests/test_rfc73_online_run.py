@@ -31,13 +31,13 @@ from _acceptance import (
     measure_load,
     percentile,
     prompt,
-    unload_lines,
 )
 from engine_wrappers.step_fence_probe import probe_lines
 
 from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.publisher import PublishOutcome
 from relax_glue.sessions import Session
+from sglang_ext.devtools.engine_log import unload_lines
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
 pytestmark = pytest.mark.engine

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_versions_demo.lifecycle import PROMPTS, TOOL_IDS
+from sglang_ext.devtools.engine_log import UNLOAD_LOG_LINE
 
 FAULT_KINDS = (
     "kill_begin",
@@ -64,7 +65,7 @@ FAULT_KINDS = (
 COHORT = ("E0", "E1")
 ADAPTERS = ("A", "B", "C")
 TURN_TOKENS = 6
-_UNLOAD_RE = re.compile(r"LoRA adapter unloading starts: .*?lora_id='?([0-9a-f]+)")
+_UNLOAD_RE = re.compile(rf"{UNLOAD_LOG_LINE}: .*?lora_id='?([0-9a-f]+)")
 
 
 def _greedy(n: int) -> dict[str, Any]:

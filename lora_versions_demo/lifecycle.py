@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_glue.cli import table
+from sglang_ext.devtools.engine_log import await_unload_lines
 
 PROMPTS: tuple[tuple[int, ...], ...] = (
     (302, 356, 417, 494, 439),  # "The quick brown" in the fixture tokenizer
@@ -392,7 +393,7 @@ class Demo:
         rows = []
         unload_counts = {}
         for eid in self.cohort:
-            unload_counts[eid] = await _unload_lines(self.engines[eid].log_path, lora_ids[eid])
+            unload_counts[eid] = await await_unload_lines(self.engines[eid].log_path, lora_ids[eid])
             r = results[0].engines.get(eid, "-") if results else "-"
             rows.append([eid, r, lora_ids[eid], unload_counts[eid]])
         self.show(["engine", "reclaim", "engine-local lora_id", "unload log lines"], rows, "reclaim")
@@ -522,17 +523,6 @@ class Demo:
             "lora_names": self.names,
             "engines": {n: {"url": e.url, "log": str(e.log_path)} for n, e in self.engines.items()},
         }
-
-
-async def _unload_lines(log_path: Path, lora_id: str | None, expect: int = 1, timeout_s: float = 10.0) -> int:
-    """SGLang scheduler log lines of the physical unload of exactly ``lora_id``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = Path(log_path).read_text(errors="replace")
-        n = sum(1 for ln in text.splitlines() if "LoRA adapter unloading starts" in ln and str(lora_id) in ln)
-        if n >= expect or time.monotonic() > deadline:
-            return n
-        await asyncio.sleep(0.1)
 
 
 def run_demo(out_dir: Path, n_engines: int = DEFAULT_ENGINES, *, as_json: bool = False) -> int:

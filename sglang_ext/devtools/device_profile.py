@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -222,10 +221,7 @@ def ensure_gpu_fixtures(root: Path | None = None) -> Path:
 
     def build(tmp: Path) -> None:
         model_dir = tmp / "model"
-        model_dir.mkdir(parents=True)
-        for name in _TOKENIZER_FILES:
-            if (small.model_dir / name).is_file():
-                shutil.copy2(small.model_dir / name, model_dir / name)
+        tiny.copy_tokenizer(small.model_dir, model_dir)
         config = tiny.write_random_qwen3(
             model_dir, QWEN3_06B_SHAPE, seed=GPU_MODEL_SEED, std=GPU_BASE_STD, dtype="bfloat16"
         )

@@ -151,6 +151,23 @@ def _write_tokenizer(model_dir: Path) -> None:
     fast.save_pretrained(str(model_dir))
 
 
+# Everything of the fixture tokenizer a larger generated model needs beside its weights.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
+
+
+def copy_tokenizer(src_model_dir: Path, dst_model_dir: Path) -> None:
+    """Put the fixture tokenizer beside another generated model (the bench's, the GPU profile's)."""
+    dst_model_dir.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src_model_dir / name).is_file():
+            shutil.copy2(src_model_dir / name, dst_model_dir / name)
+
+
 TINY_SHAPE = {
     "vocab_size": 512,
     "hidden_size": 64,

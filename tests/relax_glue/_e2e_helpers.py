@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 from _admin_key import ADMIN_KEY
 
+from relax_glue.devtools.teardown import engine_versions, live_versions, purge
 from relax_glue.engine_client import AuditEntry, AuditLog, EngineAPI, EngineClient, forbidden_calls
 from relax_glue.gateway import GatewayClient
 from relax_glue.publisher import Publisher, PublishResult
@@ -67,8 +68,6 @@ TOOL_IDS: tuple[int, ...] = (
     3,
     202,
 )
-# Engine-side states that no longer hold anything (see sglang_ext.version_table.holds_engine_slot).
-GONE = frozenset({wire.EngineVersionState.CLEANED, wire.EngineVersionState.UNLOADED})
 
 
 def new_epoch() -> str:
@@ -226,57 +225,8 @@ def lose_bucket(nth: int) -> Hook:
 # ------------------------------------------------------------------------------ engine views
 
 
-async def engine_versions(client: EngineAPI, marker: str = "") -> dict[str, wire.VersionStatus]:
-    status = await client.status()
-    return {v.lora_name: v for v in status.versions if marker in v.lora_name}
-
-
 async def engine_state(client: EngineAPI, lora_name: str) -> wire.EngineVersionState | None:
     return {n: v.state for n, v in (await engine_versions(client)).items()}.get(lora_name)
-
-
-async def live_versions(clients: Mapping[str, EngineAPI]) -> dict[str, list[str]]:
-    """Per engine: managed versions that still hold something (not CLEANED / UNLOADED)."""
-    out: dict[str, list[str]] = {}
-    for eid, c in clients.items():
-        out[eid] = sorted(n for n, v in (await engine_versions(c)).items() if v.state not in GONE)
-    return out
-
-
-async def purge(
-    clients: Mapping[str, EngineAPI], marker: str, timeout_s: float = 60.0
-) -> dict[str, list[str]]:
-    """Teardown: remove every managed version whose name contains ``marker`` from the engines,
-    through the engines' own protocol (cleanup for a candidate, reclaim for a loaded version).
-    Returns what is still live afterwards (must be empty)."""
-    deadline = time.monotonic() + timeout_s
-    for c in clients.values():
-        while time.monotonic() < deadline:
-            todo = [v for v in (await engine_versions(c, marker)).values() if v.state not in GONE]
-            if not todo:
-                break
-            for v in todo:
-                S = wire.EngineVersionState
-                with contextlib.suppress(Exception):
-                    if v.state in (S.PREPARED, S.LOADING):
-                        await c.cleanup(
-                            wire.CleanupRequest(lora_name=v.lora_name, attempt_token=v.attempt_token)
-                        )
-                    else:
-                        rid = v.reclaim_id or f"teardown-{uuid.uuid4().hex[:12]}"
-                        await c.reclaim(
-                            wire.ReclaimRequest(lora_name=v.lora_name, reclaim_id=rid, timeout_s=5.0)
-                        )
-            await asyncio.sleep(0.1)
-    return {
-        eid: names for eid, names in (await live_versions(clients)).items() if any(marker in n for n in names)
-    }
-
-
-def unload_lines(log_path: Path, lora_id: str) -> int:
-    """Scheduler log lines of SGLang's physical unload of exactly this engine-local lora_id."""
-    text = Path(log_path).read_text(errors="replace")
-    return sum(1 for line in text.splitlines() if "LoRA adapter unloading starts" in line and lora_id in line)
 
 
 # ------------------------------------------------------------------------------ audit checks

@@ -40,7 +40,6 @@ from _e2e_helpers import (
     reach,
     snapshot_of,
     turn,
-    unload_lines,
     vstate,
     wait_until,
     write_json,
@@ -51,6 +50,7 @@ from relax_glue.publisher import PublishOutcome
 from relax_glue.registry_types import AttemptPhase, VersionState
 from relax_glue.sessions import Session
 from sglang_ext import protocol as wire
+from sglang_ext.devtools.engine_log import await_unload_lines, unload_lines
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
 pytestmark = pytest.mark.engine
@@ -210,16 +210,6 @@ def ray_cluster():
             ray.shutdown()
 
 
-async def unload_count(engine: Any, lora_id: str, expect: int, timeout_s: float = 10.0) -> int:
-    """The scheduler's unload log lines for ``lora_id`` (waits a little for the log to catch up)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        n = unload_lines(engine.log_path, lora_id)
-        if n >= expect or time.monotonic() > deadline:
-            return n
-        await asyncio.sleep(0.1)
-
-
 async def test_rfc52_capacity_refusal_then_safe_reclaim_through_the_ray_actor(
     engines, stock_engine, fixtures, snaps, ray_cluster
 ) -> None:
@@ -315,7 +305,9 @@ async def test_rfc52_capacity_refusal_then_safe_reclaim_through_the_ray_actor(
             assert (await w.status()).slots_used == 1
             for (eid, c), engine in zip(w.clients.items(), engines, strict=True):
                 assert (await engine_versions(c, w.marker))[name_a].state is S.UNLOADED
-                assert await unload_count(engine, a_ids[eid], 1) == 1, f"{eid}: A must be unloaded once"
+                assert await await_unload_lines(engine.log_path, a_ids[eid], 1) == 1, (
+                    f"{eid}: A must be unloaded once"
+                )
             assert await w.pub.reclaim_ready() == ()  # nothing left to reclaim; no second unload
             # a late request naming A is refused by the engine (no fallback, no implicit reload)
             late_rid = f"late-{uuid.uuid4().hex[:8]}"

@@ -4,7 +4,6 @@ so the engine side is tested independently of the trainer side)."""
 from __future__ import annotations
 
 import itertools
-import re
 import time
 import uuid
 from pathlib import Path
@@ -13,6 +12,7 @@ import httpx
 from _admin_key import ADMIN_KEY
 
 from relax_glue.snapshot import Snapshot
+from sglang_ext.devtools.engine_log import unload_lines
 from sglang_ext.protocol import BeginRequest, ReceiveBucketMeta, Routes
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -145,7 +145,7 @@ def reclaim(url: str, name: str, reclaim_id: str, timeout_s: float = 30.0) -> ht
 
 
 def unload_log_count(engine, lora_id: str) -> int:
-    return len(re.findall(rf"LoRA adapter unloading starts: .*{lora_id}", engine.log_path.read_text()))
+    return unload_lines(engine.log_path, lora_id)
 
 
 class Published:
