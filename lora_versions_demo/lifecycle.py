@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import itertools
 import json
-import secrets
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lora_versions_demo.local_cohort import local_cohort, run_reporting
 from relax_glue.cli import table
 from sglang_ext.devtools.engine_log import await_unload_lines
 
@@ -48,12 +46,6 @@ TOOL_IDS: tuple[int, ...] = (
 TURN_TOKENS = 8
 EPOCH = "demo"
 DEFAULT_ENGINES = 2
-
-
-def cohort_of(n: int) -> tuple[str, ...]:
-    if n < 1:
-        raise ValueError("the demo needs at least one engine")
-    return tuple(f"E{i}" for i in range(n))
 
 
 def _greedy(n: int) -> dict[str, Any]:
@@ -527,45 +519,13 @@ class Demo:
 
 def run_demo(out_dir: Path, n_engines: int = DEFAULT_ENGINES, *, as_json: bool = False) -> int:
     """Run the demo; ``as_json``: the tables go to stderr and the report (demo.json) to stdout."""
-    if not as_json:
-        return _demo(out_dir, n_engines)
-    with contextlib.redirect_stdout(sys.stderr):
-        code = _demo(out_dir, n_engines)
-    print((out_dir / "demo.json").read_text())
-    return code
+    return run_reporting(lambda: _demo(out_dir, n_engines), out_dir / "demo.json", as_json=as_json)
 
 
 def _demo(out_dir: Path, n_engines: int) -> int:
-    from relax_glue.devtools.gateway_process import running_gateway
-    from relax_glue.gateway import SMG_VERSION
-    from sglang_ext.devtools.fixtures import ensure_fixtures
-    from sglang_ext.devtools.launcher import EngineSpec, running_engines
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    print("[demo] preparing fixtures (tiny Qwen3 + BPE tokenizer + adapters A/B/C; cached)")
-    fx = ensure_fixtures()
-    admin_key = secrets.token_hex(16)
-    cohort = cohort_of(n_engines)
-    specs = [
-        EngineSpec(
-            name=n,
-            model_path=fx.model_dir,
-            log_path=out_dir / f"{n}.log",
-            extra_args=["--admin-api-key", admin_key],
-        )
-        for n in cohort
-    ]
-    print(f"[demo] starting {'/'.join(cohort)} in parallel (CPU dev mode, plugin on; logs in {out_dir})")
     t0 = time.monotonic()
-    with running_engines(specs) as engines:
-        print(f"[demo] {len(cohort)} engines healthy after {time.monotonic() - t0:.1f}s")
-        with running_gateway([e.url for e in engines], out_dir / "gateway.log") as gw:
-            print(
-                f"[demo] gateway smg {SMG_VERSION} at {gw.url} in front of {'/'.join(cohort)} "
-                "(consistent_hashing on X-SMG-Routing-Key = the session key, --disable-retries); "
-                "sessions generate through it, control calls go to each engine"
-            )
-            report = _run_demo(engines, fx, out_dir, admin_key, gw.url, t0)
+    with local_cohort(out_dir, n_engines, "demo") as lc:
+        report = _run_demo(lc.engines, lc.fixtures, out_dir, lc.admin_key, lc.gateway_url, t0)
     (out_dir / "demo.json").write_text(json.dumps(report, indent=2, default=str))
     n_ok = sum(c["ok"] for c in report["checks"])
     verdict = "ALL CHECKS HELD" if report["ok"] else "SOME CHECKS FAILED"

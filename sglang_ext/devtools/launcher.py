@@ -279,8 +279,7 @@ def start_engines(specs: Sequence[EngineSpec]) -> list[Engine]:
             except Exception as e:
                 errors.append(e)
     if errors:
-        for e in engines:
-            stop_engine(e)
+        stop_engines(engines)
         raise errors[0]
     return engines
 
@@ -297,8 +296,14 @@ def running_engines(specs: Sequence[EngineSpec]) -> Iterator[list[Engine]]:
     try:
         yield engines
     finally:
-        for e in engines:
-            stop_engine(e)
+        stop_engines(engines)
+
+
+def stop_engines(engines: Sequence[Engine]) -> None:
+    """Stop several engines in parallel (each SGLang engine takes seconds to wind down)."""
+    if engines:
+        with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+            list(pool.map(stop_engine, engines))
 
 
 class _LiveEngines:

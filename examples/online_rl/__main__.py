@@ -1,0 +1,58 @@
+"""``python -m examples.online_rl [--steps N] [--workers N] [--seed S] [--out DIR] [--json]``"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import sys
+import time
+from pathlib import Path
+
+from examples.online_rl.config import RunConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = RunConfig()
+    ap = argparse.ArgumentParser(
+        prog="python -m examples.online_rl",
+        description="Online RL on two CPU SGLang engines: a LoRA trained by a group-baseline policy "
+        "gradient publishes a new immutable version every step while multi-turn agent rollouts go on.",
+    )
+    ap.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    ap.add_argument("--workers", type=int, default=d.workers, help=f"rollout workers (default {d.workers})")
+    ap.add_argument("--seed", type=int, default=d.seed, help="LoRA init and tool latencies (default 0)")
+    ap.add_argument(
+        "--engines", type=int, default=d.engines, help=f"engines in the cohort (default {d.engines})"
+    )
+    ap.add_argument("--max-staleness", type=int, default=d.max_staleness, help=f"(default {d.max_staleness})")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path(".runs") / "online_rl" / time.strftime("%Y%m%d-%H%M%S"),
+        help="where report.json, online_rl.png and the engine logs go",
+    )
+    ap.add_argument("--json", action="store_true", help="print the report (JSON) instead of the tables")
+    args = ap.parse_args(argv)
+    cfg = dataclasses.replace(
+        d,
+        steps=args.steps,
+        workers=args.workers,
+        seed=args.seed,
+        engines=args.engines,
+        max_staleness=args.max_staleness,
+    )
+    from examples.online_rl.run import run_online_rl
+
+    # SIGTERM (a test's timeout, a CI cancel) unwinds like Ctrl-C: the sessions close, and the
+    # gateway and the engines this run started are stopped on the way out, never left behind.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return run_online_rl(cfg, args.out, as_json=args.json)
+    except KeyboardInterrupt:
+        print("[online-rl] interrupted; the engines and the gateway were stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Every knob of the online RL example, in one frozen record (written into the report)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    steps: int = 30  # optimizer steps; one publication attempt after each
+    workers: int = 4  # concurrent rollout workers, one episode (one session) at a time each
+    seed: int = 0  # LoRA init and the tool's latencies (engine sampling is not seeded)
+    engines: int = 2
+    # The objective: a GRPO-style group baseline over the episodes of one prompt in a batch.
+    group_size: int = 8  # episodes per prompt per batch; batch = group_size x len(prompts)
+    tokens_per_turn: int = 4  # sampled tokens per assistant turn (ignore_eos: exactly this many)
+    lr: float = 3e-2  # Adam on the LoRA parameters (measured offline: reward takes off in 5-9 steps)
+    rank: int = 8  # the engines run with --max-lora-rank 8
+    temperature: float = 1.0
+    # Staleness and backpressure (see policy.py).
+    max_staleness: int = 2
+    reclaim_wait_s: float = 1.0
+    forced_wait_s: float = 60.0
+    # The scripted tool: most calls answer fast, a few are slow (a straggler episode holds its
+    # version, and with it a slot, which is what makes capacity a real backpressure signal).
+    tool_latency_s: tuple[float, float] = (0.02, 0.15)
+    slow_tool_p: float = 0.1
+    slow_tool_latency_s: tuple[float, float] = (3.0, 8.0)
+    # Sampling of the slots in use (registry and engines), for the report.
+    sample_every_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.workers < 1 or self.engines < 1 or self.group_size < 2:
+            raise ValueError("steps, workers and engines must be >= 1, group_size >= 2")
+        if not 1 <= self.rank <= 8:
+            raise ValueError("the engines serve LoRA ranks up to 8 (--max-lora-rank 8)")
+        if self.max_staleness < 1:
+            raise ValueError(
+                "max_staleness must be >= 1 (0 would forbid any overlap of rollout and training)"
+            )

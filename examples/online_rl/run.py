@@ -1,0 +1,413 @@
+"""The wiring: two CPU engines with the plugin and the smg gateway (started as the lifecycle demo
+starts them), the real trainer-side stack (registry, publisher, session layer through the
+gateway, engine clients), the trainer, the rollout workers, the reclaimer and a slot sampler.
+
+The loop, for update ``t = 1..steps`` (the trainer holds ``W_{t-1}``)::
+
+    collect a batch: episodes from the queue, admitted by the staleness policy (others dropped)
+    one update in a thread (rollouts keep going)                     -> W_t
+    snapshot W_t, publish it as version step{t}; on CAPACITY_ERROR follow the policy
+    (reclaim + retry within a bounded wait, else skip; past the lag bound, wait)
+
+``W_0`` (the zero LoRA: exactly the base model) is published as ``step0`` before the workers
+start. Every closed episode wakes the reclaimer, which unloads a retired version as soon as no
+session holds it. At the end the workers finish their episodes, the last reclaim runs, and the
+invariants are checked over everything recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from examples.online_rl import report as rp
+from examples.online_rl.config import RunConfig
+from examples.online_rl.policy import PublishDecision, StalenessPolicy
+from examples.online_rl.rollout import Episode, RolloutPool
+from examples.online_rl.task import QUESTIONS, Task, build_task
+from examples.online_rl.trainer import Sample, Trainer
+from lora_versions_demo.local_cohort import local_cohort, run_reporting
+from relax_glue.cli import table
+from sglang_ext.devtools.engine_log import await_unload_lines
+
+EPOCH = "onlinerl"
+COLLECT_TIMEOUT_S = 300.0  # no episode for this long: the rollouts are stuck, stop the run
+
+
+def version_id(step: int) -> str:
+    return f"step{step}"
+
+
+class OnlineRL:
+    def __init__(
+        self, cfg: RunConfig, engines: Sequence[Any], gateway_url: str, admin_key: str, model_dir: Path
+    ) -> None:
+        from relax_glue.engine_client import EngineClient
+        from relax_glue.gateway import GatewayClient
+        from relax_glue.publisher import Publisher
+        from relax_glue.registry import LoRAVersionRegistry
+        from relax_glue.sessions import SessionManager
+
+        self.cfg = cfg
+        self.engines = {e.name: e for e in engines}
+        self.cohort = [e.name for e in engines]
+        self.policy = StalenessPolicy(cfg.max_staleness, cfg.reclaim_wait_s, cfg.forced_wait_s)
+        self.reg = LoRAVersionRegistry(EPOCH, tuple(self.cohort))
+        self.clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
+        self.pub = Publisher(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
+        # Generation goes through the gateway (routing key = session key); control calls go to
+        # each engine directly.
+        self.gw = GatewayClient(gateway_url, self.clients)
+        self.sm = SessionManager(self.reg, self.clients, gateway=self.gw, drain_timeout_s=10.0)
+        self.task: Task = build_task(model_dir, cfg.tokens_per_turn)
+        self.trainer = Trainer(model_dir, rank=cfg.rank, lr=cfg.lr, seed=cfg.seed)
+        self.batch_size = cfg.group_size * len(self.task.prompts)
+        self.t0 = time.monotonic()
+        self.closed = asyncio.Event()  # an episode closed: its version may be reclaimable
+        self.reclaimed = asyncio.Event()  # a reclaim finished: a slot is free again
+        self.stopping = asyncio.Event()  # the background loops end at their next turn
+        self.pool = RolloutPool(
+            self.sm,
+            self.task,
+            cfg,
+            self.clock,
+            queue_size=self.batch_size,
+            on_closed=lambda _: self.closed.set(),
+        )
+        self.versions: dict[str, int] = {}
+        self.last_published = -1
+        self.publications: list[rp.Publication] = []
+        self.reclaims: list[rp.Reclaim] = []
+        self.slots: list[rp.SlotSample] = []
+        self.steps: list[rp.StepRecord] = []
+        self.lora_ids: dict[str, dict[str, str]] = collections.defaultdict(dict)
+
+    def clock(self) -> float:
+        return time.monotonic() - self.t0
+
+    # ------------------------------------------------------------------ publication
+
+    async def publish(self, step: int) -> rp.Publication:
+        """Publish W_step as version step{step}, following the policy on CAPACITY_ERROR."""
+        from sglang_ext.errors import ErrorCode
+
+        snapshot = self.trainer.snapshot()  # frozen now: the next update cannot change it
+        t_start, refusals, attempts = self.clock(), [], 0
+        while True:
+            attempts += 1
+            t_attempt = self.clock()
+            res = await self.pub.publish(snapshot, version_id(step))
+            if res.ok:
+                self.versions[res.lora_name] = step
+                self.last_published = step
+                outcome, name, publish_s = rp.PUBLISHED, res.lora_name, res.duration_s
+                break
+            code = res.error.code if res.error is not None else None
+            refusals.append(code.value if code is not None else res.outcome.value)
+            if code is not ErrorCode.CAPACITY_ERROR:
+                outcome, name, publish_s = res.outcome.value, None, None  # not the policy's refusal
+                break
+            decision = self.policy.on_capacity_error(
+                step=step, last_published=self.last_published, waited_s=self.clock() - t_start
+            )
+            if decision.action is PublishDecision.SKIP:
+                outcome, name, publish_s = rp.SKIPPED, None, None
+                break
+            if decision.action is PublishDecision.FAIL:
+                raise RuntimeError(f"{version_id(step)}: no slot freed within {self.cfg.forced_wait_s}s")
+            await self.wait_for_slot(decision.wait_s)
+        pub = rp.Publication(
+            step,
+            version_id(step),
+            name,
+            outcome,
+            attempts,
+            refusals,
+            round(t_attempt - t_start, 3),
+            step - self.last_published,
+            round(t_start, 3),
+            round(self.clock(), 3),
+            round(publish_s, 4) if publish_s is not None else None,
+        )
+        self.publications.append(pub)
+        return pub
+
+    async def wait_for_slot(self, timeout_s: float) -> None:
+        """Reclaim what nobody holds any more; if no slot is free yet, wait (at most
+        ``timeout_s``) until a reclaim triggered by a closing episode frees one."""
+        self.reclaimed.clear()
+        await self.reclaim("trainer")
+        status = self.reg.status()
+        if status.slots_used < status.capacity:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.reclaimed.wait(), timeout=max(timeout_s, 0.0))
+
+    async def reclaim(self, trigger: str) -> None:
+        t = self.clock()
+        for r in await self.pub.reclaim_ready():
+            if r.done:
+                self.reclaimed.set()
+            self.reclaims.append(
+                rp.Reclaim(
+                    self.versions.get(r.lora_name),
+                    r.lora_name,
+                    trigger,
+                    r.done,
+                    dict(r.engines),
+                    round(t, 3),
+                    round(self.clock(), 3),
+                )
+            )
+
+    async def reclaim_forever(self) -> None:
+        """Reclaim runs as episodes finish: every close may have freed a retired version. Stops
+        between two reclaims (never cancelled mid-call: a cancelled control call would be a
+        call whose outcome nobody knows)."""
+        while not self.stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.closed.wait(), timeout=0.2)
+            if self.closed.is_set():
+                self.closed.clear()
+                await self.reclaim("episode closed")
+
+    # -------------------------------------------------------------------- sampling
+
+    async def sample(self) -> None:
+        from sglang_ext.version_table import holds_engine_slot
+
+        t = self.clock()
+        statuses = await asyncio.gather(*(c.status() for c in self.clients.values()), return_exceptions=True)
+        engines = {}
+        for eid, st in zip(self.clients, statuses, strict=True):
+            if isinstance(st, BaseException):
+                continue  # a status that did not come back is not a sample
+            engines[eid] = sum(1 for v in st.versions if holds_engine_slot(v.state))
+            for v in st.versions:
+                if v.lora_id:
+                    self.lora_ids[v.lora_name][eid] = v.lora_id
+        self.slots.append(rp.SlotSample(round(t, 3), self.reg.status().slots_used, engines))
+
+    async def sample_forever(self) -> None:
+        while not self.stopping.is_set():
+            await self.sample()
+            await asyncio.sleep(self.cfg.sample_every_s)
+
+    # ----------------------------------------------------------------------- training
+
+    async def collect(self, trainer_step: int) -> tuple[list[Episode], list[Episode]]:
+        used: list[Episode] = []
+        dropped: list[Episode] = []
+        failed = 0
+        while len(used) < self.batch_size:
+            ep = await asyncio.wait_for(self.pool.get(), COLLECT_TIMEOUT_S)
+            if ep.error:
+                failed += 1  # counted by the invariants; a run of failures means the stack is down
+                if failed > self.batch_size:
+                    raise RuntimeError(f"{failed} episodes failed while collecting a batch: {ep.error}")
+                continue
+            ep.version = self.versions[ep.bound_lora or ""]
+            ep.trainer_step = trainer_step
+            ep.staleness = self.policy.staleness(trainer_step, ep.version)
+            if self.policy.admits(trainer_step, ep.version):
+                ep.fate = "used"
+                used.append(ep)
+            else:
+                ep.fate = "dropped"
+                dropped.append(ep)
+        return used, dropped
+
+    def samples(self, episodes: Sequence[Episode]) -> list[Sample]:
+        return [
+            Sample(
+                tuple(e.tokens),
+                tuple(e.assistant_spans()),
+                tuple(e.engine_logprobs),
+                e.reward,
+                e.prompt_index,
+                e.staleness or 0,
+            )
+            for e in episodes
+        ]
+
+    async def train(self) -> None:
+        first = await self.publish(0)
+        if first.outcome != rp.PUBLISHED:
+            raise RuntimeError(f"the initial version was not published: {first}")
+        # W_0 is published before any worker starts: no episode meets "nothing published yet".
+        self.pool.start()
+        try:
+            print(rp.step_header(), flush=True)
+            for t in range(1, self.cfg.steps + 1):
+                await self.one_update(t)
+        finally:
+            # The workers finish their episodes (each closes its session); what is still queued
+            # was never trained on.
+            for ep in await self.pool.shutdown():
+                ep.fate = "failed" if ep.error else "unused"
+
+    async def one_update(self, t: int) -> None:
+        t_start = self.clock()
+        used, dropped = await self.collect(self.trainer.step)
+        stats = await asyncio.to_thread(self.trainer.train_step, self.samples(used))
+        pub = await self.publish(t)
+        rec = rp.StepRecord(
+            stats,
+            round(t_start, 3),
+            round(self.clock(), 3),
+            len(used),
+            len(dropped),
+            [e.staleness or 0 for e in used],
+            dict(collections.Counter(e.version or 0 for e in used)),
+            len(self.publications) - 1,
+        )
+        self.steps.append(rec)
+        print(rp.step_line(rp.step_row(rec, pub)), flush=True)
+
+    async def run(self) -> rp.RunRecord:
+        from relax_glue.engine_client import forbidden_calls
+
+        error = None
+        background: list[asyncio.Task[None]] = []
+        try:
+            await self.sample()
+            background = [
+                asyncio.create_task(self.reclaim_forever(), name="reclaimer"),
+                asyncio.create_task(self.sample_forever(), name="slot-sampler"),
+            ]
+            try:
+                await self.train()
+            except Exception as exc:  # report it; still stop everything cleanly and check what ran
+                error = f"{type(exc).__name__}: {exc}"
+            finally:
+                self.stopping.set()
+                await asyncio.gather(*background)
+            await self.reclaim("final")  # every session is closed now: reclaim every retired version
+            await self.sample()
+            final = {v.lora_name: v.state.value for v in self.reg.status().versions}
+            unloads = await self.count_unloads(final)
+            logs = [c.audit for c in self.clients.values()] + [self.gw.client.audit]
+            # Every call that did not succeed, generation and control alike (a reclaim that
+            # answered DRAINING succeeded: it is a typed progress reply, recorded as ok).
+            failed = [dataclasses.asdict(e) for lg in logs for e in lg.entries() if e.outcome != "ok"]
+            forbidden = [dataclasses.asdict(e) for e in forbidden_calls(logs)]
+            sessions_left = len(self.sm.sessions)
+        finally:
+            await self.sm.aclose()
+            for c in self.clients.values():
+                await c.aclose()
+            await self.gw.aclose()
+        return rp.RunRecord(
+            config=dataclasses.asdict(self.cfg),
+            capacity=self.reg.status().capacity,
+            cohort=list(self.cohort),
+            episodes=sorted(self.pool.episodes, key=lambda e: e.index),
+            steps=self.steps,
+            publications=self.publications,
+            reclaims=self.reclaims,
+            slots=self.slots,
+            versions=dict(self.versions),
+            final_states=final,
+            unloads=unloads,
+            failed_requests=failed,
+            forbidden_calls=forbidden,
+            sessions_left=sessions_left,
+            max_staleness=self.cfg.max_staleness,
+            error=error,
+            run_s=round(self.clock(), 2),
+        )
+
+    async def count_unloads(self, final: dict[str, str]) -> dict[str, dict[str, int]]:
+        """SGLang's "unloading starts" log lines of each version's engine-local lora_id."""
+        out: dict[str, dict[str, int]] = {}
+        for name in self.versions:
+            want = 1 if final.get(name) == "RECLAIMED" else 0
+            out[name] = {}
+            for eid in self.cohort:
+                lora_id = self.lora_ids.get(name, {}).get(eid)
+                if lora_id is None:
+                    out[name][eid] = -1  # never seen on that engine: the check fails, as it should
+                    continue
+                out[name][eid] = await await_unload_lines(
+                    self.engines[eid].log_path, lora_id, expect=want, timeout_s=10.0
+                )
+        return out
+
+
+# ------------------------------------------------------------------------------ entry point
+
+
+def run_online_rl(cfg: RunConfig, out_dir: Path, *, as_json: bool = False) -> int:
+    """Run it; ``as_json``: the tables go to stderr and the report to stdout. Exit code 0 only
+    when every invariant held."""
+    return run_reporting(lambda: _main(cfg, out_dir), out_dir / "report.json", as_json=as_json)
+
+
+def _main(cfg: RunConfig, out_dir: Path) -> int:
+    with local_cohort(out_dir, cfg.engines, "online-rl") as lc:
+        print(
+            f"[online-rl] {cfg.steps} updates, {cfg.workers} workers, batch {cfg.group_size} x "
+            f"{len(QUESTIONS)} prompts, max staleness {cfg.max_staleness}, seed {cfg.seed}"
+        )
+        record = asyncio.run(_run(cfg, lc.engines, lc.gateway_url, lc.admin_key, lc.fixtures.model_dir))
+    invariants = rp.check_invariants(record)
+    doc = rp.to_json(record, invariants)
+    doc["engine_start_s"] = lc.engine_start_s
+    doc["engine_logs"] = {e: str(out_dir / f"{e}.log") for e in lc.ids}
+    (out_dir / "report.json").write_text(json.dumps(doc, indent=2, default=str))
+    rp.plot(record, out_dir / "online_rl.png")
+    print_summary(doc, out_dir)
+    return 0 if doc["ok"] else 1
+
+
+async def _run(
+    cfg: RunConfig, engines: Sequence[Any], gateway_url: str, admin_key: str, model_dir: Path
+) -> rp.RunRecord:
+    rl = OnlineRL(cfg, engines, gateway_url, admin_key, model_dir)
+    return await rl.run()
+
+
+def _e(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2e}"
+
+
+def print_summary(doc: dict[str, Any], out_dir: Path) -> None:
+    s = doc["summary"]
+    print("\n[online-rl] reward of the episodes each version generated:")
+    rows = [[f"v{v}", r["episodes"], f"{r['mean']:.3f}"] for v, r in s["reward_by_version"].items()]
+    print(table(["version", "episodes", "mean reward"], rows))
+    figures = [
+        ["reward: base model (v0) -> last updates", f"{s['reward_base']} -> {s['reward_last']}"],
+        [
+            "publications: published / skipped / after a wait",
+            f"{s['published']} / {s['skipped']} / {s['published_after_waiting']}",
+        ],
+        ["CAPACITY_ERROR refusals (backpressure)", s["capacity_refusals"]],
+        ["reclaims (each: one unload per engine)", s["reclaims"]],
+        ["episodes by fate", s["episodes_by_fate"]],
+        ["staleness of used episodes (max)", f"{s['staleness_used']} ({s['staleness_max_used']})"],
+        ["staleness of dropped episodes", s["staleness_dropped"]],
+        [
+            "logprob mismatch, same weights (max / mean |diff|)",
+            f"{_e(s['mismatch_fresh_max'])} / {_e(s['mismatch_fresh_mean'])}",
+        ],
+        ["policy lag, stale episodes (mean |diff|)", _e(s["policy_lag_stale_mean"])],
+        ["slots in use, max (registry / engine)", f"{s['slots_max_registry']} / {s['slots_max_engine']}"],
+    ]
+    print(table(["figure", "value"], figures))
+    print("\n[online-rl] invariants:")
+    for inv in doc["invariants"]:
+        detail = f"  ({inv['detail']})" if inv["detail"] not in ("", None, [], {}) else ""
+        print(f"  [{'ok' if inv['ok'] else 'FAIL'}] {inv['name']}{detail}")
+    verdict = "ALL INVARIANTS HELD" if doc["ok"] else "SOME INVARIANTS FAILED"
+    print(
+        f"\n[online-rl] {verdict} in {s['run_s']}s; "
+        f"report {out_dir / 'report.json'}, plot {out_dir / 'online_rl.png'}"
+    )
