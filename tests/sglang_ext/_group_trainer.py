@@ -18,6 +18,12 @@ from typing import Any
 import httpx
 import torch
 
+# The installed packages first: once tests/ is on sys.path, its sglang_ext/ and relax_glue/
+# folders (test folders, no __init__) would be taken for namespace packages and shadow the real
+# ones for any submodule not yet imported (e.g. sglang_ext.devtools.*).
+import relax_glue.snapshot  # noqa: F401  (run as a script: this file is the trainer process)
+import sglang_ext.devtools.engine_log  # noqa: F401
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
