@@ -1,21 +1,9 @@
 """Run SGLang's HTTP server (plugin on) with :mod:`scheduler_500_faults` installed in its scheduler
-process: the same steps as ``python -m sglang.launch_server`` in the default HTTP mode, except
-that ``launch_server`` gets the fault-installing scheduler process function."""
-
-import os
-import sys
+process (see ``sglang_ext.devtools.scheduler_wrapper``)."""
 
 from scheduler_500_faults import run_scheduler_process_with_500s
-from sglang.srt.entrypoints.http_server import launch_server
-from sglang.srt.plugins import load_plugins
-from sglang.srt.server_args import prepare_server_args
-from sglang.srt.utils import kill_process_tree
+
+from sglang_ext.devtools.scheduler_wrapper import launch_http_server_with
 
 if __name__ == "__main__":
-    load_plugins()
-    server_args = prepare_server_args(sys.argv[1:])
-    server_args.resolve_once()  # as sglang.launch_server.run_server does before dispatching
-    try:
-        launch_server(server_args, run_scheduler_process_func=run_scheduler_process_with_500s)
-    finally:
-        kill_process_tree(os.getpid(), include_parent=False)
+    launch_http_server_with(run_scheduler_process_with_500s)
