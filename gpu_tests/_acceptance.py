@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import time
 import uuid
@@ -19,6 +18,9 @@ from typing import Any
 
 import httpx
 
+from lora_versions_demo.lifecycle import (
+    TOOL_IDS,  # the scripted tool reply (both profiles share the tokenizer)
+)
 from relax_glue.devtools.teardown import live_versions, purge
 from relax_glue.engine_client import EngineAPI, EngineClient, forbidden_calls
 from relax_glue.publisher import Publisher, PublishResult
@@ -30,12 +32,6 @@ from sglang_ext.devtools.device_profile import AcceptanceFixtures, DeviceProfile
 
 ACCEPTANCE_ADMIN_KEY = "lora-versions-acceptance-admin-key"
 COHORT = ("E0", "E1")
-# "<|im_start|>tool\nweather in Paris: 18 C, cloudy<|im_end|>\n" in the fixture tokenizer: what a
-# scripted tool returns (both profiles share the tokenizer).
-TOOL_IDS: tuple[int, ...] = (
-    2, 87, 82, 293, 202, 90, 72, 492, 313, 461, 275, 29, 446, 27, 224, 38, 15, 288, 79, 82, 88, 71, 92,
-    3, 202,
-)  # fmt: skip
 # Relax's published figures for its No.7 online run on an RTX 6000 Ada: the anchor of RFC 7.3.
 RELAX_ANCHOR = {"throughput_ratio": 0.98, "max_gap_s": 0.05, "hardware": "RTX 6000 Ada"}
 
@@ -330,20 +326,16 @@ class Stream:
         return [b - a for a, b in zip(self.t, self.t[1:], strict=False) if b >= lo and a <= hi]
 
 
-async def stream_http(
-    http: httpx.AsyncClient, url: str, lora_path: str, prefix: Sequence[int], n: int, label: str, engine: str
+async def stream_once(
+    client: EngineClient, lora_path: str, prefix: Sequence[int], n: int, label: str
 ) -> Stream:
-    """One streamed /generate over plain HTTP (the same code for the managed and the plain engine)."""
-    st = Stream(label, lora_path, engine, time.monotonic())
-    req = {**body(prefix, n), "return_logprob": False, "stream": True, "lora_path": lora_path}
-    async with http.stream("POST", f"{url}/generate", json=req) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            st.t.append(time.monotonic())
-            st.tokens = list(chunk.get("output_ids") or st.tokens)
+    """One streamed /generate through the project's engine client (the same code for the managed
+    and the plain engine)."""
+    st = Stream(label, lora_path, client.engine_id, time.monotonic())
+    req = {**body(prefix, n), "return_logprob": False, "lora_path": lora_path}
+    async for chunk in client.generate_stream(req):
+        st.t.append(time.monotonic())
+        st.tokens = list(chunk.get("output_ids") or st.tokens)
     return st
 
 
@@ -362,17 +354,20 @@ async def measure_load(
 ) -> LoadFigures:
     """``streams`` concurrent clients, each sending ``rounds`` streamed requests of ``n`` tokens
     one after another: the same load for whichever engine ``url`` is."""
-    async with httpx.AsyncClient(timeout=600) as http:
+    engine = EngineClient(url, url)
+    try:
 
         async def client(i: int) -> list[Stream]:
             return [
-                await stream_http(http, url, lora_path, prompt(seed + 17 * i + k), n, f"load{i}", url)
+                await stream_once(engine, lora_path, prompt(seed + 17 * i + k), n, f"load{i}")
                 for k in range(rounds)
             ]
 
         t0 = time.monotonic()
         done = [s for group in await asyncio.gather(*(client(i) for i in range(streams))) for s in group]
         wall = time.monotonic() - t0
+    finally:
+        await engine.aclose()
     tokens = sum(len(s.tokens) for s in done)
     gaps = [g for s in done for g in s.gaps(0, float("inf"))]
     return LoadFigures(

@@ -11,9 +11,7 @@ from collections.abc import Mapping
 
 from relax_glue.engine_client import EngineAPI
 from sglang_ext import protocol as wire
-
-# Engine-side states that no longer hold anything (see sglang_ext.version_table.holds_engine_slot).
-GONE = frozenset({wire.EngineVersionState.CLEANED, wire.EngineVersionState.UNLOADED})
+from sglang_ext.version_table import holds_engine_slot
 
 
 async def engine_versions(client: EngineAPI, marker: str = "") -> dict[str, wire.VersionStatus]:
@@ -25,7 +23,9 @@ async def live_versions(clients: Mapping[str, EngineAPI], marker: str = "") -> d
     """Per engine: managed versions (named with ``marker``) that still hold something."""
     out: dict[str, list[str]] = {}
     for eid, c in clients.items():
-        out[eid] = sorted(n for n, v in (await engine_versions(c, marker)).items() if v.state not in GONE)
+        out[eid] = sorted(
+            n for n, v in (await engine_versions(c, marker)).items() if holds_engine_slot(v.state)
+        )
     return out
 
 
@@ -39,7 +39,7 @@ async def purge(
     deadline = time.monotonic() + timeout_s
     for c in clients.values():
         while time.monotonic() < deadline:
-            todo = [v for v in (await engine_versions(c, marker)).values() if v.state not in GONE]
+            todo = [v for v in (await engine_versions(c, marker)).values() if holds_engine_slot(v.state)]
             if not todo:
                 break
             for v in todo:
