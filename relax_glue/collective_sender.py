@@ -3,10 +3,11 @@ rank 1). See :mod:`sglang_ext.collective_group` for the group and the frames.
 
 Used by :class:`~relax_glue.engine_client.EngineClient` when it is given one: ``begin`` then asks
 the engine to post its receives (connecting the group first if this engine incarnation has none),
-``receive_bucket`` broadcasts the bucket's tensor bytes and then sends the acknowledgement, and a
-bucket already broadcast in this attempt is never broadcast again (a retried acknowledgement
-after a lost reply only asks). The publisher is unchanged: it calls ``begin`` on every engine and
-starts the buckets only once all are PREPARED, so a refusal never strands a broadcast.
+``receive_bucket`` broadcasts the bucket's tensor bytes while it asks the engine to acknowledge them
+(:meth:`CollectiveSender.send_acknowledged`), and a bucket already broadcast in this attempt is
+never broadcast again (a retried acknowledgement after a lost reply only asks). The publisher is
+unchanged: it calls ``begin`` on every engine and starts the buckets only once all are PREPARED,
+so a refusal never strands a broadcast.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import uuid
 import warnings
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from sglang_ext.collective_group import (
     FRAME_BYTES,
@@ -29,6 +30,8 @@ from sglang_ext.collective_group import (
 )
 from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.transport import HEADER_PREFIX_BYTES, header_length
+
+T = TypeVar("T")
 
 
 class CollectiveSender:
@@ -107,6 +110,38 @@ class CollectiveSender:
 
     async def send(self, attempt_token: str, index: int, payload: bytes) -> None:
         await asyncio.shield(self.send_soon(attempt_token, index, payload))
+
+    async def send_acknowledged(
+        self, attempt_token: str, index: int, payload: bytes, acknowledge: Callable[[], Awaitable[T]]
+    ) -> T:
+        """Bucket ``index``'s broadcast and the engine's acknowledgement of it, at the same time;
+        the acknowledgement's reply once both ended well.
+
+        Why not one after the other: gloo does not fail a send in flight when its peer dies
+        (torch 2.14 gloo: the pair sees the close, the pending send still waits out the group's
+        timeout), while the engine sees its receiver die at once (the child's exit) and refuses
+        the acknowledgement. So the engine's refusal ends the wait: the broadcast is abandoned and
+        the group forgotten (the next ``begin`` connects a new one). A reply that never came is
+        no refusal: the broadcast is left to end on its own (it may well have landed), nothing
+        is forgotten on a guess. A broadcast that fails on this side fails the call at once."""
+        sending = self.send_soon(attempt_token, index, payload)
+        asking = asyncio.ensure_future(acknowledge())
+        try:
+            await asyncio.wait([sending, asking], return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            asking.cancel()  # the broadcast goes on: it is shared with whoever asks it again
+            raise
+        if sending.done() and (sending.cancelled() or sending.exception() is not None):
+            asking.cancel()
+            await asyncio.wait([asking])
+            await sending  # raises its failure
+        refused_in_flight = not sending.done() and isinstance(asking.exception(), LoraVersionError)
+        if refused_in_flight and self._sends.get((attempt_token, index)) is sending:
+            # the engine's receiver is gone or out of step (and this is not a later group's send)
+            self.forget()
+        # both ended well, or the acknowledgement failed: its reply, or its failure (an unknown
+        # outcome leaves the broadcast to end on its own)
+        return asking.result()
 
     async def _send_after(
         self, previous: asyncio.Task[None] | None, group: Any, attempt_token: str, index: int, payload: bytes

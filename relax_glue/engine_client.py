@@ -615,10 +615,13 @@ class EngineClient:
     async def receive_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
         if self.collective is not None:
             # The bytes go over the group (once per attempt and bucket: a retried
-            # acknowledgement after a lost reply does not send them again); this call is the
-            # acknowledgement, answered once the engine verified them.
-            await self.collective.send(meta.attempt_token, meta.index, payload)
-            return await self._send_bucket(meta.model_copy(update={"collective": True}), b"")
+            # acknowledgement after a lost reply does not send them again) while this call asks
+            # for the acknowledgement, answered once the engine verified them; the engine's
+            # refusal ends a broadcast its receiver will never take (see send_acknowledged).
+            ack_meta = meta.model_copy(update={"collective": True})
+            return await self.collective.send_acknowledged(
+                meta.attempt_token, meta.index, payload, lambda: self._send_bucket(ack_meta, b"")
+            )
         if self.local_source_dir is None:
             return await self._send_bucket(meta, payload)
         source = (

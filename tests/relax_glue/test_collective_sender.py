@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -69,25 +70,52 @@ async def test_every_bucket_goes_once_in_order_and_lands_as_its_payload(tmp_path
     await link.close()
 
 
-async def test_a_receiver_killed_mid_broadcast_fails_it_at_once(tmp_path: Path) -> None:
-    sender, link = await pair()
-    big = {"w": torch.zeros(256 * 1024 * 1024 // 4)}  # 256 MiB: long enough to be cut
+async def cut_mid_broadcast(tmp_path: Path, link: CollectiveLink, send: Callable[[bytes], Awaitable[None]]):
+    """A 256 MiB bucket on its way to the receiver, the receiver SIGKILLed 50 ms in (what the
+    engine's death does to it); the send, still running."""
+    big = {"w": torch.zeros(256 * 1024 * 1024 // 4)}  # long enough to be cut
     manifest, buckets = buckets_of(big, 10**9)
     link.expect("job-1", token_tag("tok"), staged_files(tmp_path, manifest, buckets))
     assert link._proc is not None
     receiver = link._proc.pid
-    spec, payload = buckets[0]
-    sending = asyncio.ensure_future(sender.send("tok", spec.index, payload))
+    sending = asyncio.ensure_future(send(buckets[0][1]))
     await asyncio.sleep(0.05)
-    os.kill(receiver, signal.SIGKILL)  # what the engine's death does to its receiver
-    t0 = asyncio.get_running_loop().time()
+    os.kill(receiver, signal.SIGKILL)
+    return sending
+
+
+async def test_a_receiver_killed_mid_broadcast_fails_it_by_the_groups_deadline(tmp_path: Path) -> None:
+    """The sender alone: gloo's send to a peer that died in the middle waits out the group's
+    timeout (torch 2.14), then the broadcast fails typed and the group is forgotten."""
+    sender, link = await pair(timeout_s=5)
+    sending = await cut_mid_broadcast(tmp_path, link, lambda payload: sender.send("tok", 0, payload))
     with pytest.raises(LoraVersionError) as err:
         await asyncio.wait_for(sending, 60)
     assert err.value.code is ErrorCode.TRANSFER_FAILED, err.value
-    assert asyncio.get_running_loop().time() - t0 < 30  # not torch's 30-minute default
-    assert not sender.connected  # the group is forgotten: the next begin connects a new one
+    assert not sender.connected  # the next begin connects a new group
     with pytest.raises(LoraVersionError) as err2:
         await link.arrival("job-1", 0)
     assert err2.value.code is ErrorCode.TRANSFER_FAILED
+    assert link.state is LinkState.BROKEN
+    await link.close()
+
+
+async def test_the_engines_refusal_ends_a_broadcast_to_a_dead_receiver_at_once(tmp_path: Path) -> None:
+    """With the acknowledgement asked meanwhile (what EngineClient.receive_bucket does), the
+    engine's side, which sees its receiver's exit at once, ends the call long before the
+    group's deadline: typed, the group forgotten. (Sent first and acknowledged after, as before
+    this fix, the call waited the whole deadline.)"""
+    deadline = 20.0
+    sender, link = await pair(timeout_s=deadline)
+
+    def send(payload: bytes) -> Awaitable[None]:
+        return sender.send_acknowledged("tok", 0, payload, lambda: link.arrival("job-1", 0))
+
+    sending = await cut_mid_broadcast(tmp_path, link, send)
+    with pytest.raises(LoraVersionError) as err:
+        await asyncio.wait_for(sending, deadline / 2)  # a TimeoutError here: the deadline was waited
+    assert err.value.code is ErrorCode.TRANSFER_FAILED, err.value
+    assert "receiver" in str(err.value) or "exited" in str(err.value), err.value  # the engine's verdict
+    assert not sender.connected
     assert link.state is LinkState.BROKEN
     await link.close()
