@@ -11,10 +11,10 @@ The engine here runs with the overlap scheduler under the plugin's proof switch
 (``setup_checks.OVERLAP_PROOF_ENV``, CUDA only) and with the step-fence probe in its scheduler.
 Each round publishes a new version while sessions of the previous one finish on a stop token
 (the overshoot path) under steady traffic on the new one, and the previous version is reclaimed
-at once. It passes only if every unload met a passed fence, every version was unloaded exactly
-once, and every output equals its clean baseline. The fence is designed, not built, so on a GPU
-this test is expected to show the hazard (xfail, not strict): it is the proof obligation for
-lifting the refusal, not a claim.
+at once. It passes only if every unload met a passed fence (the probe runs inside the plugin's
+fence, :mod:`sglang_ext.step_fence`, right before the real unload), every version was unloaded
+exactly once, and every output equals its clean baseline. The report says how often the fence
+had to wait (how often the hazard's window was actually hit). It has never run: no GPU here.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from engine_wrappers.step_fence_probe import probe_lines
 
 from relax_glue.publisher import PublishOutcome
 from relax_glue.sessions import Session
-from sglang_ext.devtools.engine_log import unload_lines
+from sglang_ext.devtools.engine_log import fence_records, unload_lines
 from sglang_ext.setup_checks import OVERLAP_PROOF_ENV
 
 pytestmark = pytest.mark.engine
@@ -41,14 +41,7 @@ STEADY = 16  # sessions of the new version keeping batches running while the old
 FINISHING = 4  # sessions of the old version that end on a stop token (the overshoot path)
 STEADY_TOKENS = 96
 
-FENCE_NOT_BUILT = (
-    "the step fence is designed (version_table.step_fence_passed, gpu_tests/README.md) but not "
-    "wired into the scheduler: on a GPU this test is expected to catch an unload under a "
-    "launched step; the plugin keeps refusing the overlap scheduler until it passes"
-)
 
-
-@pytest.mark.xfail(reason=FENCE_NOT_BUILT, strict=False)
 async def test_reclaim_under_a_running_overlap_batch_never_frees_a_slot_a_launched_step_reads(
     profile, acceptance_fixtures, deployment, report_dir, report
 ) -> None:
@@ -121,6 +114,7 @@ async def test_reclaim_under_a_running_overlap_batch_never_frees_a_slot_a_launch
 
             log = engine.log_path.read_text(errors="replace")
             probes = {n: probe_lines(log, lid) for n, lid in unloaded.items()}
+            fences = [f for lid in unloaded.values() for f in fence_records(engine.log_path, lid)]
             unloads = {n: unload_lines(engine.log_path, lid) for n, lid in unloaded.items()}
             violations = [(n, p) for n, ps in probes.items() for p in ps if p["fence_passed"] != "True"]
             report.add(
@@ -129,6 +123,7 @@ async def test_reclaim_under_a_running_overlap_batch_never_frees_a_slot_a_launch
                     "rounds": ROUNDS,
                     "versions_reclaimed": len(unloaded),
                     "fence_violations": len(violations),
+                    "unloads_the_fence_waited_for": sum(1 for f in fences if f["waited"] != "0"),
                     "outputs_differing_from_baseline": len(wrong),
                     "unloads_not_exactly_once": {n: u for n, u in unloads.items() if u != 1},
                 },

@@ -37,7 +37,7 @@ from engine_wrappers.step_fence_probe import probe_lines
 from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.publisher import PublishOutcome
 from relax_glue.sessions import Session
-from sglang_ext.devtools.engine_log import unload_lines
+from sglang_ext.devtools.engine_log import fence_records, unload_lines
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
 pytestmark = pytest.mark.engine
@@ -250,8 +250,12 @@ async def test_online_publication_under_live_agent_traffic(
         assert late_refusal.code in (ErrorCode.VERSION_RECLAIMED, ErrorCode.UNKNOWN_VERSION), late_refusal
         unloads = {e: unload_lines(deployment[e].log_path, a_ids[e]) for e in c.clients}
         assert unloads == {"E0": 1, "E1": 1}, unloads
-        # E1's scheduler logged what the step fence decided at that unload (overlap is refused on
-        # this deployment, so the fence must hold; under overlap on a GPU: test_overlap_scheduler).
+        # Each scheduler's step fence ran at that unload and had nothing to wait for (overlap is
+        # refused on this deployment; under overlap on a GPU: test_overlap_scheduler), and E1's
+        # probe, which runs inside the fence right before the real unload, agrees.
+        fences = {e: fence_records(deployment[e].log_path, a_ids[e]) for e in c.clients}
+        decided = {e: [(r["overlap"], r["waited"], r["fence_passed"]) for r in f] for e, f in fences.items()}
+        assert decided == {e: [("False", "0", "True")] for e in c.clients}, fences
         probes = probe_lines(deployment["E1"].log_path.read_text(errors="replace"), a_ids["E1"])
         assert [(p["overlap"], p["fence_passed"]) for p in probes] == [("False", "True")], probes
         assert max(n for _, n in live.slots) <= 2, "more than two managed versions held capacity"
@@ -291,7 +295,8 @@ async def test_online_publication_under_live_agent_traffic(
                 "reclaim_A_s": round(ev["reclaimed_A"] - ev["agents_closed"], 3),
                 "late_A_request": late_refusal.code.value,
                 "unloads_of_A": unloads,
-                "step_fence_at_unload_E1": probes[0],
+                "step_fence_at_unload": {e: records[0] for e, records in fences.items()},
+                "step_fence_probe_at_unload_E1": probes[0],
                 "max_versions_held": max(n for _, n in live.slots),
                 "a_turns_checked": len(a_turns),
                 "sessions_joined": len(live.joined),

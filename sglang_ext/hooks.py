@@ -1,4 +1,5 @@
-"""Every hook the plugin places on SGLang, in one list.
+"""Every hook the plugin places on SGLang, in :func:`register_all`: the main process's list,
+and the scheduler's one hook (the step fence at the physical unload, :mod:`sglang_ext.step_fence`).
 
 Each hook is small and named after what it guards; the upstream targets (SGLang 0.5.23) are
 named in :mod:`sglang_ext.lora_registry_patch`. Hooks go through SGLang's own ``HookRegistry``;
@@ -80,6 +81,13 @@ def verify_hooks_applied(targets: tuple[str, ...]) -> None:
 
 
 def register_all(role: str) -> None:
+    if role == "scheduler":
+        # Its target resolves (the main process checked SCHEDULER_PROCESS_TARGETS before spawning
+        # us), and its log line at every unload is asserted on every engine by the online run.
+        from sglang_ext.step_fence import complete_the_step_before_unload
+
+        upstream.register_hook(upstream.SCHEDULER_UNLOAD_ADAPTER, complete_the_step_before_unload, "AROUND")
+        return
     if role != "main":
         return
     from sglang_ext import tokenizer_hooks as th

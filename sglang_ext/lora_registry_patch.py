@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 # ------------------------------------------------------------------------------ hook targets
-# Patched through SGLang's own HookRegistry (sglang.srt.plugins.hook_registry), main process only.
+# Patched through SGLang's own HookRegistry (sglang.srt.plugins.hook_registry).
 
 CHECK_SERVER_ARGS = "sglang.srt.server_args.ServerArgs.check_server_args"
 SETUP_HTTP_SERVER = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
@@ -39,6 +40,11 @@ RELEASE_LORA_ONCE = f"{_TM}._release_lora_once"
 LRU_LORA_NAME = "sglang.srt.lora.lora_registry.LoRARegistry.lru_lora_name"
 SERVE_GENERATE = "sglang.srt.entrypoints.http_server.serve_generate_request"
 OPENAI_HANDLE_REQUEST = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
+
+# Scheduler process. Bound into the request dispatcher in Scheduler.__init__, which runs after
+# load_plugins() (run_scheduler_process), so the patched method is the one dispatched.
+SCHEDULER_UNLOAD_ADAPTER = "sglang.srt.managers.scheduler.Scheduler.unload_lora_adapter"
+SCHEDULER_PROCESS_TARGETS = (SCHEDULER_UNLOAD_ADAPTER,)
 
 MAIN_PROCESS_TARGETS = (
     CHECK_SERVER_ARGS,
@@ -81,6 +87,7 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "TokenizerManager": ("sglang.srt.managers.tokenizer_manager", "TokenizerManager"),
     "OpenAIServingBase": ("sglang.srt.entrypoints.openai.serving_base", "OpenAIServingBase"),
     "ConcurrentCounter": ("sglang.srt.utils.common", "ConcurrentCounter"),
+    "LoRAUpdateOutput": ("sglang.srt.managers.io_struct", "LoRAUpdateOutput"),
     # the observability settings http_server reads to mount /metrics (--enable-metrics)
     "get_observability": ("sglang.srt.runtime_context", "get_observability"),
 }
@@ -157,7 +164,7 @@ def surface_problems() -> list[str]:
                 problems.append(f"{SYMBOLS[owner][1]}.{attribute} is missing")
         except (ImportError, AttributeError):
             pass  # already reported above
-    for target in MAIN_PROCESS_TARGETS:
+    for target in MAIN_PROCESS_TARGETS + SCHEDULER_PROCESS_TARGETS:
         try:
             _resolve_dotted(target)
         except (ImportError, AttributeError) as exc:
@@ -218,6 +225,44 @@ def new_pinned_ref(lora_name: str) -> Any:
     """The LoRARef registered for a managed version. Its path is the sentinel ``__tensor__``,
     not the staged directory (gone once READY): a cached ref can never be implicitly reloaded."""
     return symbol("LoRARef")(lora_name=lora_name, lora_path="__tensor__", pinned=True)
+
+
+# The scheduler's launched steps (sglang.srt.managers.scheduler.Scheduler, 0.5.23): ``enable_overlap``;
+# ``result_queue``, a deque of (ScheduleBatch, GenerationBatchResult) launched and not processed
+# yet (overlap only); ``last_batch``; ``ScheduleBatch.reqs``; ``Req.lora_id``;
+# ``GenerationBatchResult.copy_done``, a device event recorded after the step's forward.
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A batch the scheduler launched: the engine-local LoRA ids its rows read, and its
+    completion: True (its results were processed), a device event (``query()``,
+    ``synchronize()``), or None (unknown)."""
+
+    lora_ids: frozenset[str]
+    completion: Any
+
+
+def _lora_ids(batch: Any) -> frozenset[str]:
+    return frozenset(r.lora_id for r in getattr(batch, "reqs", None) or () if getattr(r, "lora_id", None))
+
+
+def launched_steps(scheduler: Any) -> list[LaunchedStep]:
+    """What the scheduler launched and has not finished processing. Without the overlap
+    scheduler that is at most ``last_batch``, processed before the next request is ingested."""
+    out: list[LaunchedStep] = []
+    queue = list(getattr(scheduler, "result_queue", None) or ())
+    if scheduler.enable_overlap:
+        out += [LaunchedStep(_lora_ids(batch), getattr(result, "copy_done", None)) for batch, result in queue]
+    last = scheduler.last_batch
+    if last is not None and (not scheduler.enable_overlap or not queue):
+        out.append(LaunchedStep(_lora_ids(last), True))
+    return out
+
+
+def unload_refused(message: str) -> Any:
+    """A scheduler's reply to an unload it did not do (merged by the tokenizer like any rank's)."""
+    return symbol("LoRAUpdateOutput")(success=False, error_message=message)
 
 
 def load_from_dir_request(ref: Any, adapter_dir: str) -> Any:

@@ -57,8 +57,9 @@ def may_unload_now(v: ManagedVersion | None, in_flight: int | None) -> bool:
     also means every GPU step that read the adapter's slot has completed: SGLang's normal loop
     processes a batch's results before it plans the next. Under overlap it does not (a finish is
     streamed while the next batch, still holding the finished request's row, runs on the GPU);
-    the fence that would close it is :func:`step_fence_passed`, a third term of this predicate
-    evaluated in the scheduler process (gpu_tests/README.md, "The overlap scheduler")."""
+    the fence that closes it is :func:`step_fence_passed`, the third term of this rule, evaluated
+    in the scheduler process at the unload itself (:mod:`sglang_ext.step_fence`; gpu_tests/README.md,
+    "The overlap scheduler")."""
     if v is None:
         return True  # not managed: stock rules apply
     removal_started = v.state is S.RECLAIMING or v.cleaning

@@ -22,29 +22,18 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from sglang_ext import lora_registry_patch as upstream
+from sglang_ext.devtools.engine_log import log_records
+from sglang_ext.step_fence import fence_view
 from sglang_ext.version_table import LaunchedBatch, step_fence_passed
 
 LOG_LINE = "step-fence probe"
 
 
-def _lora_ids(batch: Any) -> frozenset[str]:
-    return frozenset(r.lora_id for r in getattr(batch, "reqs", None) or () if getattr(r, "lora_id", None))
-
-
 def launched_batches(scheduler: Any) -> list[LaunchedBatch]:
-    """What the scheduler launched and has not finished processing, as the fence sees it."""
-    out: list[LaunchedBatch] = []
-    queue = list(getattr(scheduler, "result_queue", None) or ())
-    if scheduler.enable_overlap:
-        for batch, result in queue:
-            event = getattr(result, "copy_done", None)
-            done = bool(event.query()) if event is not None and hasattr(event, "query") else None
-            out.append(LaunchedBatch(_lora_ids(batch), done))
-    last = scheduler.last_batch
-    if last is not None and (not scheduler.enable_overlap or not queue):
-        # Its results were processed (normal loop, or the overlap queue is drained): complete.
-        out.append(LaunchedBatch(_lora_ids(last), True))
-    return out
+    """What the scheduler launched and has not finished processing, as the fence sees it (the
+    plugin's own reader: this probe checks what the plugin's fence reads)."""
+    return fence_view(upstream.launched_steps(scheduler))
 
 
 def install() -> None:
@@ -76,8 +65,4 @@ def run_scheduler_process_with_probe(*args: Any, **kwargs: Any) -> Any:
 
 def probe_lines(log_text: str, lora_id: str) -> list[dict[str, str]]:
     """The probe's records for ``lora_id`` in an engine log, as key/value dicts."""
-    out = []
-    for line in log_text.splitlines():
-        if LOG_LINE in line and f"lora_id={lora_id} " in line:
-            out.append(dict(part.split("=", 1) for part in line.split(LOG_LINE, 1)[1].split() if "=" in part))
-    return out
+    return log_records(log_text, LOG_LINE, lora_id)

@@ -1,5 +1,6 @@
 """What an engine's log says about physical unloads: the one reader the tests, the demo, the
-acceptance suite and the examples count "unloaded exactly once" with.
+acceptance suite and the examples count "unloaded exactly once" with, and read the step fence's
+decision at each unload from.
 
 SGLang 0.5.23 logs ``LoRA adapter unloading starts: LoRARef(lora_id='<id>', ...)`` in the
 scheduler (``LoRAManager.unload_lora_adapter``) once per physical unload; the engine-local
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+
+from sglang_ext.step_fence import LOG_MARKER as FENCE_LOG_MARKER
 
 UNLOAD_LOG_LINE = "LoRA adapter unloading starts"
 
@@ -30,3 +33,18 @@ async def await_unload_lines(log_path: Path, lora_id: str, expect: int = 1, time
         if n >= expect or time.monotonic() > deadline:
             return n
         await asyncio.sleep(0.1)
+
+
+def log_records(log_text: str, marker: str, lora_id: str) -> list[dict[str, str]]:
+    """The ``key=value`` records of the log lines that carry ``marker`` and ``lora_id=<lora_id>``."""
+    out = []
+    for line in log_text.splitlines():
+        if marker in line and f"lora_id={lora_id} " in line:
+            out.append(dict(part.split("=", 1) for part in line.split(marker, 1)[1].split() if "=" in part))
+    return out
+
+
+def fence_records(log_path: Path, lora_id: str) -> list[dict[str, str]]:
+    """What the step fence (:mod:`sglang_ext.step_fence`) decided at each unload of ``lora_id``:
+    ``overlap``, ``launched``, ``on_adapter``, ``waited``, ``fence_passed``."""
+    return log_records(Path(log_path).read_text(errors="replace"), FENCE_LOG_MARKER, lora_id)

@@ -1,0 +1,63 @@
+"""The step fence, in the scheduler: an adapter's slot is freed only once every launched step
+that reads it has completed (the vLLM seed's lesson: free after the step that used the resource,
+never while it may still run).
+
+Why the registry's refs and SGLang's in-flight count are not enough under the overlap scheduler
+(GPU only; gpu_tests/README.md has the 0.5.23 evidence): the scheduler launches step N+1 before
+it processes step N, so a request that finished in N (its count already released, its unload
+already sent) may still have a row in N+1, which reads the adapter's slot on the device while
+the unload would zero it. So the unload first waits for those steps' device events, then
+unloads; a launched step whose completion is unknown refuses the unload (typed by the caller,
+retried later): nothing is freed on a guess. Without the overlap scheduler (every CPU engine)
+the last batch is processed before the unload is ingested, and the fence passes at once.
+
+The plugin still refuses the overlap scheduler outside the GPU proof test
+(``setup_checks.OVERLAP_PROOF_ENV``); this hook is what that test proves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_ext import lora_registry_patch as upstream
+from sglang_ext.version_table import LaunchedBatch, step_fence_passed
+
+LOG_MARKER = "step fence"  # one scheduler log line per unload (sglang_ext.devtools.engine_log reads it)
+
+
+def fence_view(steps: list[upstream.LaunchedStep]) -> list[LaunchedBatch]:
+    """The steps as the pure predicate sees them (an event is asked, never waited for)."""
+    out = []
+    for step in steps:
+        c = step.completion
+        done = True if c is True else (bool(c.query()) if hasattr(c, "query") else None)
+        out.append(LaunchedBatch(step.lora_ids, done))
+    return out
+
+
+def complete_the_step_before_unload(
+    original: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND Scheduler.unload_lora_adapter (0.5.23; the scheduler thread, between steps): wait
+    for the launched steps that read ``recv_req.lora_id`` to complete, then unload; refuse
+    (changing nothing) when a step's completion cannot be known. One log line per unload."""
+    from sglang_ext.plugin import log_line
+
+    lora_id = getattr(recv_req, "lora_id", None)
+    steps = upstream.launched_steps(self)
+    waited = 0
+    if lora_id is not None and not step_fence_passed(lora_id, fence_view(steps)):
+        for step in steps:
+            if lora_id in step.lora_ids and hasattr(step.completion, "synchronize"):
+                step.completion.synchronize()  # one step's device work: the scheduler waits it out
+                waited += 1
+    passed = lora_id is None or step_fence_passed(lora_id, fence_view(steps))
+    log_line(
+        f"{LOG_MARKER} lora_id={lora_id} overlap={bool(self.enable_overlap)} launched={len(steps)} "
+        f"on_adapter={sum(1 for s in steps if lora_id in s.lora_ids)} waited={waited} fence_passed={passed}"
+    )
+    if not passed:
+        return upstream.unload_refused(
+            f"step fence: a launched step on adapter {lora_id} has no known completion; nothing unloaded"
+        )
+    return original(self, recv_req, *args, **kwargs)
