@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from relax_glue.gateway import gateway_command
+from sglang_ext.devtools.launcher import free_port
 
 __all__ = ["GatewayProcess", "GatewayStartError", "running_gateway", "smg_executable", "start_gateway"]
 
@@ -38,12 +38,6 @@ def smg_executable() -> str:
     if found is None:
         raise GatewayStartError("smg is not installed: pip install 'smg==1.13.0' (the [gateway] extra)")
     return found
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class GatewayProcess:
@@ -114,13 +108,13 @@ def start_gateway(
     timeout_s: float = 60.0,
     extra_args: Sequence[str] = (),
 ) -> GatewayProcess:
-    port = port or _free_port()
+    port = port or free_port()
     cmd = gateway_command(
         worker_urls,
         port=port,
         executable=smg_executable(),
         retries=retries,
-        metrics_port=_free_port(),
+        metrics_port=free_port(),
         extra_args=extra_args,
     )
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -82,8 +83,37 @@ class EngineSpec:
     dtype: str = "float32"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+# Ports that a child process binds only later (an engine binds its HTTP port about a minute after
+# its launch) are drawn below the kernel's ephemeral range: bind(0) and every outgoing connection
+# draw from that range, so a port picked there can be handed to some client socket meanwhile
+# (seen in CI: "[Errno 98] address already in use" at an engine's start). And above SGLang's own
+# pick for its internal ports (sglang.srt.utils.network.get_free_port_below_ephemeral, 22000-29999).
+LATE_BIND_PORTS = (30000, 32767)
+_handed_out: set[int] = set()  # never the same port twice from one process
+_pick = random.SystemRandom()  # not the (often seeded) global generator: two processes would agree
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2]
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(attempts: int = 64) -> int:
+    """A port free now, for a process that binds it later (see LATE_BIND_PORTS)."""
+    low, high = LATE_BIND_PORTS[0], min(LATE_BIND_PORTS[1], ephemeral_port_range()[0] - 1)
+    candidates = [p for p in range(low, high + 1) if p not in _handed_out]
+    for port in _pick.sample(candidates, min(attempts, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a host with a narrow range
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

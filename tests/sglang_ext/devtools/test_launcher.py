@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from sglang_ext.devtools import launcher
@@ -44,3 +46,17 @@ def test_start_timeout_stops_the_whole_process_group(fixtures, tmp_path):
         finally:
             launcher.stop_engine(engine)
     assert not launcher._group_alive(engine.proc.pid)
+
+
+def test_a_port_for_a_later_bind_is_outside_the_ephemeral_range_and_never_handed_out_twice() -> None:
+    """An engine binds its port about a minute after it was picked; a port from the kernel's
+    ephemeral range may meanwhile become some outgoing connection's source port (CI: "address
+    already in use" at an engine's start). SGLang's own internal ports stay apart too."""
+    low, _high = launcher.ephemeral_port_range()
+    ports = [launcher.free_port() for _ in range(50)]
+    assert all(launcher.LATE_BIND_PORTS[0] <= p < low for p in ports), ports
+    assert all(p > 29999 for p in ports)  # SGLang's get_free_port_below_ephemeral: 22000-29999
+    assert len(set(ports)) == len(ports)
+    for p in ports[:5]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))  # free when handed out
