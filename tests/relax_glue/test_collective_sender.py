@@ -70,7 +70,9 @@ async def test_every_bucket_goes_once_in_order_and_lands_as_its_payload(tmp_path
     await link.close()
 
 
-async def cut_mid_broadcast(tmp_path: Path, link: CollectiveLink, send: Callable[[bytes], Awaitable[None]]):
+async def cut_mid_broadcast(
+    tmp_path: Path, link: CollectiveLink, send: Callable[[bytes], Awaitable[None]]
+) -> asyncio.Future[None]:
     """A 256 MiB bucket on its way to the receiver, the receiver SIGKILLed 50 ms in (what the
     engine's death does to it); the send, still running."""
     big = {"w": torch.zeros(256 * 1024 * 1024 // 4)}  # long enough to be cut
