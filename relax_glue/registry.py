@@ -628,7 +628,12 @@ class LoRAVersionRegistry:
         rec = self._versions[self._default]
         binding = Binding(sk, rec.key, rec.lora_name, rec.digest, self._revision)
         self._put(evolve(rec, session_refs=rec.session_refs + 1))
-        self._sessions[sk] = SessionRecord(sk, SessionState.OPEN, binding)
+        # The bind sets the binding and nothing else: a lease set at open (the session layer
+        # renews before its first bind) must survive it, or a worker dying between the bind and
+        # its next renewal keeps its ref forever.
+        self._sessions[sk] = (
+            SessionRecord(sk, SessionState.OPEN, binding) if s is None else evolve(s, binding=binding)
+        )
         self._accepted()
         return binding
 

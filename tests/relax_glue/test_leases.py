@@ -66,6 +66,42 @@ def test_expiry_closes_exactly_once_through_the_close_transition() -> None:
     reg.claim_reclaim(vk("A"))  # the retired version can go now
 
 
+def test_the_first_bind_keeps_the_lease_set_at_open() -> None:
+    """The session layer's order: open, renew (the lease starts at open), bind_first, and only then
+    the next renewal. A worker that dies between the bind and that renewal must still expire."""
+    reg = new_registry()
+    pub = Publisher(reg)
+    pub.publish("A")
+    reg.open_session(sk("s"))
+    reg.renew_lease(sk("s"), 10.0, T0)
+    binding = reg.bind_first(sk("s"))
+    assert reg.session(sk("s")).lease_expires_at == T0 + 10  # the bind kept it
+    assert reg.bind_first(sk("s")) == binding  # a repeat bind changes nothing either
+    assert reg.session(sk("s")).lease_expires_at == T0 + 10
+    pub.publish("B")  # A retired, held only by the dead worker's session
+    assert reg.expire_leases(T0 + 100) == (sk("s"),)
+    assert reg.version(vk("A")).session_refs == 0
+    reg.claim_reclaim(vk("A"))
+
+
+def test_a_bind_keeps_every_field_of_the_session_record() -> None:
+    """bind_first changes exactly the binding: whatever else the record holds stays (one rule for
+    every field, so a field added later cannot be dropped by the bind either)."""
+    import dataclasses
+
+    reg = new_registry()
+    Publisher(reg).publish("A")
+    reg.open_session(sk("s"))
+    reg.renew_lease(sk("s"), 10.0, T0)
+    before = reg._sessions[sk("s")]
+    reg.bind_first(sk("s"))
+    after = reg._sessions[sk("s")]
+    changed = {
+        f.name for f in dataclasses.fields(before) if getattr(before, f.name) != getattr(after, f.name)
+    }
+    assert changed == {"binding"}
+
+
 def test_an_expired_session_never_rebinds() -> None:
     reg = new_registry()
     _bound(reg)

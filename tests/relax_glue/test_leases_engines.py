@@ -22,7 +22,7 @@ from _e2e_helpers import PROMPTS, TOOL_IDS, aclose_all, greedy, make_clients, ne
 
 from relax_glue.actor import AsyncRegistryClient, start_registry_actor
 from relax_glue.publisher import Publisher, PublishOutcome
-from relax_glue.registry_types import VersionKey, VersionState
+from relax_glue.registry_types import SessionState, VersionKey, VersionState
 from relax_glue.sessions import SessionManager
 from sglang_ext import protocol as wire
 
@@ -46,6 +46,67 @@ def ray_local():
             ray.shutdown()
 
 
+def _start_worker(ray_local, epoch: str, engines, mode: str) -> subprocess.Popen:
+    urls = {n: e.url for n, e in zip(("E0", "E1"), engines, strict=True)}
+    gcs = ray_local.get_runtime_context().gcs_address
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), gcs, epoch, json.dumps(urls), str(TTL_S), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+
+
+async def test_a_worker_killed_right_after_its_first_bind_is_released_after_the_ttl(
+    engines, fixtures, ray_local, tmp_path
+) -> None:
+    """The worker dies between ``bind_first`` and the session layer's renewal after it (its
+    registry client is the real one, wrapped to SIGKILL the process the moment the bind returns).
+    Its only lease is the one set at open: the bind must have kept it, so the reaper releases the
+    ref after the TTL and the retired version is reclaimed. (Before the fix the bind dropped the
+    lease: the ref, the retired version and its slot stayed forever.)"""
+    epoch = new_epoch()
+    actor = start_registry_actor(
+        epoch, ("E0", "E1"), db_path=tmp_path / "registry.db", lease_reaper_s=REAPER_S
+    )
+    client = AsyncRegistryClient.for_actor(actor)
+    clients = make_clients(engines, ADMIN_KEY, ("E0", "E1"))
+    pub = Publisher(client, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
+    snaps = {n: snapshot_of(fixtures.adapter_dir(n)) for n in "AB"}
+    worker = None
+    try:
+        assert (await pub.publish(snaps["A"], "A")).outcome is PublishOutcome.PUBLISHED
+        worker = _start_worker(ray_local, epoch, engines, "die-after-bind")
+        line = await asyncio.wait_for(asyncio.to_thread(worker.stdout.readline), 180)
+        assert line.strip() == "BOUND", line
+        assert await asyncio.to_thread(worker.wait, 30) == -signal.SIGKILL
+        t_dead = time.monotonic()
+        (dead,) = [v for v in await client.sessions() if v.binding is not None]
+        assert dead.state is SessionState.OPEN and dead.lease_expires_at is not None, dead
+        assert (await pub.publish(snaps["B"], "B")).outcome is PublishOutcome.PUBLISHED
+
+        async def refs_of_a() -> int:
+            return (await client.version(version_key=VersionKey(epoch, "A"))).session_refs
+
+        assert await refs_of_a() == 1
+        while await refs_of_a() != 0:
+            assert time.monotonic() - t_dead < TTL_S + 20, "the bind dropped the lease: never reaped"
+            await asyncio.sleep(0.1)
+        view = await client.session(session_key=dead.session_key)
+        assert view.state is SessionState.CLOSED and view.expired and view.released, view
+        (res,) = [r for r in await pub.reclaim_ready() if r.version_key.version_id == "A"]
+        assert res.done and res.registry_state is VersionState.RECLAIMED, res
+    finally:
+        if worker is not None and worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+        left = await purge(clients, f"@{epoch}-")
+        await aclose_all(clients.values())
+        with contextlib.suppress(Exception):
+            ray_local.kill(actor)
+        assert not any(left.values()), left
+
+
 async def test_a_sigkilled_worker_releases_its_refs_after_the_ttl_and_capacity_recovers(
     engines, fixtures, ray_local, tmp_path
 ) -> None:
@@ -61,15 +122,7 @@ async def test_a_sigkilled_worker_releases_its_refs_after_the_ttl_and_capacity_r
     worker = None
     try:
         assert (await pub.publish(snaps["A"], "A")).outcome is PublishOutcome.PUBLISHED
-        urls = {n: e.url for n, e in zip(("E0", "E1"), engines, strict=True)}
-        gcs = ray_local.get_runtime_context().gcs_address
-        worker = subprocess.Popen(
-            [sys.executable, str(WORKER), gcs, epoch, json.dumps(urls), str(TTL_S)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-        )
+        worker = _start_worker(ray_local, epoch, engines, "idle")
         line = await asyncio.wait_for(asyncio.to_thread(worker.stdout.readline), 180)
         assert line.startswith("BOUND "), line
         name_a = line.split()[1]
