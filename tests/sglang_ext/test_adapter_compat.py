@@ -18,6 +18,7 @@ from sglang_ext.adapter_compat import (
     sglang_load_config,
 )
 from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.identity import DTYPE_ITEMSIZE
 from sglang_ext.protocol import manifest_from_tensors
 
 GEOMETRY = ModelGeometry(
@@ -25,6 +26,7 @@ GEOMETRY = ModelGeometry(
 )
 SHAPE = EngineLoraShape(GEOMETRY, max_lora_rank=8, served_modules=None)
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION = ALL[:4]
 BLOCK = {m: "self_attn" if m in ALL[:4] else "mlp" for m in ALL}
 
 
@@ -106,6 +108,7 @@ def test_a_rank_that_disagrees_with_the_tensors_is_refused_before_it_can_kill_th
     [
         ({"use_dora": True}, "DoRA"),
         ({"bias": "all"}, "bias"),
+        ({"bias": "lora_only"}, "bias"),
         ({"fan_in_fan_out": True}, "fan_in_fan_out"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"peft_type": "LOHA"}, "peft_type"),
@@ -122,10 +125,13 @@ def test_config_fields_sglang_does_not_apply_are_refused(change, reason):
     refused({**cfg, **change}, tensors, reason)
 
 
+NO_EXACT_ALPHA = "no lora_alpha makes SGLang's lora_alpha / r equal PEFT's lora_alpha / sqrt(r) exactly"
+
+
 def test_rslora_without_an_exact_alpha_is_refused():
     cfg, tensors = adapter(rank=5, use_rslora=True)
     cfg["lora_alpha"] = 1
-    refused(cfg, tensors, "use_rslora")
+    refused(cfg, tensors, NO_EXACT_ALPHA)
 
 
 @pytest.mark.parametrize(
@@ -191,6 +197,117 @@ def test_modules_the_engine_does_not_serve_are_refused():
     )
 
 
+# ---------------------------------------------------------- each refusal row at its boundary
+
+
+def test_the_rank_bound_admits_max_lora_rank_and_refuses_one_more():
+    assert problem(*adapter(rank=SHAPE.max_lora_rank)) is None
+    refused(*adapter(rank=SHAPE.max_lora_rank + 1), "adapter rank 9 exceeds this engine's --max-lora-rank 8")
+
+
+def test_the_last_layer_of_the_base_is_served_and_the_one_after_it_is_refused():
+    last = GEOMETRY.num_layers - 1
+    assert problem(*adapter(layers=(last,))) is None
+    refused(*adapter(layers=(last + 1,)), f"layer {last + 1} does not exist ({GEOMETRY.num_layers} layers)")
+
+
+# The rule, written out: an engine copies these into its LoRA buffers as values.
+VALUE_DTYPES = {"float32", "float16", "bfloat16"}
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPE_ITEMSIZE))
+def test_a_factor_is_served_only_in_a_dtype_the_engine_copies_as_values(dtype):
+    cfg, tensors = adapter()
+    name = f"{stem(1, 'down_proj')}.lora_B.weight"
+    tensors[name] = tensors[name].to(getattr(torch, dtype))
+    if dtype in VALUE_DTYPES:
+        assert problem(cfg, tensors) is None
+    else:
+        refused(cfg, tensors, f"tensor {name!r} has dtype {dtype}")
+
+
+@pytest.mark.parametrize("factor", ["A", "B"])
+def test_one_factor_of_a_module_without_the_other_is_refused(factor):
+    cfg, tensors = adapter()
+    tensors.pop(f"{stem(1, 'o_proj')}.lora_{factor}.weight")
+    refused(cfg, tensors, "layer 1 o_proj: lora_A and lora_B must come together")
+
+
+@pytest.mark.parametrize(
+    ("modules", "served"),
+    [
+        (("q_proj", "v_proj"), True),
+        (("q_proj", "k_proj", "v_proj"), True),
+        (("o_proj",), True),  # o_proj is not stacked
+        (("q_proj",), False),
+        (("v_proj",), False),
+        (("k_proj",), False),
+        (("q_proj", "k_proj"), False),
+        (("k_proj", "v_proj"), False),
+    ],
+)
+def test_attention_factors_are_served_only_with_q_proj_and_v_proj_together(modules, served):
+    cfg, tensors = adapter(modules)
+    if served:
+        assert problem(cfg, tensors) is None
+    else:
+        refused(cfg, tensors, "layer 0: SGLang stacks q/k/v and needs q_proj and v_proj")
+
+
+@pytest.mark.parametrize(
+    ("modules", "served"),
+    [
+        (("gate_proj",), True),
+        (("gate_proj", "up_proj"), True),
+        (("down_proj",), True),
+        (("up_proj",), False),
+        (("up_proj", "down_proj"), False),
+    ],
+)
+def test_up_proj_is_served_only_with_gate_proj(modules, served):
+    cfg, tensors = adapter(modules)
+    if served:
+        assert problem(cfg, tensors) is None
+    else:
+        refused(cfg, tensors, "layer 0: SGLang stacks gate/up and needs gate_proj with up_proj")
+
+
+@pytest.mark.parametrize(
+    ("layers_pattern", "served"),
+    [("layers", True), (["layers"], True), ("h", False), (["layers", "h"], False)],
+)
+def test_layers_pattern_is_served_only_for_the_decoders_own_layers(layers_pattern, served):
+    cfg, tensors = adapter(layers_to_transform=[0, 1], layers_pattern=layers_pattern)
+    if served:
+        assert problem(cfg, tensors) is None
+    else:
+        refused(cfg, tensors, "layers_pattern")
+
+
+ALL_SGLANG_MODULES = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
+
+
+def test_an_engine_serving_every_module_admits_every_subset_of_them():
+    every = EngineLoraShape(GEOMETRY, max_lora_rank=8, served_modules=ALL_SGLANG_MODULES)
+    for modules in (ALL, ("q_proj", "v_proj"), ("gate_proj", "down_proj"), ("o_proj",)):
+        assert problem(*adapter(modules), every) is None, modules
+    assert problem(*adapter(target_modules="all-linear"), every) is None
+    no_mlp = EngineLoraShape(GEOMETRY, max_lora_rank=8, served_modules=frozenset({"qkv_proj", "o_proj"}))
+    assert problem(*adapter(ATTENTION), no_mlp) is None
+    refused(*adapter((*ATTENTION, "down_proj")), "target modules ['down_proj'] are not served", shape=no_mlp)
+
+
+def test_tensors_of_modules_the_engine_does_not_serve_are_refused_under_all_linear():
+    """all-linear names no module, so the config row cannot see it: the tensors decide."""
+    only_qkv = EngineLoraShape(GEOMETRY, max_lora_rank=8, served_modules=frozenset({"qkv_proj"}))
+    assert problem(*adapter(("q_proj", "v_proj"), target_modules="all-linear"), only_qkv) is None
+    refused(
+        *adapter(("q_proj", "v_proj", "o_proj"), target_modules="all-linear"),
+        "target modules ['o_proj'] are not served by this engine",
+        shape=only_qkv,
+    )
+
+
 def test_an_unverified_base_architecture_admits_nothing():
     unknown = EngineLoraShape(None, max_lora_rank=8, served_modules=None)
     refused(*adapter(), "architecture", shape=unknown)
@@ -235,7 +352,15 @@ def test_rslora_loads_with_the_alpha_that_gives_pefts_scale_bit_for_bit(r, alpha
     )
     peft_scale = peft_model.base_model.model.q_proj.scaling["default"]
     cfg, tensors = adapter(rank=r, use_rslora=True, lora_alpha=alpha)
-    if problem(cfg, tensors, EngineLoraShape(GEOMETRY, max_lora_rank=64, served_modules=None)) is not None:
+    err = problem(cfg, tensors, EngineLoraShape(GEOMETRY, max_lora_rank=64, served_modules=None))
+    if err is not None:
+        # Only the one refusal some (r, alpha) deserve; any other (a rank bound off by one, a
+        # shape rule) must fail here, not turn this test into a skip.
+        assert err.code is ErrorCode.INCOMPATIBLE_ADAPTER and NO_EXACT_ALPHA in err.message, err.message
+        # ... and PEFT's scale indeed has no float alpha with alpha / r == scale near scale * r
+        guess = peft_scale * r
+        neighbours = [guess, *(math.nextafter(guess, d) for d in (math.inf, -math.inf))]
+        assert all(c / r != peft_scale for c in neighbours), (r, alpha)
         pytest.skip("refused: no exact alpha (covered by test_rslora_without_an_exact_alpha_is_refused)")
     load = sglang_load_config(manifest_from_tensors(cfg, tensors).config)
     assert load["use_rslora"] is False
