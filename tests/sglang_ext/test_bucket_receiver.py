@@ -398,3 +398,152 @@ async def test_a_refused_taken_over_source_is_deleted(area, source_dir) -> None:
             area, manifest, spec, source_dir, "short.safetensors", p.bucket_checksum(payload)
         )
     assert info.value.code is ErrorCode.INCOMPLETE_BODY and list(area.root.iterdir()) == []
+
+
+# ------------------------------------------------------------------- integrity, from the rules
+#
+# The bucket checksum covers every payload byte (the header literally, each tensor through its
+# digest); nothing may follow the last tensor; a bucket is at most the engine's cap. Each rule
+# holds for every way a bucket arrives: a request body, a local source copied, one taken over.
+
+SOURCES = ["body", "copied", "taken-over"]
+
+
+async def receive_via(
+    source: str, area: StagingArea, source_dir: Path, manifest, spec, data: bytes, checksum: str, cap: int
+) -> BucketReceiver:
+    """Receive ``data`` as bucket ``spec`` the way ``source`` says, with this ``cap``."""
+    r = BucketReceiver(area, manifest, spec, checksum, cap)
+    name = f"b-{source}.safetensors"
+    try:
+        if source == "body":
+            for i in range(0, len(data), 4096):
+                r.feed(data[i : i + 4096])
+        else:
+            (source_dir / name).write_bytes(data)
+            if source == "copied":
+                writer = os.open(source_dir / name, os.O_WRONLY)  # a writer: never taken over
+                try:
+                    src = area.take_local_source(source_dir, name)
+                finally:
+                    os.close(writer)
+                assert src.part is None and src.fd is not None
+                try:
+                    await r.fill_from_file(src.fd)
+                finally:
+                    src.discard_moved()
+            else:
+                src = area.take_local_source(source_dir, name)
+                assert src.part is not None
+                await r.adopt(src.part)
+        await r.finish()
+    except BaseException:
+        await r.abandon()
+        raise
+    return r
+
+
+def split_payload(payload: bytes) -> tuple[dict[str, Any], bytes]:
+    n = int.from_bytes(payload[:8], "little")
+    return json.loads(payload[8 : 8 + n]), payload[8 + n :]
+
+
+def with_header(doc: dict[str, Any], data: bytes, pad: int = 0) -> bytes:
+    body = json.dumps(doc).encode()
+    body += b" " * ((-(8 + len(body)) % 8) + pad)
+    return struct.pack("<Q", len(body)) + body + data
+
+
+HEADER_EDITS = {
+    "metadata-added": lambda doc, data: with_header({"__metadata__": {"format": "pt"}, **doc}, data),
+    "keys-reordered": lambda doc, data: with_header(dict(reversed(list(doc.items()))), data),
+    "padded": lambda doc, data: with_header(doc, data, pad=8),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(HEADER_EDITS))
+@pytest.mark.parametrize("source", SOURCES)
+async def test_the_checksum_covers_the_header_a_changed_header_over_the_same_tensor_bytes_is_refused(
+    area, source_dir, source, edit
+) -> None:
+    manifest, spec, payload = setup(adapter())
+    doc, data = split_payload(payload)
+    other = HEADER_EDITS[edit](doc, data)
+    assert split_payload(other)[1] == data and other != payload  # only the header differs
+    cap = p.max_payload_bytes(manifest, spec) + 64 * 1024
+    with pytest.raises(LoraVersionError) as info:
+        await receive_via(source, area, source_dir, manifest, spec, other, p.bucket_checksum(payload), cap)
+    assert info.value.code is ErrorCode.CHECKSUM_MISMATCH and no_parts(area)
+    # the changed header is itself valid: declared with its own checksum, the same bytes pass
+    r = await receive_via(source, area, source_dir, manifest, spec, other, p.bucket_checksum(other), cap)
+    await r.abandon()
+
+
+@pytest.mark.parametrize("tail", [b"\0", b" " * 8, bytes(4096)], ids=["1-byte", "8-spaces", "4-KiB"])
+@pytest.mark.parametrize("source", SOURCES)
+async def test_bytes_after_the_last_tensor_are_refused(area, source_dir, source, tail) -> None:
+    manifest, spec, payload = setup(adapter())
+    cap = p.max_payload_bytes(manifest, spec) + 64 * 1024
+    with pytest.raises(LoraVersionError) as info:
+        await receive_via(
+            source, area, source_dir, manifest, spec, payload + tail, p.bucket_checksum(payload), cap
+        )
+    assert info.value.code is ErrorCode.INVALID_REQUEST and no_parts(area)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+async def test_a_bucket_exactly_at_the_cap_is_accepted_and_one_byte_over_is_refused(
+    area, source_dir, source
+) -> None:
+    manifest, spec, payload = setup(adapter())
+    checksum = p.bucket_checksum(payload)
+    r = await receive_via(source, area, source_dir, manifest, spec, payload, checksum, cap=len(payload))
+    await r.abandon()
+    with pytest.raises(LoraVersionError) as info:
+        await receive_via(source, area, source_dir, manifest, spec, payload, checksum, cap=len(payload) - 1)
+    assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE and no_parts(area)
+
+
+def body_request(body: bytes, chunk: int, content_length: bool) -> Any:
+    """A starlette request whose body arrives in ``chunk``-byte messages."""
+    from starlette.requests import Request
+
+    messages = [
+        {"type": "http.request", "body": body[i : i + chunk], "more_body": i + chunk < len(body)}
+        for i in range(0, len(body), chunk)
+    ] or [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    headers = [(b"content-length", str(len(body)).encode())] if content_length else []
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": headers}, receive)
+
+
+@pytest.mark.parametrize("content_length", [True, False])
+async def test_a_bucket_body_exactly_at_the_cap_is_read_and_one_byte_over_is_refused(
+    area, content_length
+) -> None:
+    """The engine's body reader (sglang_ext.http_routes.read_body) with a receiver as its sink:
+    the cap counts bytes as they arrive, whether or not Content-Length announced them."""
+    from sglang_ext.engine_state import BodyLimits
+    from sglang_ext.http_routes import read_body
+
+    manifest, spec, payload = setup(adapter())
+    checksum = p.bucket_checksum(payload)
+    r = BucketReceiver(area, manifest, spec, checksum, len(payload))
+    await read_body(body_request(payload, 100, content_length), len(payload), BodyLimits(), "bucket", r.feed)
+    await r.finish()
+    await r.abandon()
+    over = BucketReceiver(area, manifest, spec, checksum, len(payload))
+    with pytest.raises(LoraVersionError) as info:
+        await read_body(
+            body_request(payload + b"\0", 100, content_length),
+            len(payload),
+            BodyLimits(),
+            "bucket",
+            over.feed,
+        )
+    await over.abandon()
+    # the receiver alone would say INVALID_REQUEST (longer than its header); the reader's cap is first
+    assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE and no_parts(area)
