@@ -39,7 +39,7 @@ from relax_glue.registry_types import StatusView, VersionKey, VersionState, Vers
 from relax_glue.snapshot import Snapshot
 from relax_glue.snapshot_store import SnapshotStore
 from sglang_ext import protocol as wire
-from sglang_ext.errors import LoraVersionError
+from sglang_ext.errors import ErrorCode, LoraVersionError
 
 __all__ = [
     "Reconciler",
@@ -104,10 +104,14 @@ def restore_plan(
     plan: list[tuple[VersionView, RestoreAction, wire.VersionStatus | None]] = []
     for want in wanted:
         vs = held.get(want.lora_name)
-        if vs is None or vs.state is S.CLEANED:
+        if vs is None:
             action = RestoreAction.RESTORE
         elif vs.digest != want.digest or vs.state in (S.RECLAIMING, S.UNLOADED):
+            # another digest: the engine fixes a name's digest for its lifetime, even past a
+            # cleanup (its begin would be VERSION_CONFLICT), so it is never touched, only reported
             action = RestoreAction.CONFLICT
+        elif vs.state is S.CLEANED:
+            action = RestoreAction.RESTORE  # only a tombstone of an earlier attempt: nothing held
         elif vs.state is S.READY_LOCAL:
             action = RestoreAction.HELD
         elif vs.state is S.LOADING:
@@ -236,8 +240,8 @@ class Reconciler(CohortDriver):
         try:
             reply = await client.begin(req)
             self._step(engine, "restore_begin", reply.incarnation)
-            if isinstance(reply, wire.ReadyReceipt):
-                return RestoreOutcome.RESTORED, f"already loaded; adopted in {reply.incarnation}"
+            if isinstance(reply, wire.ReadyReceipt):  # only a replay of this very attempt
+                return RestoreOutcome.RESTORED, f"already loaded by this attempt in {reply.incarnation}"
             op = "receive_bucket"
             for bucket in snap.iter_buckets():
                 meta = wire.ReceiveBucketMeta(
@@ -253,8 +257,14 @@ class Reconciler(CohortDriver):
             await self._note_incarnation(engine, ready.incarnation)
             return RestoreOutcome.RESTORED, f"READY in {ready.incarnation}"
         except (LoraVersionError, OutcomeUnknown) as exc:
+            if isinstance(exc, LoraVersionError) and exc.code is ErrorCode.NOT_ATTEMPT_OWNER:
+                # The status read was stale: the engine holds the version, loaded under another
+                # attempt (an earlier restore). Nothing of ours is there, nothing to clean.
+                owner = exc.details.get("owner_attempt_token")
+                return RestoreOutcome.HELD, f"held there under attempt {owner}"
             # Whatever part of it landed there is removed under our own token (or left for the
-            # next reconcile to find and clean: the engine reports it with that token).
+            # next reconcile to find and clean: the engine reports it with that token). A
+            # cleanup never removes what another attempt holds (the engine refuses it).
             cleaned = await self._clean(engine, view.lora_name, token)
             return RestoreOutcome.FAILED, f"{op}: {exc}; {'cleaned' if cleaned else 'cleanup pending'}"
 
@@ -263,7 +273,14 @@ class Reconciler(CohortDriver):
             reply = await self.engines[engine].cleanup(
                 wire.CleanupRequest(lora_name=lora_name, attempt_token=token)
             )
-        except (LoraVersionError, OutcomeUnknown) as exc:
+        except LoraVersionError as exc:
+            if exc.code is ErrorCode.NOT_ATTEMPT_OWNER:
+                # Authoritative: this token holds nothing there (the name is another attempt's).
+                self._step(engine, "restore_cleanup", f"nothing of {token} there: {exc.message}")
+                return True
+            self._step(engine, "restore_cleanup", f"not confirmed: {exc}")
+            return False
+        except OutcomeUnknown as exc:
             self._step(engine, "restore_cleanup", f"not confirmed: {exc}")
             return False
         done = not isinstance(reply, wire.DrainingReply)

@@ -19,6 +19,11 @@ class ErrorCode(StrEnum):
     DEFAULT_REVISION_CONFLICT = "DEFAULT_REVISION_CONFLICT"
     STALE_ATTEMPT = "STALE_ATTEMPT"
     ATTEMPT_MISMATCH = "ATTEMPT_MISMATCH"  # an attempt token used with another version than its own
+    # The version is held on this engine under another attempt (loaded, staging or failed there):
+    # this token can neither take it over at begin nor remove it at cleanup. Ownership of an
+    # engine's version never moves, so a cleanup after a lost reply cannot unload what another
+    # attempt (a commit, a restore) made READY.
+    NOT_ATTEMPT_OWNER = "NOT_ATTEMPT_OWNER"
     STALE_INCARNATION = "STALE_INCARNATION"
     NOT_ALL_READY = "NOT_ALL_READY"
     OUTCOME_UNKNOWN = "OUTCOME_UNKNOWN"
@@ -63,6 +68,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.DEFAULT_REVISION_CONFLICT: 409,
     ErrorCode.STALE_ATTEMPT: 409,
     ErrorCode.ATTEMPT_MISMATCH: 409,
+    ErrorCode.NOT_ATTEMPT_OWNER: 409,
     ErrorCode.STALE_INCARNATION: 409,
     ErrorCode.NOT_ALL_READY: 409,
     ErrorCode.OUTCOME_UNKNOWN: 409,

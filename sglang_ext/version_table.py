@@ -175,6 +175,17 @@ def _err(code: ErrorCode, message: str, **details: object) -> LoraVersionError:
     return LoraVersionError(code, message, **details)
 
 
+def _not_owner(v: ManagedVersion, attempt_token: str) -> LoraVersionError:
+    return _err(
+        ErrorCode.NOT_ATTEMPT_OWNER,
+        f"{v.lora_name!r} is {v.state.value} here under attempt {v.attempt_token}; attempt "
+        f"{attempt_token} holds nothing of it and can neither take it over nor remove it",
+        lora_name=v.lora_name,
+        state=v.state.value,
+        owner_attempt_token=v.attempt_token,
+    )
+
+
 def _failed(v: ManagedVersion) -> LoraVersionError:
     return _err(
         ErrorCode.LOAD_FAILED,
@@ -334,11 +345,12 @@ class VersionTable:
                 lora_name=req.lora_name,
             )
         if existing is not None and existing.state is S.READY_LOCAL:
-            # Same name, same digest, already loaded: no second load. A new attempt adopts it.
+            # Same name, same digest, already loaded: no second load. Only its own attempt hears
+            # READY; another attempt is refused and changes nothing, so no token but the one that
+            # loaded it can ever clean it up (a reply lost on the way to that other attempt must
+            # not make its cleanup an unload of a committed version).
             if existing.attempt_token != req.attempt_token:
-                existing.attempt_token = req.attempt_token
-                existing.touch()
-            self.attempt_owner[req.attempt_token] = req.lora_name
+                raise _not_owner(existing, req.attempt_token)
             return self.ready_receipt(existing)
         if existing is not None and existing.state is S.FAILED:
             raise _failed(existing)
@@ -535,8 +547,12 @@ class VersionTable:
         if attempt_token in self.cleaned:
             return CleanupDecision.NOTHING
         v = self.versions.get(lora_name)
-        if v is None or v.attempt_token != attempt_token:
-            return CleanupDecision.NOTHING
+        if v is None or v.state is S.CLEANED:
+            return CleanupDecision.NOTHING  # nothing is held: the token is only tombstoned
+        if v.attempt_token != attempt_token:
+            # Another attempt holds the name (loaded, staging, failed or reclaimed): this token
+            # owns nothing of it. Refused, nothing changed, never an unload on its behalf.
+            raise _not_owner(v, attempt_token)
         if v.state is S.PREPARED:
             return CleanupDecision.DROP_STASH
         if v.state is S.LOADING:
@@ -561,6 +577,8 @@ class VersionTable:
         if receipt is not None:
             return receipt
         v = self.versions.get(lora_name)
+        if v is not None and v.state is not S.CLEANED and v.attempt_token != attempt_token:
+            raise _not_owner(v, attempt_token)  # as plan_cleanup: never tombstones over an owner
         if v is not None and v.attempt_token == attempt_token:
             v.lora_id = None
             v.cleaning = False

@@ -37,6 +37,9 @@ class FaultKind(StrEnum):
     # receive_bucket only: the payload goes out with its last byte flipped (its checksum header
     # unchanged), so the engine must refuse it (CHECKSUM_MISMATCH): a clean partial failure.
     CORRUPT_PAYLOAD = "CORRUPT_PAYLOAD"
+    # The request is sent and processed; the caller gets an earlier reply instead (a stale
+    # read: e.g. a status taken before another actor changed the engine).
+    STALE_REPLY = "STALE_REPLY"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,7 @@ class FaultInjectingClient:
         self.engine_id = inner.engine_id
         self._faults: dict[tuple[str, int], FaultKind] = {}
         self._hooks: dict[tuple[str, int], Callable[[], Awaitable[Any]]] = {}
+        self._stale: dict[tuple[str, int], Any] = {}
         self.calls: collections.Counter[str] = collections.Counter()
         self.injected: list[InjectedFault] = []
 
@@ -96,11 +100,18 @@ class FaultInjectingClient:
     def corrupt_bucket(self, nth: int = 1) -> FaultInjectingClient:
         return self._add("receive_bucket", nth, FaultKind.CORRUPT_PAYLOAD)
 
+    def stale_reply(self, op: str, nth: int, reply: Any) -> FaultInjectingClient:
+        """The Nth call of ``op`` reaches the engine as usual, but its caller gets ``reply`` (an
+        answer recorded earlier) instead of the real one."""
+        self._stale[(op, nth)] = reply
+        return self._add(op, nth, FaultKind.STALE_REPLY)
+
     def disarm(self) -> list[tuple[str, int, FaultKind]]:
         """Drop every fault not injected yet (returned); later calls all pass through."""
         left = self.pending()
         self._faults.clear()
         self._hooks.clear()
+        self._stale.clear()
         return left
 
     def pending(self) -> list[tuple[str, int, FaultKind]]:
@@ -138,6 +149,8 @@ class FaultInjectingClient:
         except (LoraVersionError, OutcomeUnknown) as exc:
             real = outcome_label(exc)
         self.injected.append(InjectedFault(self.engine_id, op, nth, kind, real))
+        if kind is FaultKind.STALE_REPLY:
+            return self._stale.pop((op, nth))  # the engine's real answer is never heard
         # Whatever the engine answered, the caller never hears it.
         raise OutcomeUnknown(self.engine_id, op, f"injected: reply {nth} dropped")
 

@@ -1,8 +1,9 @@
 """A seeded fuzzer for the plugin's control endpoints, run against a real engine.
 
-It interleaves valid publications (begin, ordered buckets, end, replays, adoption by a new
-attempt, cleanup, reclaim) of real and crafted-but-valid adapters with malformed, out-of-order,
-cross-version, adversarial and concurrent requests, and checks after every request:
+It interleaves valid publications (begin, ordered buckets, end, replays, a foreign attempt's
+begin and cleanup of a READY version, cleanup, reclaim) of real and crafted-but-valid adapters
+with malformed, out-of-order, cross-version, adversarial and concurrent requests, and checks
+after every request:
 
 - the answer is typed: a 2xx with its reply model, or a 4xx whose body is ``{"error": {code}}``
   with the one status of that code (never a 5xx, never a dropped connection);
@@ -316,7 +317,7 @@ class ControlFuzzer:
             ("advance", 30, self.op_advance),
             ("replay", 6, self.op_replay),
             ("finish", 6, self.op_finish),
-            ("adopt", 2, self.op_adopt),
+            ("foreign_begin", 2, self.op_foreign_begin),
             ("generate", 5, self.op_generate),
             ("crafted", 6, self.op_crafted),
             ("cross_version", 6, self.op_cross_version),
@@ -535,20 +536,22 @@ class ControlFuzzer:
         else:
             self.violation(f"finish/cleanup: {reply.status} {reply.text}")
 
-    def op_adopt(self) -> None:
-        """A new attempt for a READY version: the READY receipt, no second load; the new token
-        owns the version from then on."""
+    def op_foreign_begin(self) -> None:
+        """A new attempt for a READY version: refused (NOT_ATTEMPT_OWNER) and nothing changes;
+        its cleanup is refused the same way. The version keeps the token that loaded it, so no
+        other attempt can ever unload it."""
         p = self.pick("ready")
         if p is None:
             return
         token = uuid.UUID(int=self.rng.getrandbits(128)).hex
         reply = self.send_begin(p, {**p.begin_body, "attempt_token": token})
-        self.after("adopt", reply, refusal_expected=False)
-        if reply.status == 200 and reply.body.get("state") == "READY_LOCAL":
-            p.attempt = token
-            p.begin_body = {**p.begin_body, "attempt_token": token}
-        else:
-            self.violation(f"adopt: {reply.status} {reply.text}")
+        self.after("foreign_begin", reply, refusal_expected=True)
+        if reply.code != ErrorCode.NOT_ATTEMPT_OWNER.value:
+            self.violation(f"foreign_begin: {reply.status} {reply.text}")
+        reply = self._send("POST", Routes.CLEANUP, json_body={"lora_name": p.name, "attempt_token": token})
+        self.after("foreign_begin/cleanup", reply, refusal_expected=True)
+        if reply.code != ErrorCode.NOT_ATTEMPT_OWNER.value:
+            self.violation(f"foreign_begin/cleanup: {reply.status} {reply.text}")
 
     def op_generate(self) -> None:
         """Generation naming a version: READY serves exactly its adapter's tokens; any other
@@ -623,15 +626,15 @@ class ControlFuzzer:
             route = Routes.END if kind == "end" else Routes.CLEANUP
             reply = self._send("POST", route, json_body={"lora_name": q.name, "attempt_token": p.attempt})
         bound = p.phase in ("begun", "ready", "cleaned", "reclaimed") and p.name != q.name
-        self.after(f"cross/{kind}", reply, refusal_expected=bound)
-        if not bound and kind == "begin" and reply.status == 200:
-            # p's token was never accepted, so it may start (or adopt) an attempt of q
+        # q is held by its own attempt: a token that is not q's can neither take it over nor
+        # clean it (NOT_ATTEMPT_OWNER), whether or not that token is bound elsewhere
+        held = q.phase in ("begun", "ready") and kind in ("begin", "cleanup") and p.attempt != q.attempt
+        self.after(f"cross/{kind}", reply, refusal_expected=bound or held)
+        if not bound and not held and kind == "begin" and reply.status == 200:
+            # p's token was never accepted and q holds nothing: it starts an attempt of q
             q.attempt = p.attempt
             q.begin_body = {**q.begin_body, "attempt_token": p.attempt}
-            if reply.body["state"] == "READY_LOCAL":
-                q.phase = "ready"
-            else:
-                q.phase, q.sent = "begun", 0
+            q.phase, q.sent = "begun", 0
         return None
 
     def op_mutated_begin(self) -> None:

@@ -24,6 +24,7 @@ from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.publisher import Publisher, PublishOutcome, PublishResult
 from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
 from relax_glue.registry_types import AttemptPhase, ReclaimPhase, VersionKey, VersionState
+from sglang_ext import protocol as wire
 from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.protocol import EngineVersionState
 
@@ -510,35 +511,72 @@ async def test_no_commit_while_an_engine_cannot_answer_after_its_ready(world: Wo
     assert world.fakes["E1"].ops("begin") == ["begin"]  # learnt from its status, nothing re-sent
 
 
-def test_commit_evidence_is_fresh_and_positive_only():
+def _engine_status(incarnation: str, *versions: dict) -> wire.EngineStatus:
+    """An engine's status as an engine writes it: every version in its current incarnation."""
     import time as _time
 
+    return wire.EngineStatus(
+        incarnation=incarnation,
+        versions=tuple(
+            wire.VersionStatus(
+                **{
+                    "version_key": wire.VersionKey(epoch="e", version_id="v"),
+                    "incarnation": incarnation,
+                    "created_at": _time.time(),
+                    "updated_at": _time.time(),
+                    **v,
+                }
+            )
+            for v in versions
+        ),
+    )
+
+
+def test_commit_evidence_is_fresh_and_positive_only():
+    """Every row an engine can answer, right before the commit. Only READY_LOCAL of exactly this
+    attempt and digest, in the status the engine gives now, is evidence; everything else is not
+    (a restarted engine holds nothing, or holds the name under another attempt or digest)."""
     from relax_glue.publisher import CommitEvidence, commit_evidence
-    from sglang_ext.protocol import EngineStatus, VersionKey, VersionStatus
 
     name, token, digest = "p@e-v-aaaaaaaaaaaa", "tok", "a" * 64
+    ours = {"lora_name": name, "attempt_token": token, "digest": digest}
 
-    def engine(state=EngineVersionState.READY_LOCAL, inc="i2", **kw):
-        v = VersionStatus(
-            lora_name=name,
-            state=state,
-            version_key=VersionKey(epoch="e", version_id="v"),
-            digest=digest,
-            attempt_token=token,
-            incarnation=inc,
-            created_at=_time.time(),
-            updated_at=_time.time(),
-            **kw,
-        )
-        return EngineStatus(incarnation="i2", versions=(v,))
+    def evidence(**changes) -> CommitEvidence:
+        return commit_evidence(_engine_status("i2", {**ours, **changes}), name, token, digest)
 
-    assert commit_evidence(engine(), name, token, digest) is CommitEvidence.READY
-    assert commit_evidence(None, name, token, digest) is CommitEvidence.UNREACHABLE
-    assert commit_evidence(EngineStatus(incarnation="i3"), name, token, digest) is CommitEvidence.NOT_READY
-    assert commit_evidence(engine(inc="i1"), name, token, digest) is CommitEvidence.NOT_READY
-    assert commit_evidence(engine(), name, "other", digest) is CommitEvidence.NOT_READY
+    assert evidence(state=EngineVersionState.READY_LOCAL) is CommitEvidence.READY
     for state in set(EngineVersionState) - {EngineVersionState.READY_LOCAL}:
-        assert commit_evidence(engine(state=state), name, token, digest) is CommitEvidence.NOT_READY
+        assert evidence(state=state) is CommitEvidence.NOT_READY, state
+    ready = EngineVersionState.READY_LOCAL
+    assert evidence(state=ready, attempt_token="other") is CommitEvidence.NOT_READY
+    assert evidence(state=ready, digest="b" * 64) is CommitEvidence.NOT_READY
+    other_name = {**ours, "lora_name": "p@e-w-aaaaaaaaaaaa", "state": ready}
+    assert commit_evidence(_engine_status("i2", other_name), name, token, digest) is CommitEvidence.NOT_READY
+    # restarted: a new incarnation that holds nothing, whatever the registry recorded before
+    assert commit_evidence(_engine_status("i3"), name, token, digest) is CommitEvidence.NOT_READY
+    # restarted and driven again by resolve() under the same attempt: READY in the new incarnation
+    again = _engine_status("i3", {**ours, "state": ready})
+    assert commit_evidence(again, name, token, digest) is CommitEvidence.READY
+    assert commit_evidence(None, name, token, digest) is CommitEvidence.UNREACHABLE
+
+
+def test_commit_evidence_refuses_a_status_that_mixes_incarnations():
+    """Defence against a status assembled from two reads (no engine writes one): a version line
+    from another incarnation than the status itself is not evidence of the engine now."""
+    from relax_glue.publisher import CommitEvidence, commit_evidence
+
+    name, token, digest = "p@e-v-aaaaaaaaaaaa", "tok", "a" * 64
+    mixed = _engine_status(
+        "i2",
+        {
+            "lora_name": name,
+            "attempt_token": token,
+            "digest": digest,
+            "state": EngineVersionState.READY_LOCAL,
+            "incarnation": "i1",
+        },
+    )
+    assert commit_evidence(mixed, name, token, digest) is CommitEvidence.NOT_READY
 
 
 @pytest.mark.timeout(30)  # a broken drain rule hangs here: fail in seconds, not at the suite's 900 s

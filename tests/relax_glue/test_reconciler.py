@@ -18,6 +18,7 @@ import pytest
 from _fake_engine import Cluster, make_cluster, make_snapshot
 from _rg_helpers import EPOCH, new_registry, sk
 
+from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.publisher import Publisher, PublishOutcome
 from relax_glue.reconciler import RestoreAction, RestoreOutcome, restore_plan, wanted_versions
 from relax_glue.registry_types import VersionKey, VersionState
@@ -114,6 +115,37 @@ async def test_restore_plan_answers_every_engine_state(world: World) -> None:
     assert plan(("B", S.READY_LOCAL, other), ("A", S.RECLAIMING, None)) == [RestoreAction.CONFLICT] * 2
 
 
+# Every engine state of a wanted version, with the registry's digest and with another one:
+# the whole table of restore_plan (a state missing here is a test failure, not a default).
+_PLAN_SAME_DIGEST = {
+    S.PREPARED: RestoreAction.CLEAN_THEN_RESTORE,
+    S.LOADING: RestoreAction.WAIT,
+    S.READY_LOCAL: RestoreAction.HELD,
+    S.FAILED: RestoreAction.CLEAN_THEN_RESTORE,
+    S.RECLAIMING: RestoreAction.CONFLICT,  # being reclaimed there: never restored over
+    S.UNLOADED: RestoreAction.CONFLICT,  # reclaimed there: a version never returns
+    S.CLEANED: RestoreAction.RESTORE,  # only a tombstone: nothing is held
+}
+
+
+async def test_restore_plan_has_one_row_for_every_engine_state_and_digest(world: World) -> None:
+    status = await _two_live_versions(world)
+    (want_b, _) = wanted_versions(status)
+    assert set(_PLAN_SAME_DIGEST) == set(S)
+    for state, action in _PLAN_SAME_DIGEST.items():
+        ((_, got, _),) = restore_plan([want_b], _status(("B", state, None)))
+        assert got is action, state
+        # another digest under the same name: never touched, whatever its state (the engine
+        # fixes a name's digest for its lifetime, a CLEANED tombstone's too)
+        ((_, got, _),) = restore_plan([want_b], _status(("B", state, "f" * 64)))
+        assert got is RestoreAction.CONFLICT, state
+    ((_, got, vs),) = restore_plan([want_b], _status())
+    assert got is RestoreAction.RESTORE and vs is None
+    # another version held there changes nothing about this one
+    ((_, got, _),) = restore_plan([want_b], _status(("A", S.READY_LOCAL, None)))
+    assert got is RestoreAction.RESTORE
+
+
 async def test_retired_versions_without_session_refs_are_not_wanted(world: World) -> None:
     await world.publish("A")
     await world.publish("B")  # A retired, nobody holds it
@@ -152,6 +184,45 @@ async def test_a_restarted_engine_gets_every_live_version_back_default_first(wor
     again = await world.pub.reconcile()
     assert {r.outcome for r in again} == {RestoreOutcome.HELD}
     assert sum(world.fakes["E1"].calls.values()) == calls + 1
+
+
+async def test_a_stale_status_and_a_lost_begin_reply_never_unload_a_committed_version(world: World) -> None:
+    """The double fault: the reconciler reads a stale status of E1 (taken before A was
+    published there, so A looks missing) and the reply to its restore ``begin`` is lost. It then
+    cleans up under its own token. The engine holds A under the attempt that committed it: the
+    begin is refused (NOT_ATTEMPT_OWNER) and so is the cleanup; A stays READY there, not a single
+    unload, and the session bound to A keeps being served by it."""
+    fake = world.fakes["E1"]
+    stale = await world.cluster.clients["E1"].status()  # E1 holds nothing yet
+    await world.publish("A")
+    mgr = SessionManager(world.reg, {"E1": world.cluster.clients["E1"]})
+    session = await mgr.open("old")
+    await session.generate({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    held = fake.versions[name_of("A")]
+    owner, lora_id = held.attempt_token, held.lora_id
+
+    faulty = FaultInjectingClient(world.cluster.clients["E1"])
+    faulty.stale_reply("status", 1, stale).drop_reply("begin", 1)
+    pub = Publisher(world.reg, {**world.cluster.clients, "E1": faulty}, store=world.store)
+    results = await pub.reconcile(["E1"])
+    assert [f.kind.value for f in faulty.injected] == ["STALE_REPLY", "DROP_REPLY"]
+
+    v = fake.versions[name_of("A")]
+    assert fake.unloads[name_of("A")] == 0
+    assert (v.state, v.attempt_token, v.lora_id) == (S.READY_LOCAL, owner, lora_id)
+    out = await session.generate({"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 2}})
+    assert session.lora_path == name_of("A") and out["output_ids"]
+
+    (begun,) = [f for f in faulty.injected if f.op == "begin"]
+    assert begun.real_outcome == "refused:NOT_ATTEMPT_OWNER"  # the engine never let it take A over
+    ((_, _, outcome),) = [(r.engine_id, r.lora_name, r.outcome) for r in results]
+    assert outcome is RestoreOutcome.FAILED  # it could not know; it cleaned only its own token
+    cleanups = [step for step in pub.reconciler.steps if step.op == "restore_cleanup"]
+    assert cleanups and "nothing of" in cleanups[-1].detail
+    (again,) = await pub.reconcile(["E1"])
+    assert again.outcome is RestoreOutcome.HELD
+    await session.close()
+    await mgr.aclose()
 
 
 async def test_a_failed_restore_is_cleaned_there_and_retried_next_round(world: World) -> None:

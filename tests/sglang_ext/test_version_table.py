@@ -11,6 +11,7 @@ import torch
 from relax_glue.snapshot import Snapshot
 from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
 from sglang_ext.errors import ErrorCode, LoraVersionError
+from sglang_ext.protocol import EngineVersionState as S
 from sglang_ext.protocol import ReceiveBucketMeta
 from sglang_ext.version_table import (
     BucketDecision,
@@ -283,9 +284,45 @@ def test_a_token_first_seen_in_a_cleanup_is_bound_to_that_name(table):
     refused_without_trace(table, lambda: table.begin(other), ErrorCode.ATTEMPT_MISMATCH)
 
 
-def test_adopting_a_ready_version_binds_the_new_token(table):
+def test_a_ready_version_is_never_taken_over_by_another_attempt(table):
+    """Ownership of a READY version does not move by begin: another token is refused and binds
+    nothing, and its cleanup (e.g. after the refusal's reply was lost) is refused too: it never
+    unloads what the owner made READY. The owner's own calls keep working."""
     ready = staged_ready(table, snap(17), "17")
-    adopt = ready.model_copy(update={"attempt_token": "a" * 32})
-    assert table.begin(adopt).state == "READY_LOCAL"
-    other = begin_req(snap(18), "18", attempt="a" * 32)
-    refused_without_trace(table, lambda: table.begin(other), ErrorCode.ATTEMPT_MISMATCH)
+    other = ready.model_copy(update={"attempt_token": "a" * 32})
+    refused_without_trace(table, lambda: table.begin(other), ErrorCode.NOT_ATTEMPT_OWNER)
+    refused_without_trace(
+        table, lambda: table.plan_cleanup(ready.lora_name, "a" * 32), ErrorCode.NOT_ATTEMPT_OWNER
+    )
+    refused_without_trace(
+        table, lambda: table.finish_cleanup(ready.lora_name, "a" * 32), ErrorCode.NOT_ATTEMPT_OWNER
+    )
+    v = table.get(ready.lora_name)
+    assert v.state == "READY_LOCAL" and v.attempt_token == ready.attempt_token
+    assert table.begin(ready).state == "READY_LOCAL"  # the owner's replay
+    # the refused token was never bound: it may still start an attempt of another version
+    table.begin(begin_req(snap(18), "18", attempt="a" * 32))
+    assert table.plan_cleanup(ready.lora_name, ready.attempt_token) is CleanupDecision.UNLOAD
+
+
+@pytest.mark.parametrize("state", ["PREPARED", "LOADING", "FAILED", "RECLAIMING", "UNLOADED"])
+def test_a_cleanup_under_a_token_that_does_not_own_the_version_is_refused(table, state):
+    """Every state in which an attempt holds the name: a foreign token's cleanup changes nothing
+    (a CLEANED record or an absent name holds nothing: there the token is only tombstoned)."""
+    req = begin_req(snap(19), "19")
+    table.begin(req)
+    v = table.get(req.lora_name)
+    v.state = getattr(S, state)
+    refused_without_trace(
+        table, lambda: table.plan_cleanup(req.lora_name, "b" * 32), ErrorCode.NOT_ATTEMPT_OWNER
+    )
+
+
+def test_a_foreign_cleanup_of_a_cleaned_or_absent_name_only_tombstones_its_token(table):
+    req = begin_req(snap(20), "20")
+    table.begin(req)
+    table.finish_cleanup(req.lora_name, req.attempt_token)
+    assert table.plan_cleanup(req.lora_name, "c" * 32) is CleanupDecision.NOTHING
+    table.finish_cleanup(req.lora_name, "c" * 32)
+    assert "c" * 32 in table.cleaned and table.get(req.lora_name).attempt_token == req.attempt_token
+    assert table.plan_cleanup("relax_policy_lora@e1-nope-" + "0" * 12, "d" * 32) is CleanupDecision.NOTHING
