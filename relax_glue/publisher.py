@@ -569,9 +569,8 @@ class Publisher(CohortDriver):
             await self._note_incarnation(engine, receipt.incarnation)
             if isinstance(receipt, wire.DrainingReply):
                 # Unregistered there, requests still running on it: not clean yet (resolve asks again).
-                raise OutcomeUnknown(
-                    engine, "cleanup", f"draining {receipt.in_flight} in-flight requests", maybe_sent=True
-                )
+                why = receipt.unload_error or f"draining {receipt.in_flight} in-flight requests"
+                raise OutcomeUnknown(engine, "cleanup", why, maybe_sent=True)
             cleaned = CleanupEvidence(att.token, receipt.incarnation)
             return await self._record(
                 self.registry.record_cleanup(engine_id=engine, attempt_token=att.token, receipt=cleaned)

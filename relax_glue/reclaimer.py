@@ -95,6 +95,7 @@ class Reclaimer(CohortDriver):
                     return f"UNLOADED after {polls} call(s)"
                 # DRAINING: the name is unregistered, in-flight requests are finishing. Known
                 # state, not an unknown one: keep polling until the deadline, then report it.
+                # An unload SGLang refused (unload_error) is the same: started, retried next call.
                 if time.monotonic() + self.reclaim_poll_s >= deadline:
                     return f"DRAINING:{reply.in_flight}"
                 await asyncio.sleep(self.reclaim_poll_s)

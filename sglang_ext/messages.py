@@ -241,6 +241,11 @@ class DrainingReply(WireModel):
     incarnation: Token
     reclaim_id: Token | None = None  # set for a reclaim
     attempt_token: Token | None = None  # set for a cleanup
+    # Set when nothing is in flight any more but SGLang refused the physical unload (a scheduler
+    # error, or the step fence could not know a launched step's completion): the removal has
+    # started (the name is unregistered), so this is not a refusal that changed nothing; it goes
+    # on at the next call, which tries the unload again.
+    unload_error: Annotated[str, StringConstraints(max_length=2000)] | None = None
 
     @model_validator(mode="after")
     def _one_removal(self) -> DrainingReply:

@@ -64,13 +64,23 @@ class NameLocks:
         return self._locks[lora_name]
 
 
+@dataclass(frozen=True)
+class RemovalPending:
+    """A removal that started (the name is unregistered) and has not unloaded yet: requests
+    still in flight, or SGLang refused the physical unload itself. Either way the next call with
+    the same reclaim id / attempt token goes on; it is never a refusal that changed nothing."""
+
+    in_flight: int
+    unload_error: str | None = None
+
+
 async def remove_version(
     table: VersionTable, native: NativeEdge, lora_name: str, lora_id: str | None, timeout_s: float
-) -> int | None:
+) -> RemovalPending | None:
     """Unregister -> drain (bounded, without any SGLang lock) -> physical unload, the last step
     only when :func:`may_unload_now` says so. Shared by reclaim, cleanup and a failed probe.
 
-    Returns None once unloaded, else the in-flight count still draining (call again later)."""
+    Returns None once unloaded, else what is still pending (call again later)."""
     if lora_id is None:
         return None  # nothing was ever loaded under that name
     await native.unregister(lora_name, lora_id)
@@ -79,8 +89,15 @@ async def remove_version(
     if anomaly is not None:
         raise anomaly  # the drain can never end: refuse, keep everything as it is
     if left is not None and not may_unload_now(table.get(lora_name), left):
-        return left
-    await native.physical_unload(lora_name, lora_id)
+        return RemovalPending(left)
+    try:
+        await native.physical_unload(lora_name, lora_id)
+    except LoraVersionError as err:
+        if err.code is not ErrorCode.LOAD_FAILED:
+            raise
+        # SGLang answered "not unloaded" after the name was unregistered: a 4xx would tell the
+        # caller nothing changed, which is false. Pending, and retried by the next call.
+        return RemovalPending(left or 0, err.message)
     return None
 
 
@@ -339,23 +356,21 @@ class PublicationService:
 
     async def end(self, req: EndRequest) -> ReadyReceipt:
         async with self._locks[req.lora_name]:
-            decision = self.table.start_end(req.lora_name, req.attempt_token)
+            decision = self.table.plan_end(req.lora_name, req.attempt_token)
             if decision is EndDecision.READY:
                 v = self.table.get(req.lora_name)
                 assert v is not None
                 return self.table.ready_receipt(v)
             key = (req.lora_name, req.attempt_token)
             if decision is EndDecision.LOAD:
-                try:
-                    v = self.table.get(req.lora_name)
-                    assert v is not None and v.manifest is not None
-                    # What will be loaded is what lies in the attempt's directory: exactly one
-                    # verified file per planned bucket, together every tensor of the manifest.
-                    self.staging.check_bucket_files(key, v.buckets_total)
-                    check_tensor_set(v.manifest, (n for spec in v.plan for n in spec.tensor_names))
-                except BaseException:
-                    self.table.fail_load(req.lora_name, req.attempt_token)
-                    raise
+                v = self.table.get(req.lora_name)
+                assert v is not None and v.manifest is not None
+                # What will be loaded is what lies in the attempt's directory: exactly one
+                # verified file per planned bucket, together every tensor of the manifest. Checked
+                # before the version becomes LOADING: a refused end changes nothing.
+                self.staging.check_bucket_files(key, v.buckets_total)
+                check_tensor_set(v.manifest, (n for spec in v.plan for n in spec.tensor_names))
+                self.table.start_load(req.lora_name, req.attempt_token)
                 self._loads[key] = asyncio.create_task(self._load_and_probe(req.lora_name, req.attempt_token))
             task = self._loads[key]
         # Shielded: a client that disconnects mid-end must not cancel a native load half way.
@@ -384,8 +399,7 @@ class PublicationService:
                 # Take it out again through the one removal path; never forget it on a failure.
                 self.table.abandon_load(lora_name, attempt_token)
                 try:
-                    left = await remove_version(self.table, self.native, lora_name, leftover, timeout_s=30.0)
-                    if left is None:
+                    if await remove_version(self.table, self.native, lora_name, leftover, 30.0) is None:
                         leftover = None  # removed: nothing stays loaded
                 except Exception:
                     pass  # still loaded: FAILED below keeps it visible and its slot held
@@ -423,15 +437,16 @@ class PublicationService:
                         if anomaly is not None:
                             raise anomaly  # checked before anything changes
                         self.table.mark_cleaning(req.lora_name, req.attempt_token)
-                        left = await remove_version(
+                        pending = await remove_version(
                             self.table, self.native, req.lora_name, v.lora_id, drain_timeout_s
                         )
-                        if left is not None:
+                        if pending is not None:
                             # Unregistered, not yet unloaded: never "clean" before the unload.
                             return DrainingReply(
                                 lora_name=req.lora_name,
                                 attempt_token=req.attempt_token,
-                                in_flight=left,
+                                in_flight=pending.in_flight,
+                                unload_error=pending.unload_error,
                                 incarnation=self.table.incarnation,
                             )
                     stash = self._stashes.get(key)

@@ -14,7 +14,7 @@ import time
 
 from sglang_ext.metrics import NO_METRICS, Metrics
 from sglang_ext.native_lora import NativeEdge
-from sglang_ext.protocol import DrainingReply, ReclaimRequest, UnloadedReceipt
+from sglang_ext.protocol import DrainingReply, EngineVersionState, ReclaimRequest, UnloadedReceipt
 from sglang_ext.publication import NameLocks, remove_version
 from sglang_ext.version_table import ReclaimDecision, VersionTable, in_flight_anomaly
 
@@ -50,13 +50,13 @@ class ReclaimService:
         # Not under the name lock: a repeat call (same reclaim id) joins the drain instead of queueing.
         v = self.table.get(req.lora_name)
         assert v is not None
-        left = await remove_version(self.table, self.native, req.lora_name, v.lora_id, req.timeout_s)
+        pending = await remove_version(self.table, self.native, req.lora_name, v.lora_id, req.timeout_s)
         async with self._locks[req.lora_name]:
             v = self.table.get(req.lora_name)
             assert v is not None
-            if v.state.value == "UNLOADED":
+            if v.state is EngineVersionState.UNLOADED:
                 return self._unloaded(req)
-            if left is None:
+            if pending is None:
                 self.table.finish_reclaim(req.lora_name, req.reclaim_id)
                 started = self._drain_started.pop(req.lora_name, None)
                 if started is not None:
@@ -65,6 +65,7 @@ class ReclaimService:
             return DrainingReply(
                 lora_name=req.lora_name,
                 reclaim_id=req.reclaim_id,
-                in_flight=left,
+                in_flight=pending.in_flight,
+                unload_error=pending.unload_error,
                 incarnation=self.table.incarnation,
             )

@@ -152,7 +152,7 @@ class BucketDecision(Enum):
 
 
 class EndDecision(Enum):
-    LOAD = "load"  # state is now LOADING: load, probe, then finish_load / fail_load
+    LOAD = "load"  # check the staged files, start_load (LOADING), load, probe, finish/fail_load
     JOIN = "join"  # a load for this attempt is already running: wait for it
     READY = "ready"  # already READY_LOCAL: answer the stored receipt
 
@@ -455,7 +455,9 @@ class VersionTable:
 
     # ----------------------------------------------------------------------------- end
 
-    def start_end(self, lora_name: str, attempt_token: str) -> EndDecision:
+    def plan_end(self, lora_name: str, attempt_token: str) -> EndDecision:
+        """What ``end`` does now; changes nothing (the shell checks the staged files first, then
+        :meth:`start_load` makes the version LOADING)."""
         v = self._current_attempt(lora_name, attempt_token)
         if v.state is S.READY_LOCAL:
             return EndDecision.READY
@@ -472,8 +474,14 @@ class VersionTable:
                 buckets_received=v.next_bucket,
                 buckets_total=v.buckets_total,
             )
-        v.touch(S.LOADING)
         return EndDecision.LOAD
+
+    def start_load(self, lora_name: str, attempt_token: str) -> None:
+        """PREPARED -> LOADING, once :meth:`plan_end` said LOAD and every check of the staged
+        files passed (check before mutate: a refused end leaves the version as it was)."""
+        if self.plan_end(lora_name, attempt_token) is not EndDecision.LOAD:
+            raise AssertionError("start_load only after plan_end said LOAD")
+        self.versions[lora_name].touch(S.LOADING)
 
     def finish_load(self, lora_name: str, attempt_token: str, lora_id: str) -> ReadyReceipt:
         v = self._current_attempt(lora_name, attempt_token)

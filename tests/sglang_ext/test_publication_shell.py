@@ -114,11 +114,15 @@ async def test_a_failed_load_leaves_nothing_loaded_and_end_can_be_retried(shell)
 
 
 async def test_a_failed_unload_keeps_the_slot_and_a_retried_cleanup_finishes(shell):
+    """SGLang refuses the physical unload after the name was unregistered: the cleanup answers
+    DRAINING with the unload's error (the removal started; a 4xx would claim nothing changed),
+    keeps the slot, and the retried cleanup finishes it."""
     name, token = await shell.stage(3)
     await shell.end(name, token)
     shell.native.fail_next("physical_unload")
-    with pytest.raises(LoraVersionError):
-        await shell.cleanup(name, token)
+    pending = await shell.cleanup(name, token)
+    assert isinstance(pending, DrainingReply) and pending.in_flight == 0
+    assert pending.unload_error and "physical_unload" in pending.unload_error
     v = shell.table.get(name)
     assert v.state == "READY_LOCAL" and v.cleaning, "not CLEANED on a failed unload: nothing freed on a guess"
     assert shell.table.slots_in_use() == 1 and not shell.servable(name)
@@ -175,6 +179,21 @@ async def test_reclaim_resumes_across_calls_and_unloads_once(shell):
     assert isinstance(await shell.reclaim(name, "r1"), DrainingReply)
     shell.native.release(lora_id)
     assert (await shell.reclaim(name, "r1")).state == "UNLOADED"
+    assert (await shell.reclaim(name, "r1")).state == "UNLOADED"
+    assert shell.native.unloads[name] == 1 and shell.table.slots_in_use() == 0
+
+
+async def test_a_reclaim_whose_unload_sglang_refuses_is_pending_not_refused(shell):
+    """The reclaim started (RECLAIMING, unregistered, nothing in flight) and SGLang refuses the
+    unload (e.g. the step fence cannot know a launched step's completion): DRAINING with the
+    error, the same reclaim id goes on, and the next call unloads exactly once."""
+    name, token = await shell.stage(25)
+    await shell.end(name, token)
+    shell.native.fail_next("physical_unload")
+    pending = await shell.reclaim(name, "r1")
+    assert isinstance(pending, DrainingReply) and pending.reclaim_id == "r1" and pending.unload_error
+    assert shell.table.get(name).state == "RECLAIMING" and not shell.servable(name)
+    assert shell.table.slots_in_use() == 1 and shell.native.unloads[name] == 0
     assert (await shell.reclaim(name, "r1")).state == "UNLOADED"
     assert shell.native.unloads[name] == 1 and shell.table.slots_in_use() == 0
 
@@ -298,3 +317,29 @@ async def test_a_refused_bucket_leaves_no_file_and_changes_nothing(shell):
         await shell.publication.receive_bucket(meta, read)
     assert info.value.code is ErrorCode.CHECKSUM_MISMATCH
     assert staged_files(shell) == [] and shell.table.get(req.lora_name).next_bucket == 0
+
+
+async def test_an_end_refused_by_its_file_check_changes_nothing(shell):
+    """Check before mutate: the staged files are checked while the version is still PREPARED.
+    A refused end leaves the record exactly as it was (state, timestamps, plan) and the version
+    is never LOADING, not even between the check and the refusal."""
+    import copy
+
+    name, token = await shell.stage(24)
+    for f in shell.publication.staging.root.rglob("bucket-*.safetensors"):
+        f.unlink()  # the verified file is gone: what would be loaded is not the plan
+    before = copy.deepcopy(shell.table.get(name))
+    states: list[str] = []
+    check = shell.publication.staging.check_bucket_files
+
+    def spy(key, buckets):
+        states.append(shell.table.get(name).state.value)
+        return check(key, buckets)
+
+    shell.publication.staging.check_bucket_files = spy
+    with pytest.raises(LoraVersionError) as info:
+        await shell.end(name, token)
+    assert info.value.code is ErrorCode.MANIFEST_MISMATCH
+    assert states == ["PREPARED"]
+    assert shell.table.get(name) == before
+    assert shell.native.loaded == {} and name not in shell.publication._loads

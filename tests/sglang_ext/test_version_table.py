@@ -64,7 +64,8 @@ def staged_ready(table: VersionTable, s: Snapshot, version_id: str = "1"):
     for m in metas(req, s):
         assert table.check_bucket(m) is BucketDecision.ACCEPT
         table.accept_bucket(m)
-    assert table.start_end(req.lora_name, req.attempt_token) is EndDecision.LOAD
+    assert table.plan_end(req.lora_name, req.attempt_token) is EndDecision.LOAD
+    table.start_load(req.lora_name, req.attempt_token)
     table.finish_load(req.lora_name, req.attempt_token, lora_id=f"id-{version_id}")
     return req
 
@@ -107,7 +108,7 @@ def test_buckets_in_order_duplicates_and_refusals(table):
     other = ms[0].model_copy(update={"sha256": "0" * 64})
     refused_without_trace(table, lambda: table.check_bucket(other), ErrorCode.CHECKSUM_MISMATCH)
     refused_without_trace(
-        table, lambda: table.start_end(req.lora_name, req.attempt_token), ErrorCode.MANIFEST_MISMATCH
+        table, lambda: table.plan_end(req.lora_name, req.attempt_token), ErrorCode.MANIFEST_MISMATCH
     )
     stale = ms[0].model_copy(update={"attempt_token": "f" * 32})
     refused_without_trace(table, lambda: table.check_bucket(stale), ErrorCode.STALE_ATTEMPT)
@@ -149,7 +150,7 @@ def test_cleanup_tombstones_and_late_calls_are_stale(table):
     for call in (
         lambda: table.begin(req),
         lambda: table.check_bucket(metas(req, s)[0]),
-        lambda: table.start_end(req.lora_name, req.attempt_token),
+        lambda: table.plan_end(req.lora_name, req.attempt_token),
     ):
         refused_without_trace(table, call, ErrorCode.STALE_ATTEMPT)
     # a new attempt for the same name may start again
@@ -194,7 +195,7 @@ def test_only_the_plugins_own_probe_passes_the_gate_while_loading(table):
     table.begin(req)
     for m in metas(req, s):
         table.accept_bucket(m)
-    table.start_end(req.lora_name, req.attempt_token)
+    table.start_load(req.lora_name, req.attempt_token)
     assert table.request_gate(req.lora_name, "id-new").code is ErrorCode.VERSION_NOT_READY
     assert table.request_gate(req.lora_name, "id-new", probing=True) is None
 
@@ -205,13 +206,17 @@ def test_failed_load_returns_to_prepared_and_can_be_retried(table):
     table.begin(req)
     for m in metas(req, s):
         table.accept_bucket(m)
-    assert table.start_end(req.lora_name, req.attempt_token) is EndDecision.LOAD
-    assert table.start_end(req.lora_name, req.attempt_token) is EndDecision.JOIN
+    before = copy.deepcopy(table.versions)
+    assert table.plan_end(req.lora_name, req.attempt_token) is EndDecision.LOAD
+    assert table.versions == before  # the plan changes nothing: the shell checks files first
+    table.start_load(req.lora_name, req.attempt_token)
+    assert table.plan_end(req.lora_name, req.attempt_token) is EndDecision.JOIN
     assert table.plan_cleanup(req.lora_name, req.attempt_token) is CleanupDecision.WAIT_FOR_LOAD
     table.fail_load(req.lora_name, req.attempt_token)
-    assert table.start_end(req.lora_name, req.attempt_token) is EndDecision.LOAD
+    assert table.plan_end(req.lora_name, req.attempt_token) is EndDecision.LOAD
+    table.start_load(req.lora_name, req.attempt_token)
     table.finish_load(req.lora_name, req.attempt_token, "id-x")
-    assert table.start_end(req.lora_name, req.attempt_token) is EndDecision.READY
+    assert table.plan_end(req.lora_name, req.attempt_token) is EndDecision.READY
     assert table.plan_cleanup(req.lora_name, req.attempt_token) is CleanupDecision.UNLOAD
 
 
@@ -256,7 +261,7 @@ def test_an_attempt_token_feeds_exactly_one_version(table):
     foreign = metas(req_x, x)[0].model_copy(update={"lora_name": req_y.lora_name})
     refused_without_trace(table, lambda: table.check_bucket(foreign), ErrorCode.ATTEMPT_MISMATCH)
     refused_without_trace(
-        table, lambda: table.start_end(req_y.lora_name, req_x.attempt_token), ErrorCode.ATTEMPT_MISMATCH
+        table, lambda: table.plan_end(req_y.lora_name, req_x.attempt_token), ErrorCode.ATTEMPT_MISMATCH
     )
 
 
