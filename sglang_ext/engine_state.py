@@ -84,7 +84,7 @@ class EngineState:
         if upstream.metrics_enabled():
             from sglang_ext.metrics import VersionMetrics
 
-            self.metrics = VersionMetrics()
+            self.metrics = VersionMetrics(self)  # its per-version series read status() per scrape
         self.native = NativeLora(tokenizer_manager)
         self.table = VersionTable(
             self.incarnation,
@@ -99,6 +99,13 @@ class EngineState:
             self.table, self.native, staging, locks, log=log_line, collective=self.collective
         )
         self.reclaim = ReclaimService(self.table, self.native, locks, metrics=self.metrics)
+
+    def holds_slot(self, lora_name: str) -> bool:
+        """Whether ``lora_name`` is a managed version holding an engine slot (a live version)."""
+        from sglang_ext.version_table import holds_engine_slot
+
+        v = self.table.get(lora_name) if self.table is not None else None
+        return v is not None and holds_engine_slot(v.state)
 
     def status(self) -> EngineStatus:
         versions = ()

@@ -49,6 +49,15 @@ def mount_lora_versions_routes(server_args: Any, tokenizer_manager: Any, *args: 
     return None
 
 
+def serve_version_series_on_metrics(app: Any, *args: Any, **kwargs: Any) -> None:
+    """REPLACE http_server.add_prometheus_middleware(app), called in SGLang's lifespan when
+    ``--enable-metrics`` (after the BEFORE hook above attached the engine state): the same
+    /metrics route, whose registry also holds the per-version collector (:mod:`sglang_ext.metrics`)."""
+    from sglang_ext.engine_state import engine_state
+
+    upstream.mount_metrics_route(app, engine_state().metrics.collectors())
+
+
 async def refuse_managed_names_on_stock_lora_api(
     original: Any, self: Any, obj: Any, *args: Any, **kwargs: Any
 ):
@@ -106,6 +115,7 @@ def register_all(role: str) -> None:
         (upstream.LRU_LORA_NAME, th.lru_never_picks_managed, "REPLACE"),
         (upstream.SERVE_GENERATE, th.precheck_generate, "AROUND"),
         (upstream.OPENAI_HANDLE_REQUEST, th.precheck_openai, "AROUND"),
+        (upstream.METRICS_ROUTE, serve_version_series_on_metrics, "REPLACE"),
     ]
     assert [t for t, _, _ in hooks] == list(upstream.MAIN_PROCESS_TARGETS), "one list of targets"
     from sglang_ext import hook_timing

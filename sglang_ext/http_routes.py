@@ -22,7 +22,6 @@ from sglang_ext import hook_timing
 from sglang_ext.bucket_receiver import BucketReceiver
 from sglang_ext.engine_state import BodyLimits, EngineState, engine_state
 from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.metrics import NO_METRICS
 from sglang_ext.plugin import log_line
 from sglang_ext.protocol import (
     BUCKET_CONTENT_TYPE,
@@ -266,24 +265,6 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
     return router.routes
 
 
-class RefreshMetricsOnScrape:
-    """ASGI middleware: a GET of SGLang's ``/metrics`` first sets the per-version gauges from
-    the engine's own status (states and native in-flight counts as of the scrape). Every other
-    request passes through with one path comparison."""
-
-    def __init__(self, app: Any, refresh: Callable[[], None]) -> None:
-        self.app = app
-        self.refresh = refresh
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope.get("type") == "http" and scope.get("path", "").startswith("/metrics"):
-            try:
-                self.refresh()
-            except Exception as exc:  # a scrape must never fail on our gauges
-                log_line(f"metrics refresh failed: {type(exc).__name__}: {exc}")
-        await self.app(scope, receive, send)
-
-
 def install(app: Any, state: EngineState, guard: Callable[[Any], Any] = lambda endpoint: endpoint) -> None:
     """Mount the control routes of ``state`` and the typed-error handlers on ``app``; ``guard``
     marks every route's auth level (identity for an app without SGLang's auth middleware)."""
@@ -301,6 +282,4 @@ def mount(app: Any, server_args: Any, tokenizer_manager: Any) -> None:
     state = engine_state()
     state.attach(server_args, tokenizer_manager)
     install(app, state, guard=admin_optional)
-    if state.metrics is not NO_METRICS:
-        app.add_middleware(RefreshMetricsOnScrape, refresh=lambda: state.metrics.refresh(state.status()))
     app.state.lora_versions_mounted = True

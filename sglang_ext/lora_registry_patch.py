@@ -40,6 +40,9 @@ RELEASE_LORA_ONCE = f"{_TM}._release_lora_once"
 LRU_LORA_NAME = "sglang.srt.lora.lora_registry.LoRARegistry.lru_lora_name"
 SERVE_GENERATE = "sglang.srt.entrypoints.http_server.serve_generate_request"
 OPENAI_HANDLE_REQUEST = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
+# Called by http_server's lifespan (a module-global lookup, so the patched name is the one called)
+# when --enable-metrics; replaced by mount_metrics_route.
+METRICS_ROUTE = "sglang.srt.entrypoints.http_server.add_prometheus_middleware"
 
 # Scheduler process. Bound into the request dispatcher in Scheduler.__init__, which runs after
 # load_plugins() (run_scheduler_process), so the patched method is the one dispatched.
@@ -60,6 +63,7 @@ MAIN_PROCESS_TARGETS = (
     LRU_LORA_NAME,
     SERVE_GENERATE,
     OPENAI_HANDLE_REQUEST,
+    METRICS_ROUTE,
 )
 
 # ------------------------------------------------------------------------------ symbols
@@ -90,6 +94,8 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "LoRAUpdateOutput": ("sglang.srt.managers.io_struct", "LoRAUpdateOutput"),
     # the observability settings http_server reads to mount /metrics (--enable-metrics)
     "get_observability": ("sglang.srt.runtime_context", "get_observability"),
+    # what mount_metrics_route mirrors (http_server imports it from here)
+    "add_prometheus_middleware": ("sglang.srt.utils.common", "add_prometheus_middleware"),
 }
 
 # (symbol, attribute) that must exist on the class itself.
@@ -348,6 +354,27 @@ def metrics_enabled() -> bool:
     """True when SGLang serves /metrics (``--enable-metrics``): the same switch
     ``http_server._setup_and_run_http_server`` reads before ``add_prometheus_middleware``."""
     return bool(getattr(symbol("get_observability")(), "enable_metrics", False))
+
+
+def mount_metrics_route(app: Any, collectors: tuple[Any, ...]) -> None:
+    """``sglang.srt.utils.common.add_prometheus_middleware`` (0.5.23) line for line, with
+    ``collectors`` on the registry it builds. That registry, not prometheus_client's default, is
+    what SGLang's /metrics collects (a ``MultiProcessCollector`` reading the multiprocess
+    directory), and it is local to that function: a series that must be able to end (the
+    plugin's per-version series) can only be served by a collector on it."""
+    import re
+
+    from prometheus_client import CollectorRegistry, make_asgi_app, multiprocess
+    from starlette.routing import Mount
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    for collector in collectors:
+        registry.register(collector)
+    metrics_route = Mount("/metrics", make_asgi_app(registry=registry))
+    # upstream's workaround for a 307 redirect of /metrics
+    metrics_route.path_regex = re.compile("^/metrics(?P<path>.*)$")
+    app.routes.append(metrics_route)
 
 
 def admin_optional(endpoint: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,6 +1,9 @@
 """The per-version metrics on a REAL engine's own ``/metrics`` (``--enable-metrics``): scraped
 before and after a staged publication, traffic, a refusal and a reclaim, next to SGLang's own
-series (same endpoint, same multiprocess collector)."""
+series (same endpoint, same registry), and over many versions, whose series end with them.
+
+The session's E0/E1 run without ``--enable-metrics`` (SGLang mounts /metrics only with it), so
+this module starts one engine of its own that does."""
 
 from __future__ import annotations
 
@@ -8,10 +11,12 @@ import threading
 
 import httpx
 import pytest
-from _engine_helpers import Published, error_code, generate, snapshot_of, wait_in_flight
+from _engine_helpers import Published, error_code, generate, snapshot_of, versions, wait_in_flight
 from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_ext.devtools.launcher import EngineSpec, running_engines
+from sglang_ext.protocol import EngineVersionState
+from sglang_ext.version_table import holds_engine_slot
 
 pytestmark = pytest.mark.engine
 
@@ -100,13 +105,14 @@ def test_metrics_follow_a_publication_its_traffic_a_refusal_and_the_reclaim(metr
     assert sample(refused, "sglang:lora_version_refusals_total", code="FORBIDDEN_FIELD") == (
         sample(served, "sglang:lora_version_refusals_total", code="FORBIDDEN_FIELD") + 1
     )
+    assert sample(refused, requests, lora_name=a.name) == sample(served, requests, lora_name=a.name)
 
     a.finish()  # reclaim: drains (nothing in flight) and unloads once
     late = generate(url, PROMPT, a.name)
     assert error_code(late) == "VERSION_RECLAIMED"
     after = scrape(url)
-    assert sample(after, "sglang:lora_version_state", lora_name=a.name, state="READY_LOCAL") == 0
-    assert sample(after, "sglang:lora_version_state", lora_name=a.name, state="UNLOADED") == 1
+    # the version's series ended with it (test below: over many versions)
+    assert a.name not in series_by_version(after)
     assert sample(after, "sglang:lora_version_slots_in_use") == 0
     assert op_count(after, "reclaim") == op_count(refused, "reclaim") + 1
     assert sample(after, "sglang:lora_version_drain_seconds_count") == (
@@ -115,6 +121,51 @@ def test_metrics_follow_a_publication_its_traffic_a_refusal_and_the_reclaim(metr
     assert sample(after, "sglang:lora_version_refusals_total", code="VERSION_RECLAIMED") == (
         sample(refused, "sglang:lora_version_refusals_total", code="VERSION_RECLAIMED") + 1
     )
-    assert sample(after, requests, lora_name=a.name) == sample(
-        served, requests, lora_name=a.name
-    )  # not the late one
+
+
+def series_by_version(samples: Samples) -> dict[str, set[tuple[str, frozenset[tuple[str, str]]]]]:
+    """Every series that carries a ``lora_name`` label, grouped by the version it names."""
+    out: dict[str, set[tuple[str, frozenset[tuple[str, str]]]]] = {}
+    for key in samples:
+        name = dict(key[1]).get("lora_name")
+        if name is not None:
+            out.setdefault(name, set()).add(key)
+    return out
+
+
+def sglang_own_series(samples: Samples) -> set[tuple[str, frozenset[tuple[str, str]]]]:
+    return {key for key in samples if not key[0].startswith("sglang:lora_version_")}
+
+
+def live_versions(url: str) -> set[str]:
+    return {name for name, v in versions(url).items() if holds_engine_slot(EngineVersionState(v["state"]))}
+
+
+def test_version_series_end_with_their_version_over_many_publications(metrics_engine, fixtures):
+    """A version per cycle, published, served and reclaimed while the next one is already live
+    (an RL run's rhythm): after every reclaim, /metrics names only the versions that still hold
+    a slot, each with the same number of series, and SGLang's own series are untouched."""
+    url = metrics_engine.url
+    snap = snapshot_of(fixtures.adapter_dir("A"))
+    assert generate(url, PROMPT).status_code == 200  # SGLang's own request series exist from here on
+    own_before = sglang_own_series(scrape(url))
+    assert own_before, "SGLang's own series are on the same /metrics"
+    per_version: int | None = None
+    previous: Published | None = None
+    for _ in range(10):
+        current = Published(metrics_engine, snap)
+        assert generate(url, PROMPT, current.name).status_code == 200
+        if previous is not None:
+            previous.finish()
+        live = live_versions(url)
+        assert current.name in live and (previous is None or previous.name not in live)
+        by_version = series_by_version(scrape(url))
+        assert set(by_version) <= live, f"series of dead versions: {sorted(set(by_version) - live)}"
+        assert current.name in by_version, "a live version has its series"
+        per_version = per_version or len(by_version[current.name])
+        assert sum(map(len, by_version.values())) == per_version * len(by_version)
+        previous = current
+    assert previous is not None
+    previous.finish()
+    assert series_by_version(scrape(url)) == {}
+    assert sglang_own_series(scrape(url)) == own_before
