@@ -72,7 +72,10 @@ class NativeEdge(Protocol):
 class NativeLora:
     def __init__(self, tokenizer_manager: Any) -> None:
         self.tm = tokenizer_manager
-        # lora_id -> the one physical unload of that id (exactly once, shared by racing callers)
+        # lora_id -> the physical unload of that id while it runs, shared by racing callers. Only
+        # while it runs: the version table never asks again for an id it saw unloaded (reclaim
+        # answers DONE, cleanup NOTHING), and ids are per load, so a finished entry would only
+        # grow with history.
         self._unloads: dict[str, asyncio.Task[None]] = {}
 
     def lora_id_of(self, lora_name: str) -> str | None:
@@ -160,9 +163,10 @@ class NativeLora:
         """Removal step 3, exactly once per lora_id (racing callers share the one fan-out). Only
         after the caller's ``may_unload_now`` said yes. Idempotent on the scheduler side too."""
         task = self._unloads.get(lora_id)
-        if task is None or (task.done() and task.exception() is not None):
+        if task is None:
             task = asyncio.ensure_future(self._unload(lora_name, lora_id))
             self._unloads[lora_id] = task
+            task.add_done_callback(lambda _done: self._unloads.pop(lora_id, None))
         await asyncio.shield(task)
 
     async def _unload(self, lora_name: str, lora_id: str) -> None:

@@ -17,8 +17,7 @@ import contextlib
 import itertools
 import json
 import time
-from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from sglang_ext.adapter_compat import sglang_load_config
@@ -54,14 +53,35 @@ from sglang_ext.version_table import (
 )
 
 
+@dataclass
+class _NameLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0  # holders and waiters
+
+
 class NameLocks:
-    """One asyncio lock per managed name: operations on one name are serialised, others run on."""
+    """One asyncio lock per managed name: operations on one name are serialised, others run on.
+    ``async with locks[name]:``. A name's lock exists only while someone holds or waits for it:
+    a long RL run publishes a version per step, and a lock per name ever seen would grow with
+    history (publication and reclaim share one instance: the engine wires it once)."""
 
     def __init__(self) -> None:
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._locks: dict[str, _NameLock] = {}
 
-    def __getitem__(self, lora_name: str) -> asyncio.Lock:
-        return self._locks[lora_name]
+    @contextlib.asynccontextmanager
+    async def _held(self, lora_name: str) -> AsyncIterator[None]:
+        entry = self._locks.setdefault(lora_name, _NameLock())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._locks[lora_name]
+
+    def __getitem__(self, lora_name: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._held(lora_name)
 
 
 @dataclass(frozen=True)
@@ -175,7 +195,7 @@ class PublicationService:
         table: VersionTable,
         native: NativeEdge,
         staging: StagingArea,
-        locks: NameLocks | None = None,
+        locks: NameLocks,
         log: Callable[[str], None] | None = None,
         collective: CollectiveLink | None = None,
     ) -> None:
@@ -188,11 +208,14 @@ class PublicationService:
         self._jobs = itertools.count()
         if collective is not None:
             collective.on_break(self._group_broke)
-        self._locks = locks if locks is not None else NameLocks()
+        # Required, never defaulted: reclaim must serialise on the very same locks (a private set
+        # here would let a reclaim and a cleanup of one name run at once, with no error).
+        self._locks = locks
         self._log = log
         # (name, attempt token) -> engine-side time so far
         self._phases: dict[AttemptKey, PhaseTimes] = {}
-        # (name, attempt token) -> the running load+probe, shared by a racing end and by cleanup
+        # (name, attempt token) -> the running load+probe, shared by a racing end and by cleanup;
+        # only while it runs (it sets the version's state itself before it ends)
         self._loads: dict[AttemptKey, asyncio.Task[ReadyReceipt]] = {}
 
     # ----------------------------------------------------------------------------- begin
@@ -371,7 +394,9 @@ class PublicationService:
                 self.staging.check_bucket_files(key, v.buckets_total)
                 check_tensor_set(v.manifest, (n for spec in v.plan for n in spec.tensor_names))
                 self.table.start_load(req.lora_name, req.attempt_token)
-                self._loads[key] = asyncio.create_task(self._load_and_probe(req.lora_name, req.attempt_token))
+                load = asyncio.create_task(self._load_and_probe(req.lora_name, req.attempt_token))
+                self._loads[key] = load
+                load.add_done_callback(lambda done, key=key: self._forget_load(key, done))
             task = self._loads[key]
         # Shielded: a client that disconnects mid-end must not cancel a native load half way.
         return await asyncio.shield(task)
@@ -412,6 +437,10 @@ class PublicationService:
         if self._log is not None:
             self._log(phases.line(lora_name))
         return receipt
+
+    def _forget_load(self, key: AttemptKey, done: asyncio.Task[ReadyReceipt]) -> None:
+        if self._loads.get(key) is done:
+            del self._loads[key]
 
     def _forget(self, key: AttemptKey) -> None:
         self._drop_stash(key)

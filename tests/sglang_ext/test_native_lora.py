@@ -52,3 +52,24 @@ async def test_a_partial_load_that_is_taken_back_leaves_nothing():
         await NativeLora(tm).load_pinned(NAME, Path("/nonexistent/adapter"))
     assert info.value.code is ErrorCode.LOAD_FAILED and "leftover_lora_id" not in info.value.details
     assert sent == ["LoadLoRAAdapterReqInput", "UnloadLoRAAdapterReqInput"]
+
+
+async def test_finished_unloads_are_not_remembered_per_id():
+    """The unload task of an id lives while it runs (racing callers share it), not for the
+    engine's life: ids are per load, so finished entries would grow with history. A failed
+    unload leaves nothing behind either: the next call tries again."""
+    ids = [f"id{i}" for i in range(5)]
+    tm, sent = tm_answering(
+        *([{"success": True, "error_message": ""}] for _ in ids),
+        [{"success": False, "error_message": "scheduler said no"}],
+        [{"success": True, "error_message": ""}],
+    )
+    native = NativeLora(tm)
+    for lora_id in ids:
+        await native.physical_unload(NAME, lora_id)
+    assert native._unloads == {} and len(sent) == 5
+    with pytest.raises(LoraVersionError):
+        await native.physical_unload(NAME, "id-x")
+    assert native._unloads == {}
+    await native.physical_unload(NAME, "id-x")
+    assert native._unloads == {} and len(sent) == 7

@@ -35,7 +35,7 @@ class Shell:
         )
         self.table = VersionTable("inc", limits)
         self.native = FakeNative()
-        locks = NameLocks()
+        self.locks = locks = NameLocks()
         self.publication = PublicationService(self.table, self.native, fake_staging(), locks)
         self.reclaim_service = ReclaimService(self.table, self.native, locks)
         self.begin_req: dict = {}  # name -> its begin request
@@ -343,3 +343,33 @@ async def test_an_end_refused_by_its_file_check_changes_nothing(shell):
     assert states == ["PREPARED"]
     assert shell.table.get(name) == before
     assert shell.native.loaded == {} and name not in shell.publication._loads
+
+
+async def test_the_shells_per_version_state_is_bounded_by_live_versions(shell):
+    """A long run publishes a version per step: after each version is reclaimed or cleaned, the
+    shell keeps nothing per version (name locks, running loads, phase times, stashes, drain
+    clocks). Only the table's small tombstones remember the past."""
+    for i in range(12):
+        name, token = await shell.stage(100 + i)
+        await shell.end(name, token)
+        if i % 2:
+            assert (await shell.reclaim(name, f"r{i}")).state == "UNLOADED"
+        else:
+            assert (await shell.cleanup(name, token)).state == "CLEANED"
+        pub = shell.publication
+        left = {
+            "locks": len(shell.locks._locks),
+            "loads": len(pub._loads),
+            "phases": len(pub._phases),
+            "stashes": len(pub._stashes),
+            "drains": len(shell.reclaim_service._drain_started),
+        }
+        assert left == dict.fromkeys(left, 0), (i, left)
+
+
+def test_the_publication_service_takes_the_lock_set_it_shares_with_reclaim():
+    """No silent private lock set: publication and reclaim of one name must serialise on the
+    same locks, so the service cannot be built without them."""
+    sh = Shell()
+    with pytest.raises(TypeError):
+        PublicationService(sh.table, sh.native, fake_staging())  # type: ignore[call-arg]
