@@ -20,9 +20,11 @@ from typing import Any, TypeVar
 
 from sglang_ext.collective_group import (
     FRAME_BYTES,
+    PIECE_BYTES,
     SENDER_RANK,
     Frame,
     broadcast,
+    broadcast_pieces,
     device_of,
     host_store,
     open_group,
@@ -36,12 +38,22 @@ T = TypeVar("T")
 
 class CollectiveSender:
     """``host``: an address of this trainer the engine can reach (it joins the store there).
-    ``timeout_s`` bounds the rendezvous and every broadcast on this side."""
+    ``timeout_s`` bounds the rendezvous and every broadcast on this side. ``piece_bytes``: the
+    size of the broadcasts a bucket's bytes go in (0: one per bucket, and the engine hears of a
+    bucket only once it is whole)."""
 
-    def __init__(self, host: str = "127.0.0.1", *, timeout_s: float = 30.0, backend: str = "gloo") -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        timeout_s: float = 30.0,
+        backend: str = "gloo",
+        piece_bytes: int = PIECE_BYTES,
+    ) -> None:
         self.host = host
         self.timeout_s = timeout_s
         self.backend = backend
+        self.piece_bytes = piece_bytes
         self.group_id: str | None = None
         self.incarnation: str | None = None
         self._store: Any = None
@@ -149,6 +161,10 @@ class CollectiveSender:
         if previous is not None and not previous.done():
             await asyncio.wait([previous])
         if previous is not None and (previous.cancelled() or previous.exception() is not None):
+            if self._group is group:
+                # the receiver still waits for that bucket (a broadcast cancelled before it ran,
+                # e.g. by the end of its event loop): this group is out of step for good
+                self.forget()
             raise LoraVersionError(
                 ErrorCode.TRANSFER_FAILED,
                 f"bucket {index} not broadcast: an earlier broadcast on this group failed",
@@ -158,15 +174,19 @@ class CollectiveSender:
 
     async def _broadcast(self, group: Any, attempt_token: str, index: int, payload: bytes) -> None:
         """Bucket ``index``: its frame, then exactly its tensor bytes (the payload after its
-        header, which the engine builds itself). TRANSFER_FAILED when the group fails; the group
-        is then forgotten (the engine's end is gone or out of step)."""
+        header, which the engine builds itself), in pieces of ``piece_bytes``: the engine hears
+        of each piece as it lands, so a cleanup right after this send waits for the bytes
+        instead of breaking the group (``CollectiveLink.settle``). TRANSFER_FAILED when the
+        group fails; the group is then forgotten (the engine's end is gone or out of step)."""
         n = header_length(payload[:HEADER_PREFIX_BYTES])
         if n is None:
             raise ValueError("not a bucket payload")
         data = memoryview(payload)[HEADER_PREFIX_BYTES + n :]
         if group is None:
             raise LoraVersionError(ErrorCode.TRANSPORT_UNAVAILABLE, "no collective group to this engine")
-        frame = Frame(index=index, nbytes=len(data), tag=token_tag(attempt_token)).encode()
+        frame = Frame(
+            index=index, nbytes=len(data), tag=token_tag(attempt_token), piece_bytes=self.piece_bytes
+        )
         try:
             await asyncio.to_thread(_broadcast_bucket, group, frame, data, device_of(self.backend))
         except Exception as exc:
@@ -177,14 +197,16 @@ class CollectiveSender:
             ) from None
 
 
-def _broadcast_bucket(group: Any, frame: bytes, data: memoryview, device: str) -> None:
+def _broadcast_bucket(group: Any, frame: Frame, data: memoryview, device: str) -> None:
     import torch
 
-    assert len(frame) == FRAME_BYTES
-    broadcast(group, torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(device))
+    raw = frame.encode()
+    assert len(raw) == FRAME_BYTES
+    broadcast(group, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device))
     if len(data):
         with warnings.catch_warnings():
             # the payload is read-only bytes; a broadcast from the root only reads it
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             tensor = torch.frombuffer(data, dtype=torch.uint8)
-        broadcast(group, tensor.to(device))  # NCCL: a device copy (not run here: no GPU)
+        # NCCL: a device copy (not run here: no GPU)
+        broadcast_pieces(group, tensor.to(device), frame.piece_bytes)

@@ -9,31 +9,50 @@ a transfer, the receiver's exit) -> ``BROKEN`` with its reason. A BROKEN or repl
 never used again: the receiver is killed (its pending receives end with it, at once) and the
 trainer connects a new group. Every deadline is enforced here, by the clock of this process:
 the receiver's own timeouts are a second line, not the one we rely on.
+
+The receiver says how far each bucket got while it lands (:mod:`sglang_ext.collective_messages`),
+so a cleanup during a transfer (:meth:`CollectiveLink.settle`, then :meth:`CollectiveLink.drop`)
+waits for bytes that keep landing however slow the machine is, and breaks the group only for a
+transfer that stopped or passed its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
+from sglang_ext.collective_messages import (
+    Arrived,
+    Connect,
+    Connected,
+    Expect,
+    ExpectedBucket,
+    Failed,
+    Message,
+    MessageError,
+    Progress,
+    decode,
+    encode,
+)
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
 COLLECTIVE_TIMEOUT_ENV = "SGLANG_LORA_VERSIONS_COLLECTIVE_TIMEOUT_S"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0
 # what starting the receiver (a Python process importing torch) may take on top of the rendezvous
 RECEIVER_START_ALLOWANCE_S = 60.0
-# How long a cleanup waits for receives still landing before it kills the receiver with them: a
-# trainer's broadcast returns once its bytes are on the wire, so a cleanup right after the last
-# send would otherwise break a healthy group on a guess. A dead trainer costs only this much more.
-SETTLE_S = 1.0
+# A cleanup during a transfer waits as long as the receiver reports bytes landing (a trainer's
+# broadcast returns once its bytes are on the wire, so a cleanup right after the last send finds
+# them still landing, for as long as the machine's load makes it take). It gives up on a transfer
+# the receiver has said nothing of for this long: its pieces land many times a second even on a
+# starved CPU, so this silence means a trainer that stopped (or never sent); it is also what a
+# cleanup of such an attempt costs before the group is broken.
+SETTLE_STALL_S = 2.0
 
 
 def collective_timeout_s() -> float:
@@ -47,15 +66,13 @@ class LinkState(StrEnum):
     BROKEN = "BROKEN"
 
 
-@dataclass(frozen=True)
-class ExpectedBucket:
-    """One bucket the receiver is to write: ``nbytes`` tensor bytes into ``path`` at ``offset``
-    (right after the bucket's header, already written by the engine)."""
+@dataclass
+class Landing:
+    """What the receiver last said of one job's transfer, by this process's clock."""
 
-    index: int
-    nbytes: int
-    path: Path
-    offset: int
+    heard: float  # its last word on the job (or when the receives were posted)
+    bucket: int | None = None  # the bucket landing now (its frame accepted), None between buckets
+    since: float = 0.0  # when that bucket's frame was accepted: its deadline runs from there
 
 
 def _retrieved(fut: asyncio.Future[Any]) -> None:
@@ -85,6 +102,9 @@ class CollectiveLink:
         self._connected: asyncio.Future[None] | None = None
         # job -> bucket index -> arrival; a job is one attempt's transfer
         self._arrivals: dict[str, dict[int, asyncio.Future[None]]] = {}
+        self._landing: dict[str, Landing] = {}
+        # job -> why settle() gave up on it (said by the drop that breaks the group)
+        self._unsettled: dict[str, str] = {}
         self._on_break: list[Callable[[str], None]] = []
 
     def on_break(self, callback: Callable[[str], None]) -> None:
@@ -128,13 +148,7 @@ class CollectiveLink:
         )
         self._reader = asyncio.create_task(self._read_events(self._proc))
         self._send(
-            {
-                "op": "connect",
-                "init_method": init_method,
-                "group_id": group_id,
-                "timeout_s": self.timeout_s,
-                "backend": backend,
-            }
+            Connect(init_method=init_method, group_id=group_id, timeout_s=self.timeout_s, backend=backend)
         )
         self._log(f"collective group {group_id}: receiver pid {self._proc.pid} joining {init_method}")
 
@@ -183,17 +197,8 @@ class CollectiveLink:
             fut.add_done_callback(_retrieved)
             arrivals[b.index] = fut
         self._arrivals[job] = arrivals
-        self._send(
-            {
-                "op": "expect",
-                "job": job,
-                "tag": tag.hex(),
-                "buckets": [
-                    {"index": b.index, "nbytes": b.nbytes, "path": str(b.path), "offset": b.offset}
-                    for b in buckets
-                ],
-            }
-        )
+        self._landing[job] = Landing(heard=loop.time())
+        self._send(Expect(job=job, tag=tag, buckets=tuple(buckets)))
 
     def _arrival_of(self, job: str, index: int) -> asyncio.Future[None]:
         fut = self._arrivals.get(job, {}).get(index)
@@ -221,28 +226,46 @@ class CollectiveLink:
         fut = self._arrivals.get(job, {}).get(index)
         return fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
 
-    async def settle(self, job: str, timeout_s: float = SETTLE_S) -> None:
-        """Wait at most ``timeout_s`` for ``job``'s pending receives to land (they may be the
-        last bytes of a transfer the trainer already finished), so that :meth:`drop` only kills
-        the receiver for a transfer that is really still going."""
-        pending = [f for f in self._arrivals.get(job, {}).values() if not f.done()]
-        if pending:
-            await asyncio.wait(pending, timeout=timeout_s)
+    async def settle(self, job: str, stall_s: float = SETTLE_STALL_S) -> None:
+        """Wait while ``job``'s pending receives keep landing (they may be the last bytes of a
+        transfer the trainer already finished), so that :meth:`drop` only kills the receiver for
+        a transfer that is really not going to end. Returns once they all landed; or once the
+        receiver has said nothing of them for ``stall_s`` (counted from this call at the
+        earliest); or once the bucket landing now is past the receiver's per-bucket deadline
+        (``timeout_s`` from its frame). It breaks nothing itself."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while pending := [f for f in self._arrivals.get(job, {}).values() if not f.done()]:
+            landing = self._landing.get(job) or Landing(heard=start)
+            give_up = max(start, landing.heard) + stall_s
+            verdict = f"nothing of it landed for {stall_s:g} s"
+            if landing.bucket is not None and landing.since + self.timeout_s < give_up:
+                give_up = landing.since + self.timeout_s
+                verdict = f"bucket {landing.bucket} did not land within {self.timeout_s:g} s"
+            now = loop.time()
+            if now >= give_up:
+                self._unsettled[job] = verdict
+                return
+            await asyncio.wait(pending, timeout=give_up - now)
 
     def drop(self, job: str) -> None:
         """The attempt is over (READY, or cleaned up). If some of its receives are still pending,
         the receiver is killed with them (a cleanup during a transfer): a pending receive is
         never destroyed in place."""
         arrivals = self._arrivals.pop(job, {})
+        self._landing.pop(job, None)
+        verdict = self._unsettled.pop(job, None)
         if any(not f.done() for f in arrivals.values()):
-            self._break(f"a transfer was dropped before it ended (job {job})")
+            self._break(
+                f"a transfer was dropped before it ended (job {job}{': ' + verdict if verdict else ''})"
+            )
 
     # ------------------------------------------------------------------------- the receiver
 
-    def _send(self, cmd: dict[str, Any]) -> None:
+    def _send(self, cmd: Message) -> None:
         assert self._proc is not None and self._proc.stdin is not None
         try:
-            self._proc.stdin.write((json.dumps(cmd) + "\n").encode())
+            self._proc.stdin.write(encode(cmd))
         except (BrokenPipeError, ConnectionResetError):
             self._break("the receiver process is gone")
             raise self.unavailable() from None
@@ -256,27 +279,44 @@ class CollectiveLink:
             if proc is not self._proc:
                 break  # a replaced receiver: its words no longer count
             try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            kind = event.get("ev")
-            if kind == "connected" and self._connected is not None and not self._connected.done():
-                self.state = LinkState.CONNECTED
-                self._connected.set_result(None)
-                self._log(f"collective group {self.group_id}: connected")
-            elif kind == "bucket":
-                fut = self._arrivals.get(event.get("job"), {}).get(event.get("index"))
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
-            elif kind == "failed":
-                self._break(str(event.get("reason")))
+                event = decode(line)
+            except MessageError as exc:
+                # not one of our messages: what else it said (or missed) cannot be trusted
+                self._break(f"the receiver is out of protocol: {exc}")
+                break
+            self._heard(event)
         code = await proc.wait()
         if proc is self._proc:
             self._break(f"the receiver process exited with code {code}")
 
-    def _break(self, reason: str) -> None:
+    def _heard(self, event: Message) -> None:
+        now = asyncio.get_running_loop().time()
+        match event:
+            case Connected() if self._connected is not None and not self._connected.done():
+                self.state = LinkState.CONNECTED
+                self._connected.set_result(None)
+                self._log(f"collective group {self.group_id}: connected")
+            case Progress(job=job, index=index, landed=landed) if job in self._landing:
+                landing = self._landing[job]
+                landing.heard = now
+                if landed == 0 or landing.bucket != index:  # its frame was accepted: a bucket starts
+                    landing.bucket, landing.since = index, now
+            case Arrived(job=job, index=index):
+                fut = self._arrivals.get(job, {}).get(index)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+                if job in self._landing:
+                    self._landing[job].heard, self._landing[job].bucket = now, None
+            case Failed():
+                self._break(event.reason, event)
+            case Connect() | Expect():
+                self._break(f"the receiver sent a command: {event}")
+
+    def _break(self, reason: str, refusal: Failed | None = None) -> None:
         """The group is unusable from here on: the receiver goes (with any pending receive), and
-        every wait on it ends with TRANSFER_FAILED."""
+        every wait on it ends with TRANSFER_FAILED, but the wait for the bucket the receiver
+        refused (``refusal``), which ends with the refusal's own code (e.g. MANIFEST_MISMATCH:
+        the sender's bucket is not the plan's, no transport fault)."""
         if self.state is not LinkState.BROKEN:
             self._log(f"collective group {self.group_id} unusable: {reason}")
         self.state, self.reason = LinkState.BROKEN, reason
@@ -289,10 +329,13 @@ class CollectiveLink:
         if self._connected is not None and not self._connected.done():
             self._connected.set_exception(self.unavailable())
         error = transfer_failed(f"the collective transfer failed: {reason}")
-        for arrivals in self._arrivals.values():
-            for fut in arrivals.values():
+        refused: tuple[str | None, int | None, LoraVersionError] | None = None
+        if refusal is not None and refusal.code is not ErrorCode.TRANSFER_FAILED:
+            refused = refusal.job, refusal.index, LoraVersionError(refusal.code, reason, index=refusal.index)
+        for job, arrivals in self._arrivals.items():
+            for index, fut in arrivals.items():
                 if not fut.done():
-                    fut.set_exception(error)
+                    fut.set_exception(refused[2] if refused and refused[:2] == (job, index) else error)
         for callback in self._on_break:
             callback(reason)
 

@@ -17,28 +17,54 @@ the engine serving throughout. The scheduler never runs a collective at all: the
 the engine's staged files, verified by the main process like any other bucket, and loaded by
 SGLang's stock path load on every rank.
 
-Protocol: one JSON command per line on stdin, one JSON event per line on the original stdout
-(library prints go to stderr). Commands: ``connect`` (once, first), then ``expect`` jobs, run in
-order. Events: ``connected``, ``bucket`` (one per bucket that arrived whole), ``failed`` (then the
-process exits: after a failed receive the pair is out of step, and the group is not reused).
+Protocol (:mod:`sglang_ext.collective_messages`): one command per line on stdin, one event per
+line on the original stdout (library prints go to stderr). While a bucket lands it reports how
+far it got (:class:`~sglang_ext.collective_messages.Progress` as its pieces land, at most every
+:data:`PROGRESS_EVERY_S`): the engine decides from that whether a transfer is still going, not
+from a guess of how long one takes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import mmap
 import os
 import signal
 import sys
-from typing import Any
+import time
+from typing import Any, NoReturn
 
 from sglang_ext.bucket_receiver import BACKGROUND_NICE
-from sglang_ext.collective_group import FRAME_BYTES, RECEIVER_RANK, Frame, broadcast, device_of, open_group
+from sglang_ext.collective_group import (
+    FRAME_BYTES,
+    RECEIVER_RANK,
+    Frame,
+    broadcast,
+    broadcast_pieces,
+    device_of,
+    open_group,
+)
+from sglang_ext.collective_messages import (
+    Arrived,
+    Connect,
+    Connected,
+    Expect,
+    ExpectedBucket,
+    Failed,
+    Message,
+    Progress,
+    decode,
+    encode,
+)
+from sglang_ext.errors import ErrorCode
 
 EXIT_FAILED = 2
 _PR_SET_PDEATHSIG = 1
+# Progress is reported after a piece lands, at most this often (a sender of tiny pieces must not
+# flood the engine's event loop), so the engine hears of a landing transfer several times a
+# second however small or large its pieces.
+PROGRESS_EVERY_S = 0.05
 
 
 def _die_with_parent() -> None:
@@ -54,68 +80,93 @@ class Receiver:
         self.events_fd = events_fd
         self.group: Any = None
         self.device = "cpu"
+        self.timeout_s = 0.0
 
-    def emit(self, **event: Any) -> None:
-        os.write(self.events_fd, (json.dumps(event) + "\n").encode())
+    def emit(self, event: Message) -> None:
+        os.write(self.events_fd, encode(event))
 
-    def fail(self, reason: str, **where: Any) -> None:
-        self.emit(ev="failed", reason=reason[:2000], **where)
+    def fail(
+        self,
+        reason: str,
+        code: ErrorCode = ErrorCode.TRANSFER_FAILED,
+        job: str | None = None,
+        index: int | None = None,
+    ) -> NoReturn:
+        self.emit(Failed(reason=reason[:2000], code=code, job=job, index=index))
         os._exit(EXIT_FAILED)  # no interpreter shutdown: a pending gloo op must not be waited for
 
-    def connect(self, cmd: dict[str, Any]) -> None:
-        self.device = device_of(cmd["backend"])
+    def connect(self, cmd: Connect) -> None:
+        self.device = device_of(cmd.backend)
+        self.timeout_s = cmd.timeout_s
         try:
-            self.group = open_group(
-                cmd["init_method"], RECEIVER_RANK, cmd["group_id"], float(cmd["timeout_s"]), cmd["backend"]
-            )
+            self.group = open_group(cmd.init_method, RECEIVER_RANK, cmd.group_id, cmd.timeout_s, cmd.backend)
         except Exception as exc:
             self.fail(f"rendezvous failed: {type(exc).__name__}: {exc}")
-        self.emit(ev="connected")
+        self.emit(Connected())
 
-    def expect(self, cmd: dict[str, Any]) -> None:
+    def expect(self, cmd: Expect) -> None:
         import torch
 
-        job, tag = cmd["job"], bytes.fromhex(cmd["tag"])
         frame_buf = torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=self.device)
-        for bucket in cmd["buckets"]:
-            index, nbytes = int(bucket["index"]), int(bucket["nbytes"])
+        for bucket in cmd.buckets:
+            index = bucket.index
             try:
                 broadcast(self.group, frame_buf)
             except Exception as exc:
-                self.fail(f"bucket {index}: frame not received: {exc}", job=job, index=index)
+                self.fail(f"bucket {index}: frame not received: {exc}", job=cmd.job, index=index)
             frame = Frame.decode(frame_buf.cpu().numpy().tobytes())
-            if frame is None or (frame.index, frame.nbytes, frame.tag) != (index, nbytes, tag):
-                got = "no frame" if frame is None else f"bucket {frame.index} of {frame.nbytes} bytes"
+            if frame is None:
                 self.fail(
-                    f"expected bucket {index} of {nbytes} bytes of this attempt, the sender announced {got}",
-                    job=job,
+                    f"expected bucket {index} of this attempt, the sender sent no frame of this version",
+                    job=cmd.job,
                     index=index,
-                    code="MANIFEST_MISMATCH",
                 )
+            refusal = frame.refusal(index, bucket.nbytes, cmd.tag)
+            if refusal is not None:
+                self.fail(refusal[1], refusal[0], job=cmd.job, index=index)
+            self.emit(Progress(job=cmd.job, index=index, landed=0))
             try:
-                self._receive_into(bucket["path"], int(bucket["offset"]), nbytes)
+                self._receive_into(cmd.job, bucket, frame.piece_bytes)
             except Exception as exc:
-                self.fail(f"bucket {index}: data not received: {exc}", job=job, index=index)
-            self.emit(ev="bucket", job=job, index=index)
+                self.fail(f"bucket {index}: data not received: {exc}", job=cmd.job, index=index)
+            self.emit(Arrived(job=cmd.job, index=index))
 
-    def _receive_into(self, path: str, offset: int, nbytes: int) -> None:
-        """Receive straight into the staged file's pages, after its header."""
+    def _receive_into(self, job: str, bucket: ExpectedBucket, piece_bytes: int) -> None:
+        """Receive straight into the staged file's pages, after its header, piece by piece,
+        reporting how far it got; within this receiver's per-bucket deadline (the group's
+        timeout, counted from the frame), which the engine applies too."""
         import torch
 
+        nbytes = bucket.nbytes
         if nbytes == 0:
             return
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        started = last_report = time.monotonic()
+
+        def landed(so_far: int) -> None:
+            nonlocal last_report
+            now = time.monotonic()
+            if so_far < nbytes and now - started > self.timeout_s:
+                self.fail(
+                    f"bucket {bucket.index}: {so_far} of {nbytes} bytes landed within {self.timeout_s:.0f} s",
+                    job=job,
+                    index=bucket.index,
+                )
+            if so_far < nbytes and now - last_report >= PROGRESS_EVERY_S:
+                self.emit(Progress(job=job, index=bucket.index, landed=so_far))
+                last_report = now
+
+        fd = os.open(bucket.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            mapping = mmap.mmap(fd, offset + nbytes)
+            mapping = mmap.mmap(fd, bucket.offset + nbytes)
         finally:
             os.close(fd)
         try:
-            target = torch.frombuffer(mapping, dtype=torch.uint8, offset=offset, count=nbytes)
+            target = torch.frombuffer(mapping, dtype=torch.uint8, offset=bucket.offset, count=nbytes)
             if self.device == "cpu":
-                broadcast(self.group, target)  # straight into the file's pages
+                broadcast_pieces(self.group, target, piece_bytes, landed)  # straight into the file's pages
             else:  # NCCL receives into device memory only (not run here: no GPU)
                 staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                broadcast(self.group, staging)
+                broadcast_pieces(self.group, staging, piece_bytes, landed)
                 target.copy_(staging)
                 del staging
             del target
@@ -133,11 +184,16 @@ def main() -> None:
     sys.stdout = sys.stderr
     receiver = Receiver(events_fd)
     for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "connect":
+        try:
+            cmd = decode(line)
+        except ValueError as exc:
+            receiver.fail(f"unreadable command: {exc}")
+        if isinstance(cmd, Connect):
             receiver.connect(cmd)
-        elif cmd["op"] == "expect":
+        elif isinstance(cmd, Expect):
             receiver.expect(cmd)
+        else:
+            receiver.fail(f"not a command: {cmd}")
     os._exit(0)  # stdin closed: the engine let go of this group
 
 

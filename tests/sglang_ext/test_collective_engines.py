@@ -227,7 +227,8 @@ def test_wrong_size_is_refused_before_any_byte_lands(engines, trainers, snaps, a
     # is never posted (the sender's data broadcast then fails on its side)
     in_background(lambda: t.send(s, b0, data=tensor_bytes(b0.payload) + b"\0"))
     r = t.ack(s, b0)
-    assert r.status_code == 409 and error_code(r) == "TRANSFER_FAILED" and "announced" in r.text, r.text
+    # the receiver's refusal, typed: the sender's bucket is not the plan's (as over HTTP)
+    assert r.status_code == 422 and error_code(r) == "MANIFEST_MISMATCH" and "announced" in r.text, r.text
     assert visible_state(e.url) == before
     # the group is out of step and never used again: a collective begin says so, changing nothing
     s2 = t.staged(snaps["A"])

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 
 from sglang_ext import protocol as p
-from sglang_ext.collective_group import FRAME_BYTES, Frame, parse_init_method, token_tag
+from sglang_ext.collective_group import (
+    _FRAME,
+    FRAME_BYTES,
+    FRAME_MAGIC,
+    PIECE_BYTES,
+    Frame,
+    parse_init_method,
+    pieces,
+    token_tag,
+)
 from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.transport import HEADER_PREFIX_BYTES, parse_payload_layout
 
@@ -23,6 +34,46 @@ def test_frame_round_trip_and_refusals() -> None:
     assert Frame.decode(bytes(bumped)) is None
     assert token_tag("attempt-1") == frame.tag and token_tag("attempt-2") != frame.tag
     assert len(frame.tag) == 16
+    cut = Frame(index=3, nbytes=12345, tag=frame.tag, piece_bytes=PIECE_BYTES)
+    assert Frame.decode(cut.encode()) == cut and cut.encode() != raw  # the piece size travels
+
+
+def test_a_frame_of_the_first_version_is_refused() -> None:
+    """Version 1 frames had no piece size (one broadcast per bucket): such a sender's frame is
+    refused, never read as a version 2 frame with pieces it does not send."""
+    v1 = struct.pack("<4sIQQ16s", FRAME_MAGIC, 1, 0, 100, token_tag("a"))
+    assert Frame.decode(v1 + b"\0" * (FRAME_BYTES - len(v1))) is None
+    assert _FRAME.size <= FRAME_BYTES
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "piece_bytes"),
+    [(0, 0), (0, 4), (1, 0), (10, 0), (10, 3), (12, 3), (12, 12), (12, 100), (7, 1)],
+)
+def test_pieces_cover_the_bucket_once_in_order(nbytes: int, piece_bytes: int) -> None:
+    spans = pieces(nbytes, piece_bytes)
+    covered = [i for start, end in spans for i in range(start, end)]
+    assert covered == list(range(nbytes))
+    assert all(end > start for start, end in spans)
+    if piece_bytes:
+        assert all(end - start <= piece_bytes for start, end in spans)
+        assert len(spans) == -(-nbytes // piece_bytes)
+    else:
+        assert len(spans) == (1 if nbytes else 0)  # 0: one broadcast
+
+
+def test_a_frame_is_refused_with_the_code_of_its_disagreement() -> None:
+    tag = token_tag("attempt-1")
+    frame = Frame(index=2, nbytes=100, tag=tag)
+    assert frame.refusal(2, 100, tag) is None
+    code, message = frame.refusal(2, 101, tag) or (None, "")
+    assert code is ErrorCode.MANIFEST_MISMATCH and "bucket 2 of 100 bytes" in message
+    code, message = frame.refusal(3, 100, tag) or (None, "")
+    assert code is ErrorCode.MANIFEST_MISMATCH and "expected bucket 3" in message
+    # another attempt's frame: its sizes say nothing about this plan, even when they agree
+    for index, nbytes in ((2, 100), (3, 7)):
+        code, message = frame.refusal(index, nbytes, token_tag("attempt-2")) or (None, "")
+        assert code is ErrorCode.STALE_ATTEMPT and "another attempt" in message
 
 
 @pytest.mark.parametrize(

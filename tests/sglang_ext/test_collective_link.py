@@ -5,8 +5,11 @@ in a typed error within the link's own deadline, with the receiver gone and noth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -14,8 +17,17 @@ from typing import Any
 import pytest
 import torch
 
-from sglang_ext.collective_group import Frame, broadcast, host_store, open_group, token_tag
-from sglang_ext.collective_link import CollectiveLink, ExpectedBucket, LinkState
+from relax_glue.collective_sender import CollectiveSender
+from sglang_ext.collective_group import (
+    PIECE_BYTES,
+    Frame,
+    broadcast,
+    broadcast_pieces,
+    host_store,
+    open_group,
+    token_tag,
+)
+from sglang_ext.collective_link import SETTLE_STALL_S, CollectiveLink, ExpectedBucket, LinkState
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
 TAG = token_tag("attempt-1")
@@ -40,9 +52,11 @@ class Trainer:
         assert self.group is not None
 
     def send(self, index: int, data: bytes, announce: int | None = None) -> None:
-        frame = Frame(index=index, nbytes=len(data) if announce is None else announce, tag=TAG)
+        frame = Frame(
+            index=index, nbytes=len(data) if announce is None else announce, tag=TAG, piece_bytes=PIECE_BYTES
+        )
         broadcast(self.group, torch.frombuffer(bytearray(frame.encode()), dtype=torch.uint8))
-        broadcast(self.group, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        broadcast_pieces(self.group, torch.frombuffer(bytearray(data), dtype=torch.uint8), PIECE_BYTES)
 
 
 def part_file(tmp_path: Path, name: str, size: int) -> Path:
@@ -95,6 +109,9 @@ async def test_buckets_land_after_their_header_and_the_group_goes_idle(tmp_path:
 
 
 async def test_a_frame_that_disagrees_is_refused_before_the_data_receive(tmp_path: Path) -> None:
+    """The receiver's refusal reaches the caller with its own code: the sender's bucket is not
+    the plan's (MANIFEST_MISMATCH, as the HTTP transport says of such a bucket), not a transport
+    fault to retry."""
     link, trainer = await connected()
     path = part_file(tmp_path, "p0", 16 + 100)
     link.expect("job-1", TAG, [ExpectedBucket(0, 100, path, 16)])
@@ -103,15 +120,32 @@ async def test_a_frame_that_disagrees_is_refused_before_the_data_receive(tmp_pat
     sender.start()
     with pytest.raises(LoraVersionError) as err:
         await link.arrival("job-1", 0)
-    assert (
-        err.value.code is ErrorCode.TRANSFER_FAILED and "announced bucket 0 of 101 bytes" in err.value.message
-    )
+    assert err.value.code is ErrorCode.MANIFEST_MISMATCH, err.value
+    assert "announced bucket 0 of 101 bytes" in err.value.message
     assert path.read_bytes() == b"\0" * 116  # no byte landed
     assert link.state is LinkState.BROKEN
     await _until(lambda: gone(pid))
     with pytest.raises(LoraVersionError) as err:
         link.check_usable()
     assert err.value.code is ErrorCode.TRANSPORT_UNAVAILABLE
+    await link.close()
+
+
+async def test_a_frame_of_another_attempt_is_refused_as_stale(tmp_path: Path) -> None:
+    """A frame tagged with another attempt's token: STALE_ATTEMPT, the later buckets of the job
+    TRANSFER_FAILED (the group broke under them), the group gone."""
+    link, trainer = await connected()
+    paths = [part_file(tmp_path, f"p{i}", 16 + 100) for i in range(2)]
+    link.expect("job-1", token_tag("attempt-2"), [ExpectedBucket(i, 100, paths[i], 16) for i in range(2)])
+    sender = threading.Thread(target=lambda: _quiet(trainer.send, 0, b"x" * 100), daemon=True)
+    sender.start()
+    with pytest.raises(LoraVersionError) as err:
+        await link.arrival("job-1", 0)
+    assert err.value.code is ErrorCode.STALE_ATTEMPT and "another attempt" in err.value.message, err.value
+    with pytest.raises(LoraVersionError) as err:
+        await link.arrival("job-1", 1)
+    assert err.value.code is ErrorCode.TRANSFER_FAILED, err.value
+    assert link.state is LinkState.BROKEN
     await link.close()
 
 
@@ -177,15 +211,201 @@ async def test_a_cleanup_right_after_the_last_send_lets_the_bytes_land_and_keeps
     await link.close()
 
 
+def payload_of(data: bytes) -> bytes:
+    """A bucket payload around ``data`` (the sender strips the header; the engine writes its own)."""
+    header = b"{}      "
+    return len(header).to_bytes(8, "little") + header + data
+
+
+async def paired(timeout_s: float = 30.0) -> tuple[CollectiveSender, CollectiveLink]:
+    """The real trainer side (relax_glue's sender) and the engine's link, one group."""
+    sender = CollectiveSender("127.0.0.1", timeout_s=timeout_s)
+    link = CollectiveLink(timeout_s=timeout_s)
+
+    async def ask_engine(group_id: str, init_method: str, backend: str) -> str:
+        await link.connect(group_id, init_method, backend)
+        return "incarnation-1"
+
+    await sender.connect(ask_engine)
+    return sender, link
+
+
+class Starved:
+    """The receiver process starved of CPU, as on a loaded machine: it runs ``run_s`` out of
+    every ``run_s + stop_s`` (SIGSTOP/SIGCONT), so its bytes land slowly but steadily, until
+    :meth:`freeze` stops it for good (nothing lands any more) or the ``with`` block ends."""
+
+    def __init__(self, pid: int, run_s: float = 0.004, stop_s: float = 0.15) -> None:
+        self.pid, self.run_s, self.stop_s = pid, run_s, stop_s
+        self._done = threading.Event()
+        self._frozen = False
+        self._thread = threading.Thread(target=self._cycle, daemon=True)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def _cycle(self) -> None:
+        while not self._done.is_set():
+            self._signal(signal.SIGSTOP)
+            if self._done.wait(self.stop_s):
+                break
+            self._signal(signal.SIGCONT)
+            time.sleep(self.run_s)
+
+    def freeze(self) -> None:
+        self._frozen = True
+        self._done.set()
+        self._thread.join(5)
+        self._signal(signal.SIGSTOP)
+
+    def __enter__(self) -> Starved:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(5)
+        if not self._frozen:
+            self._signal(signal.SIGCONT)
+
+
+async def the_next_transfer_works(sender: CollectiveSender, link: CollectiveLink, tmp_path: Path) -> None:
+    more = os.urandom(1 << 20)
+    path = part_file(tmp_path, "next", 16 + len(more))
+    link.expect("job-next", token_tag("attempt-next"), [ExpectedBucket(0, len(more), path, 16)])
+    await sender.send("attempt-next", 0, payload_of(more))
+    await link.arrival("job-next", 0)
+    assert path.read_bytes()[16:] == more and link.state is LinkState.CONNECTED
+
+
+async def test_a_cleanup_waits_for_the_last_bucket_landing_slowly_but_steadily_and_keeps_the_group(
+    tmp_path: Path,
+) -> None:
+    """A cleanup right after the trainer's last broadcast, its bytes still landing, slowly (the
+    receiver starved of CPU, as under load average 5-6 on 2 cores) but steadily, for longer than
+    any fixed bound (here longer than the stall bound itself): the settle waits as long as the
+    receiver reports bytes landing, the drop breaks nothing, and the same group carries the next
+    transfer. (Seen in the bench: the old 1 s settle ran out and the drop killed a healthy group.)"""
+    sender, link = await paired()
+    data = os.urandom(96 << 20)  # a starved receiver drains at most its socket buffers per slice
+    path = part_file(tmp_path, "p0", 16 + len(data))
+    link.expect("job-1", TAG, [ExpectedBucket(0, len(data), path, 16)])
+    with Starved(receiver_pid(link), stop_s=0.3):
+        sending = asyncio.ensure_future(sender.send("attempt-1", 0, payload_of(data)))
+        await _until(lambda: first_bytes_landed(path, data))
+        assert not link.arrived("job-1", 0)
+        t0 = time.monotonic()
+        await link.settle("job-1")
+        settled_s = time.monotonic() - t0
+        link.drop("job-1")
+    assert link.state is LinkState.CONNECTED, link.reason
+    assert settled_s > SETTLE_STALL_S, f"landed in {settled_s:.2f} s: not slower than the stall bound"
+    await asyncio.wait_for(sending, 30)
+    assert path.read_bytes()[16:] == data
+    await the_next_transfer_works(sender, link, tmp_path)
+    await link.close()
+
+
+async def test_a_cleanup_during_a_slow_steady_sender_waits_for_every_bucket_and_keeps_the_group(
+    tmp_path: Path,
+) -> None:
+    """A trainer that sends its buckets 0.4 s apart (2 s after the cleanup came, twice the old
+    1 s settle): each bucket that lands is progress, so the settle waits for the last one and the
+    drop breaks nothing; the same group carries the next transfer."""
+    sender, link = await paired()
+    data = [os.urandom(1 << 20) for _ in range(6)]
+    paths = [part_file(tmp_path, f"p{i}", 16 + len(d)) for i, d in enumerate(data)]
+    link.expect("job-1", TAG, [ExpectedBucket(i, len(d), paths[i], 16) for i, d in enumerate(data)])
+
+    async def trainer() -> None:
+        for i, d in enumerate(data):
+            await sender.send("attempt-1", i, payload_of(d))
+            await asyncio.sleep(0.4)
+
+    sending = asyncio.ensure_future(trainer())
+    await link.arrival("job-1", 0)
+    t0 = time.monotonic()
+    await link.settle("job-1")
+    settled_s = time.monotonic() - t0
+    link.drop("job-1")
+    assert link.state is LinkState.CONNECTED, link.reason
+    assert settled_s > 1.5, settled_s  # five more buckets, 0.4 s apart
+    await sending
+    assert [path.read_bytes()[16:] for path in paths] == data
+    await the_next_transfer_works(sender, link, tmp_path)
+    await link.close()
+
+
+def first_bytes_landed(path: Path, data: bytes, offset: int = 16) -> bool:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(64) == data[:64]
+
+
+async def test_a_transfer_that_stops_landing_is_given_up_within_the_stall_bound(tmp_path: Path) -> None:
+    """Bytes that stop landing in the middle of a bucket (the receiver frozen: nothing moves any
+    more): the settle gives up once it heard nothing of them for the stall bound, long before
+    the receiver's own deadline, and the drop that follows breaks the group and says why."""
+    sender, link = await paired(timeout_s=8.0)
+    data = os.urandom(48 << 20)
+    path = part_file(tmp_path, "p0", 16 + len(data))
+    link.expect("job-1", TAG, [ExpectedBucket(0, len(data), path, 16)])
+    pid = receiver_pid(link)
+    broke: list[str] = []
+    link.on_break(broke.append)
+    with Starved(pid) as starved:
+        sending = asyncio.ensure_future(sender.send("attempt-1", 0, payload_of(data)))
+        await _until(lambda: first_bytes_landed(path, data))
+        starved.freeze()
+        t0 = time.monotonic()
+        await link.settle("job-1", stall_s=1.0)
+        settled_s = time.monotonic() - t0
+    assert 1.0 <= settled_s < 3.0, settled_s  # the stall bound, not the 8 s deadline
+    assert not link.arrived("job-1", 0)  # it was really still pending
+    link.drop("job-1")
+    assert link.state is LinkState.BROKEN
+    assert broke and "dropped before it ended" in broke[0] and "nothing of it landed for 1 s" in broke[0]
+    await _until(lambda: gone(pid))
+    with pytest.raises(LoraVersionError) as err:
+        await asyncio.wait_for(sending, 30)  # the sender's side ends by its own deadline
+    assert err.value.code is ErrorCode.TRANSFER_FAILED
+    await link.close()
+
+
+async def test_settle_gives_up_on_a_bucket_past_the_receivers_deadline(tmp_path: Path) -> None:
+    """Bytes that keep landing, but too slowly for the receiver's per-bucket deadline (the
+    plugin's timeout, here 2 s): the settle does not wait past it whatever the progress, and the
+    group breaks."""
+    sender, link = await paired()
+    link.timeout_s = 2.0  # the bucket's deadline, once joined (a loaded machine's rendezvous takes longer)
+    data = os.urandom(96 << 20)
+    path = part_file(tmp_path, "p0", 16 + len(data))
+    link.expect("job-1", TAG, [ExpectedBucket(0, len(data), path, 16)])
+    with Starved(receiver_pid(link), stop_s=0.3):
+        sending = asyncio.ensure_future(sender.send("attempt-1", 0, payload_of(data)))
+        await _until(lambda: first_bytes_landed(path, data))
+        t0 = time.monotonic()
+        await link.settle("job-1", stall_s=30.0)
+        settled_s = time.monotonic() - t0
+        assert not link.arrived("job-1", 0)
+        link.drop("job-1")
+    assert settled_s < 4.0, settled_s  # the bucket's 2 s deadline, not the 30 s stall bound
+    assert link.state is LinkState.BROKEN and "within 2 s" in str(link.reason), link.reason
+    with contextlib.suppress(LoraVersionError):
+        await asyncio.wait_for(sending, 30)
+    await link.close()
+
+
 async def test_settle_is_bounded_for_a_sender_that_never_comes(tmp_path: Path) -> None:
     link, _trainer = await connected(timeout_s=60.0)
     path = part_file(tmp_path, "p0", 16 + 100)
     link.expect("job-1", TAG, [ExpectedBucket(0, 100, path, 16)])
     t0 = asyncio.get_running_loop().time()
-    await link.settle("job-1", timeout_s=0.5)
+    await link.settle("job-1", stall_s=0.5)
     assert 0.4 < asyncio.get_running_loop().time() - t0 < 5
     link.drop("job-1")  # then the receiver goes with the pending receive, as before
-    assert link.state is LinkState.BROKEN
+    assert link.state is LinkState.BROKEN and "nothing of it landed for 0.5 s" in str(link.reason)
     await link.close()
 
 
