@@ -108,7 +108,7 @@ def register_all(role: str) -> None:
         (upstream.LOAD_ADAPTER_FROM_TENSORS, refuse_managed_names_on_stock_lora_api, "AROUND"),
         (upstream.UNLOAD_ADAPTER, refuse_managed_names_on_stock_lora_api, "AROUND"),
         (upstream.GENERATE_REQUEST, th.refuse_forged_internal_fields, "AROUND"),
-        (upstream.INIT_REQ_STATE, th.refuse_mismatched_lora_path, "BEFORE"),
+        (upstream.INIT_REQ_STATE, th.refuse_what_normalisation_lets_through, "BEFORE"),
         (upstream.VALIDATE_ONE_REQUEST, th.refuse_inputs_that_crash_the_scheduler, "BEFORE"),
         (upstream.RESOLVE_LORA_PATH, th.serve_only_ready_managed_versions, "AROUND"),
         (upstream.RELEASE_LORA_ONCE, th.release_only_what_was_acquired, "AROUND"),

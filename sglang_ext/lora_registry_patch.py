@@ -79,6 +79,8 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "LoRARef": ("sglang.srt.lora.lora_registry", "LoRARef"),
     "LoRARegistry": ("sglang.srt.lora.lora_registry", "LoRARegistry"),
     "GenerateReqInput": ("sglang.srt.managers.io_struct", "GenerateReqInput"),
+    # the class TokenizerManager builds every request's sampling parameters with
+    "SamplingParams": ("sglang.srt.sampling.sampling_params", "SamplingParams"),
     "LoadLoRAAdapterReqInput": ("sglang.srt.managers.io_struct", "LoadLoRAAdapterReqInput"),
     "UnloadLoRAAdapterReqInput": ("sglang.srt.managers.io_struct", "UnloadLoRAAdapterReqInput"),
     "merge_lora_update_results": (
@@ -121,6 +123,7 @@ TOKENIZER_MANAGER_ATTRIBUTES = (
     "lora_ref_cache",
     "model_config",
     "update_lora_adapter_communicator",
+    "tokenizer",
 )
 
 # Function names on the stack that tell which SGLang process loads the plugin
@@ -315,6 +318,13 @@ def base_hf_config(tm: Any) -> Any:
 
 def vocab_size(tm: Any) -> int:
     return int(tm.model_config.vocab_size)
+
+
+def normalize_stop_regex(tm: Any, stop_regex: Any) -> None:
+    """SGLang's own normalisation of a request's ``stop_regex`` (SamplingParams.normalize: its caps
+    on count and length, a ValueError, then the parse that measures each pattern, an re.error),
+    as TokenizerManager._create_tokenized_object runs it later for every request."""
+    symbol("SamplingParams")(stop_regex=stop_regex).normalize(tm.tokenizer)
 
 
 def normalized_target_modules(targets: Any) -> set[str]:

@@ -6,7 +6,12 @@
 - Managed names are served only while READY on this engine: never a fallback to the base model or
   the latest version, never an implicit reload (UNKNOWN_VERSION, VERSION_NOT_READY,
   VERSION_RECLAIMED), checked again at the acquire point so a race with reclaim cannot slip by.
-- Release only what was acquired; a batch's ``lora_path`` list must match the batch.
+- Release only what was acquired.
+- Inputs that stock 0.5.23 lets through to a crash are INVALID_REQUEST, checked before the step
+  that crashes: a per-prompt list (``lora_path``, ``sampling_params``) without one entry per
+  prompt, a ``rid`` list for a single prompt and a ``stop_regex`` SGLang's own parse refuses
+  (before any request state), an empty prompt, a token id outside the vocabulary and
+  ``top_logprobs_num`` past it (after tokenisation, before the scheduler).
 - HTTP pre-checks answer with our own status and body before a streaming response starts.
 """
 
@@ -45,6 +50,8 @@ RAW_FIELD_DEFAULTS: dict[str, Any] = {
 # Req.extra_key = client extra_key + lora_id (plain concatenation): a base request whose extra_key
 # ends like a lora_id would share that adapter's prefix-cache namespace.
 _LORA_ID_SUFFIX = re.compile(r"[0-9a-f]{32}$")
+# GenerateReqInput fields that hold one entry per prompt when they are lists (sglang 0.5.23).
+PER_PROMPT_LISTS = ("lora_path", "sampling_params")
 
 
 class RequestRefused(LoraVersionError, ValueError):
@@ -131,26 +138,74 @@ async def refuse_forged_internal_fields(
         await agen.aclose()
 
 
-def refuse_mismatched_lora_path(self: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE TokenizerManager._init_req_state (after normalisation, before any state): a list
-    ``lora_path`` longer than the batch acquires an entry nothing ever releases; a list for a
-    single prompt reaches the scheduler as a list id."""
-    lora_path = getattr(obj, "lora_path", None)
-    if not isinstance(lora_path, list):
-        return None
+def refuse_what_normalisation_lets_through(self: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE TokenizerManager._init_req_state: after SGLang's normalisation (batch size, parallel
+    samples and per-prompt lists are settled), before any request state exists and before anything
+    is acquired. Stock 0.5.23 normalisation lets each of these through, and a later step fails
+    with something that is not a ValueError (an untyped 500) or acquires what nothing releases
+    (tests/sglang_ext/test_control_hardening_engines.py)."""
+    for field in PER_PROMPT_LISTS:
+        check_one_entry_per_prompt(obj, field)
+    check_rid_names_one_request(obj)
+    check_stop_regexes(self, obj)
+    return None
+
+
+def parallel_samples(obj: Any) -> int:
+    """How many times SGLang's normalisation repeated each prompt (``n``; 1 for beam search)."""
+    return max(getattr(obj, "parallel_sample_num", 1) or 1, 1)
+
+
+def check_one_entry_per_prompt(obj: Any, field: str) -> None:
+    """A per-prompt list has exactly one entry per prompt (SGLang's own rule for its ``rid`` and
+    ``watermark`` lists); a single prompt takes one value. Otherwise stock acquires a
+    ``lora_path`` entry nothing releases, reaches the scheduler with a list as a lora id, or
+    indexes past a short ``sampling_params`` list (IndexError) and reads a single prompt's list
+    as its parameters (AttributeError). Normalisation repeated the list once per parallel
+    sample, so the user's own count is ``len // samples``."""
+    value = getattr(obj, field, None)
+    if not isinstance(value, list):
+        return
     if getattr(obj, "is_single", False):
-        raise refuse(ErrorCode.INVALID_REQUEST, "lora_path must be a string for a single prompt")
-    expected = getattr(obj, "batch_size", len(lora_path)) * max(
-        getattr(obj, "parallel_sample_num", 1) or 1, 1
-    )
-    if len(lora_path) != expected:
+        raise refuse(ErrorCode.INVALID_REQUEST, f"{field} must be one value, not a list, for a single prompt")
+    samples = parallel_samples(obj)
+    prompts = getattr(obj, "batch_size", len(value) // samples)
+    if len(value) != prompts * samples:
+        entries = len(value) // samples
         raise refuse(
             ErrorCode.INVALID_REQUEST,
-            f"lora_path has {len(lora_path)} entries for {expected} prompts",
-            entries=len(lora_path),
-            expected=expected,
+            f"{field} has {entries} entries for {prompts} prompts: send one per prompt",
+            entries=entries,
+            expected=prompts,
         )
-    return None
+
+
+def check_rid_names_one_request(obj: Any) -> None:
+    """A single prompt's ``rid`` is one string. SGLang checks a batch's rid list against the batch
+    but not this: a list becomes the request's key in ``rid_to_state`` (unhashable, a TypeError)."""
+    if getattr(obj, "is_single", False) and isinstance(getattr(obj, "rid", None), list):
+        raise refuse(ErrorCode.INVALID_REQUEST, "rid must be a string for a single prompt, not a list")
+
+
+def check_stop_regexes(tm: Any, obj: Any) -> None:
+    """Every ``stop_regex`` passes SGLang's own normalisation of it, run here instead of in
+    ``_create_tokenized_object`` (after the LoRA acquire), where the parse's ``re.error`` is not a
+    ValueError and became a 500. Each distinct parameter dict once: normalisation repeats one dict
+    for every prompt and sample."""
+    params = getattr(obj, "sampling_params", None)
+    distinct = {id(p): p for p in (params if isinstance(params, list) else [params]) if isinstance(p, dict)}
+    for sampling_params in distinct.values():
+        stop_regex = sampling_params.get("stop_regex")
+        if stop_regex is None:
+            continue
+        try:
+            upstream.normalize_stop_regex(tm, stop_regex)
+        except re.error as exc:
+            raise refuse(
+                ErrorCode.INVALID_REQUEST, f"stop_regex {exc.pattern!r} is not a regular expression: {exc}"
+            ) from None
+        except ValueError as exc:  # SGLang's caps on the patterns' count and length
+            raise refuse(ErrorCode.INVALID_REQUEST, f"stop_regex refused: {exc}") from None
 
 
 def refuse_inputs_that_crash_the_scheduler(
@@ -169,8 +224,10 @@ def refuse_inputs_that_crash_the_scheduler(
     - ``top_logprobs_num`` larger than the vocabulary (``topk`` out of range in the scheduler).
 
     The refusal is a ValueError, so the stock failure path releases whatever was acquired."""
-    if getattr(obj, "input_embeds", None) is not None or input_ids is None:
-        return None  # embeddings or a multimodal placeholder: not token ids
+    if input_ids is None:
+        # embeddings (normalisation keeps input_embeds only when no input_ids were sent) or a
+        # multimodal placeholder: no token ids to check
+        return None
     if len(input_ids) == 0:
         raise refuse(ErrorCode.INVALID_REQUEST, "the prompt is empty: send at least one token")
     vocab_size = upstream.vocab_size(self)
@@ -253,6 +310,13 @@ async def _with_refusal_sink(call: Any) -> Any:
     return error_response(sink[-1]) if sink else response
 
 
+def check_sampling_params_not_empty(obj: Any) -> None:
+    """An empty ``sampling_params`` list has no entry for any prompt; stock normalisation reads its
+    first entry for ``n`` (IndexError, a 500). Only a raw /generate body can send a list."""
+    if getattr(obj, "sampling_params", None) == []:
+        raise refuse(ErrorCode.INVALID_REQUEST, "sampling_params is an empty list: send one per prompt")
+
+
 async def precheck_generate(original: Any, obj: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND http_server.serve_generate_request (looked up at call time by the /generate route)."""
     try:
@@ -265,6 +329,7 @@ async def precheck_generate(original: Any, obj: Any, request: Any, *args: Any, *
                 f"fields set by the engine itself may not be sent: {bad}",
                 fields=bad,
             )
+        check_sampling_params_not_empty(obj)
         check_servable(lora_names(obj.lora_path))
     except LoraVersionError as err:
         return error_response(err)

@@ -9,6 +9,7 @@ import json
 import shutil
 import socket
 import time
+import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -16,9 +17,11 @@ import httpx
 import pytest
 from _engine_helpers import (
     ADMIN,
+    Published,
     Staged,
     error_code,
     generate,
+    in_flight,
     post,
     snapshot_of,
     versions,
@@ -318,6 +321,130 @@ def test_inputs_that_crash_the_stock_scheduler_get_a_typed_400(engines, case):
     assert r.status_code == 400, r.text
     assert error_code(r) == "INVALID_REQUEST", r.text
     assert healthy(url)
+
+
+# Inputs a plugin-on engine answered with an UNTYPED 500 (issue 24): SGLang's normalisation lets
+# them through and a later step raises something that is not a ValueError (a bad stop_regex: re.error
+# in SamplingParams.normalize, after the LoRA acquire; a rid list for one prompt: an unhashable
+# request key in _init_req_state; a sampling_params list that does not match the batch: IndexError
+# there, or AttributeError in _validate_one_request for a single prompt). Each names the managed
+# version served by ``served_on_e1`` (lora_path on /generate, ``model`` on the OpenAI routes) and the
+# field its refusal must name.
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+SP = {"max_new_tokens": 2, "temperature": 0}
+UNTYPED_500S: dict[str, tuple[str, dict, str]] = {
+    "stop_regex_unclosed": (
+        "/generate",
+        {"input_ids": PROMPT, "sampling_params": {**SP, "stop_regex": "(unclosed"}},
+        "stop_regex",
+    ),
+    "stop_regex_bad_range_in_a_batch": (
+        "/generate",
+        {"input_ids": [PROMPT, PROMPT], "sampling_params": {**SP, "stop_regex": ["ok", "[z-a]"]}},
+        "stop_regex",
+    ),
+    "openai_stop_regex": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 2, "stop_regex": "(unclosed"},
+        "stop_regex",
+    ),
+    "openai_stop_regex_stream": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 2, "stop_regex": "(unclosed", "stream": True},
+        "stop_regex",
+    ),
+    "chat_stop_regex": ("/v1/chat/completions", {**CHAT, "stop_regex": "*"}, "stop_regex"),
+    "rid_list_for_one_prompt": ("/generate", {"input_ids": PROMPT, "sampling_params": SP}, "rid"),
+    "openai_rid_list_for_one_prompt": ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "rid"),
+    "chat_rid_list_for_one_prompt": ("/v1/chat/completions", CHAT, "rid"),
+    "sampling_params_list_shorter_than_the_batch": (
+        "/generate",
+        {"input_ids": [PROMPT, PROMPT], "sampling_params": [SP]},
+        "sampling_params",
+    ),
+    "sampling_params_list_shorter_than_the_batch_with_n": (
+        "/generate",
+        {"input_ids": [PROMPT, PROMPT], "sampling_params": [{**SP, "n": 2, "temperature": 0.5}]},
+        "sampling_params",
+    ),
+    "sampling_params_list_for_one_prompt": (
+        "/generate",
+        {"input_ids": PROMPT, "sampling_params": [SP]},
+        "sampling_params",
+    ),
+    # IndexError in normalize_batch_and_arguments itself (it reads the list's first entry for ``n``)
+    "sampling_params_empty_list": (
+        "/generate",
+        {"input_ids": PROMPT, "sampling_params": []},
+        "sampling_params",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def served_on_e1(engines, snaps):
+    """One managed version READY on E1, reclaimed (counts back to 0) when the module ends."""
+    version = Published(engines[1], snaps["A"])
+    yield version
+    version.finish()
+
+
+def naming_version(path: str, body: dict, name: str) -> dict:
+    """``body`` routed to the managed version ``name`` (``model="base:adapter"`` on OpenAI routes)."""
+    return {**body, "lora_path": name} if path == "/generate" else {**body, "model": f"default:{name}"}
+
+
+@pytest.mark.parametrize("case", sorted(UNTYPED_500S))
+def test_inputs_that_got_an_untyped_500_get_a_typed_400_and_acquire_nothing(engines, served_on_e1, case):
+    path, body, field = UNTYPED_500S[case]
+    engine = engines[1]
+    url, name = engine.url, served_on_e1.name
+    body = naming_version(path, body, name)
+    if field == "rid":
+        body["rid"] = [uuid.uuid4().hex, uuid.uuid4().hex]
+    watch = LogWatch(engine)
+    r = httpx.post(f"{url}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert error_code(r) == "INVALID_REQUEST", r.text
+    assert field in r.json()["error"]["message"], r.text
+    assert in_flight(url, name) == 0, "a refused request holds no LoRA ref"
+    assert "Traceback" not in watch.new_text()
+    assert generate(url, PROMPT, name, max_new_tokens=2).status_code == 200
+    assert in_flight(url, name) == 0
+
+
+@pytest.mark.parametrize("case", ["rid_list_for_one_prompt", "stop_regex_unclosed"])
+def test_a_streamed_generate_gets_its_refusal_as_an_error_event(engines, served_on_e1, case):
+    """/generate with stream=true answers 200 before SGLang runs the request (stock: every refusal
+    of a streamed /generate is an error event). Before, the stream broke off mid-body (the
+    client saw an incomplete chunked read); now it carries the typed refusal, then [DONE]."""
+    engine = engines[1]
+    url, name = engine.url, served_on_e1.name
+    _, body, field = UNTYPED_500S[case]
+    body = {**naming_version("/generate", body, name), "stream": True}
+    if field == "rid":
+        body["rid"] = [uuid.uuid4().hex, uuid.uuid4().hex]
+    watch = LogWatch(engine)
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) == 2, events
+    error = json.loads(events[0])["error"]
+    assert error["code"] == 400 and "INVALID_REQUEST" in error["message"] and field in error["message"], error
+    assert in_flight(url, name) == 0
+    assert "Traceback" not in watch.new_text()
+
+
+def test_a_sampling_params_list_longer_than_the_batch_is_refused(engines, served_on_e1):
+    """Stock serves the first entries and drops the rest without a word: the same rule as SGLang's
+    own per-prompt lists (rid, watermark) and lora_path, one entry per prompt."""
+    url, name = engines[1].url, served_on_e1.name
+    body = {"input_ids": [PROMPT, PROMPT], "sampling_params": [SP, SP, SP], "lora_path": name}
+    r = httpx.post(f"{url}/generate", json=body, timeout=60)
+    assert r.status_code == 400 and error_code(r) == "INVALID_REQUEST", r.text
+    assert "sampling_params has 3 entries for 2 prompts" in r.json()["error"]["message"], r.text
+    assert in_flight(url, name) == 0
+    ok = httpx.post(f"{url}/generate", json={**body, "sampling_params": [SP, SP]}, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()) == 2, ok.text
 
 
 # ------------------------------------------------------------------------------ body limits

@@ -54,6 +54,7 @@ def test_the_live_tokenizer_manager_is_checked_too():
         "TokenizerManager.lora_ref_cache is missing",
         "TokenizerManager.model_config is missing",
         "TokenizerManager.update_lora_adapter_communicator is missing",
+        "TokenizerManager.tokenizer is missing",
     ]
 
 
