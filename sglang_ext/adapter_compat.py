@@ -16,7 +16,10 @@ silence or trips over inside the scheduler's forward step, which kills the engin
 - ``bias``, ``fan_in_fan_out``, ``modules_to_save`` and DoRA are not applied.
 
 So ``begin`` admits only adapters for which SGLang and PEFT provably compute the same function,
-and refuses everything else with INCOMPATIBLE_ADAPTER and the reason, before any data moves. One
+and refuses everything else with INCOMPATIBLE_ADAPTER and the reason, before any data moves. The
+config keys themselves were decided before this check, by the one table of
+``sglang_ext.identity`` (a key that changes the function unless neutral, or that PEFT 0.21.2 does
+not have, is refused when the manifest is validated): only serving fields reach it. One
 difference is bridged instead of refused: rsLoRA (scale ``alpha / sqrt(r)``) is loaded with an
 equivalent ``lora_alpha`` when that reproduces PEFT's scale to the last bit
 (:func:`sglang_load_config`).

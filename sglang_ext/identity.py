@@ -17,10 +17,13 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.wire import NonNegInt, Sha256Hex, WireModel, invalid, mismatch, to_version_error
@@ -54,11 +57,9 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "bool": 1,
 }
 
-# Serving-relevant PEFT LoRA fields, with the default that an absent field stands for. Fields not
-# listed (lora_dropout, task_type, base_model_name_or_path, inference_mode, revision,
-# init_lora_weights, ...) change training or bookkeeping, not the served function, so they are
-# dropped: two exports of the same weights must not differ in identity because of them. The base
-# model is fixed per deployment epoch, so its path is not part of the adapter's identity.
+# Serving-relevant PEFT LoRA fields, with the default that an absent field stands for: kept,
+# normalised, part of the digest (adapter_compat decides which of their values an engine serves).
+# Every other key is classified in the table below: dropped, refused, or refused unless neutral.
 _REQUIRED_FIELDS = ("r", "lora_alpha", "target_modules")
 _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "peft_type": "LORA",
@@ -74,6 +75,142 @@ _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "alpha_pattern": {},
 }
 SERVING_CONFIG_FIELDS: tuple[str, ...] = (*_REQUIRED_FIELDS, *_OPTIONAL_DEFAULTS)
+
+# The one table of every other key an adapter config may carry: each field of PEFT 0.21.2's
+# LoraConfig (peft/tuners/lora/config.py, with the PeftConfig fields of peft/config.py), classified
+# from the PEFT source that reads it. tests/sglang_ext/test_config_keys.py fails when the installed
+# LoraConfig has a field that is not classified here. A key that is in no list (a field of a later
+# PEFT, a typo) is refused: it may change what the adapter computes, and nothing here knows how.
+PEFT_VERSION_CLASSIFIED = "0.21.2"
+
+# Bookkeeping: proven not to change the function PEFT computes in inference from the saved tensors
+# on the unmodified base. Dropped, so two exports of the same weights have one identity.
+BOOKKEEPING_CONFIG_FIELDS: Mapping[str, str] = MappingProxyType(
+    {
+        "task_type": "picks the PeftModel wrapper; the LoRA layers are the same, and a head a task "
+        "adds is put in modules_to_save (PeftModelForSequenceClassification & co.), which is refused",
+        "auto_mapping": "which class loads a custom base model; the base is fixed per deployment epoch",
+        "peft_version": "the PEFT version that wrote the file",
+        "base_model_name_or_path": "where the trainer loaded the base from; the base is fixed per "
+        "deployment epoch",
+        "revision": "the base model's hub revision; the base is fixed per deployment epoch",
+        "inference_mode": "only sets requires_grad of the adapter's parameters",
+        "lora_dropout": "an nn.Dropout before lora_A: the identity in eval mode, it acts only in training",
+        "megatron_core": "the module megatron_config's layers import from; read only when "
+        "megatron_config is set, which is refused",
+        "qalora_group_size": "read only by the QALoRA variant (use_qalora, refused)",
+        "loftq_config": "parameters of init_lora_weights='loftq' (refused); PEFT resets it to {} "
+        "for every other init",
+        "eva_config": "parameters of EVA's data pass, which sets lora_A (saved) and rank_pattern / "
+        "alpha_pattern (served fields) and leaves the base alone (tuners/lora/eva.py)",
+        "corda_config": "parameters of preprocess_corda and init_lora_weights='corda' (refused); read "
+        "by nothing else",
+        "lora_ga_config": "parameters of init_lora_weights='lora_ga' (refused); read by nothing else",
+        "velora_config": "VeLoRA changes only the backward pass: VeloraFunction.forward is "
+        "F.linear(x, lora_A), and in eval the variant calls lora_A(x) (tuners/lora/velora.py); the "
+        "lora_velora_embed buffer PEFT saves beside the factors is refused by the tensor rule",
+        "monteclora_config": "MonteCLoRA perturbs lora_A only while module.training; in eval its "
+        "forward is plain LoRA (MontecloraLinearVariant.forward), like lora_dropout; the sampler "
+        "tensors PEFT saves beside the factors are refused by the tensor rule",
+        "runtime_config": "runtime only (ephemeral_gpu_offload: the device DoRA's init runs on); "
+        "LoraConfig.to_dict never writes it and from_json_file deletes it",
+    }
+)
+
+
+@dataclass(frozen=True)
+class NeutralOnly:
+    """A field PEFT acts on: ``neutral`` are the values with which it does nothing (PEFT's
+    default first; compared as JSON, so 0 is not False), ``effect`` what PEFT computes with any
+    other value that an engine does not."""
+
+    neutral: tuple[Any, ...]
+    effect: str
+
+    def is_neutral(self, value: Any) -> bool:
+        return _json(value) in {_json(n) for n in self.neutral}
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=repr)
+
+
+# Refused unless neutral: with any other value PEFT computes another function than base + the
+# served factors; a neutral value is dropped, so the digests of existing adapters (whose saved
+# configs name every field at PEFT's default) do not change.
+NEUTRAL_ONLY_CONFIG_FIELDS: Mapping[str, NeutralOnly] = MappingProxyType(
+    {
+        "init_lora_weights": NeutralOnly(
+            (True, False, "gaussian", "orthogonal", "eva", "mica"),
+            "pissa, pissa_niter_N, olora, corda, loftq and lora_ga subtract the initial "
+            "scale * B @ A from the base weights or quantise them (LoraLayer.pissa_init & co.): "
+            "the trainer computes W_res + BA, an engine serves W + BA; the neutral inits only "
+            "set lora_A / lora_B",
+        ),
+        "layer_replication": NeutralOnly(
+            (None, []),
+            "PEFT rebuilds the layer stack from ranges of base layers (replicate_layers), each "
+            "copy with its own adapter; an engine applies layers.N to base layer N",
+        ),
+        "lora_bias": NeutralOnly((False,), "adds a trained bias to lora_B; SGLang applies no LoRA bias"),
+        "use_qalora": NeutralOnly(
+            (False,), "pools the input in groups of qalora_group_size before lora_A (QALoRA)"
+        ),
+        "trainable_token_indices": NeutralOnly(
+            (None,), "trains the embedding rows of the listed tokens (TrainableTokensLayer)"
+        ),
+        "target_parameters": NeutralOnly(
+            (None, []), "puts LoRA on nn.Parameters such as fused MoE expert weights (ParamWrapper)"
+        ),
+        "alora_invocation_tokens": NeutralOnly(
+            (None,), "aLoRA: the adapter acts only from its invocation tokens on; SGLang applies it to all"
+        ),
+        "megatron_config": NeutralOnly(
+            (None,), "builds Megatron's tensor-parallel LoRA layers (LoraParallelLinear)"
+        ),
+        "use_bdlora": NeutralOnly((None,), "block-diagonal lora_A or lora_B (BdLoraLinearVariant)"),
+        "arrow_config": NeutralOnly((None,), "routes each token among several adapters (ArrowLinearVariant)"),
+        "kasa_config": NeutralOnly(
+            (None,),
+            "KaSA truncates the base weights' smallest singular components and scales B @ A by a "
+            "learned diagonal (KasaLinearVariant)",
+        ),
+        "ensure_weight_tying": NeutralOnly(
+            (False,), "ties the adapters of tied layers (embedding and lm_head), which SGLang does not adapt"
+        ),
+    }
+)
+
+
+def _incompatible(message: str, **details: Any) -> LoraVersionError:
+    return LoraVersionError(ErrorCode.INCOMPATIBLE_ADAPTER, message, **details)
+
+
+def _check_config_keys(config: Mapping[str, Any]) -> None:
+    """Refuse (INCOMPATIBLE_ADAPTER, naming the key) every key that may change what the adapter
+    computes and is not served exactly: a neutral-only field away from its neutral values, or a
+    key the table does not know."""
+    bad = [k for k in config if not isinstance(k, str)]
+    if bad:
+        raise invalid(f"config keys must be strings, got {bad[:5]!r}")
+    for key in sorted(config):
+        if key in SERVING_CONFIG_FIELDS or key in BOOKKEEPING_CONFIG_FIELDS:
+            continue
+        rule = NEUTRAL_ONLY_CONFIG_FIELDS.get(key)
+        if rule is None:
+            raise _incompatible(
+                f"config key {key!r} is not a field of PEFT {PEFT_VERSION_CLASSIFIED}'s LoraConfig: it "
+                "may change what the adapter computes, so it is refused (sglang_ext/identity.py lists "
+                "every key that is served or ignored)",
+                key=key,
+            )
+        if not rule.is_neutral(config[key]):
+            value = _json(config[key])
+            raise _incompatible(
+                f"config key {key!r} = {value[:200]} is not served: {rule.effect} "
+                f"(served only as {' or '.join(_json(n) for n in rule.neutral)})",
+                key=key,
+            )
 
 
 def _norm_int(field: str, value: Any, *, minimum: int) -> int:
@@ -159,7 +296,9 @@ def normalise_serving_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The canonical serving config of a PEFT LoRA ``adapter_config.json`` dict.
 
     Rules (one place, both sides):
-    - only ``SERVING_CONFIG_FIELDS`` are kept; every other key is dropped;
+    - only ``SERVING_CONFIG_FIELDS`` are kept; ``BOOKKEEPING_CONFIG_FIELDS`` are dropped;
+      ``NEUTRAL_ONLY_CONFIG_FIELDS`` are dropped when neutral and refused otherwise; any other
+      key is refused (INCOMPATIBLE_ADAPTER, naming the key);
     - ``r``, ``lora_alpha`` and ``target_modules`` are required (SGLang reads them directly);
     - an absent optional field equals its PEFT default, and the default is written out, so
       ``{}`` and ``{"use_dora": False}`` normalise identically;
@@ -171,10 +310,12 @@ def normalise_serving_config(config: Mapping[str, Any]) -> dict[str, Any]:
     - ``peft_type`` upper-cased; types are checked strictly (no bool where an int is expected).
 
     The result is itself a valid PEFT dict, so the engine can load with it as ``config_dict``.
-    Raises ``LoraVersionError(INVALID_REQUEST)``. Idempotent.
+    Raises ``LoraVersionError``: INCOMPATIBLE_ADAPTER for a refused key, INVALID_REQUEST for a
+    malformed config. Idempotent.
     """
     if not isinstance(config, Mapping):
         raise invalid(f"config must be a mapping, got {type(config).__name__}")
+    _check_config_keys(config)
     missing = [f for f in _REQUIRED_FIELDS if config.get(f) is None]
     if missing:
         raise invalid(f"config is missing required fields {missing}", missing=missing)
@@ -240,7 +381,9 @@ class Manifest(WireModel):
         try:
             canonical = normalise_serving_config(config)
         except LoraVersionError as exc:
-            raise ValueError(exc.message) from None
+            # Tagged with the refusal's own code: a begin body whose config carries a key the
+            # table refuses is INCOMPATIBLE_ADAPTER at the engine, not a malformed request.
+            raise PydanticCustomError(exc.code.value, exc.message) from None
         # Compare as JSON: in Python 16 == 16.0 and True == 1, but their canonical bytes differ.
         same_keys = set(config) == set(canonical)
         if not same_keys or json.dumps(canonical, sort_keys=True) != json.dumps(

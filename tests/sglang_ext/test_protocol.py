@@ -89,6 +89,10 @@ def test_normalise_keeps_serving_fields_only_and_writes_defaults() -> None:
         {"modules_to_save": None, "rank_pattern": None, "layers_to_transform": []},
         {"peft_type": "lora"},
         {"lora_dropout": 0.0, "inference_mode": True, "revision": "x"},
+        # PEFT's neutral values of the keys refused otherwise (PEFT writes them all)
+        {"init_lora_weights": True, "layer_replication": None, "lora_bias": False, "use_qalora": False},
+        {"init_lora_weights": "gaussian", "target_parameters": [], "trainable_token_indices": None},
+        {"alora_invocation_tokens": None, "megatron_config": None, "ensure_weight_tying": False},
     ],
 )
 def test_equivalent_configs_normalise_identically(variant: dict[str, Any]) -> None:
@@ -135,6 +139,22 @@ def test_normalisation_details() -> None:
 def test_invalid_config_refused(bad: dict[str, Any]) -> None:
     with expect_error(ErrorCode.INVALID_REQUEST):
         p.normalise_serving_config({**BASE_CONFIG, **bad})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"layer_replication": [[0, 2], [1, 3]]},
+        {"init_lora_weights": "pissa"},
+        {"lora_bias": True},
+        {"a_field_of_a_later_peft": False},
+    ],
+)
+def test_a_key_that_changes_the_function_is_refused_not_dropped(bad: dict[str, Any]) -> None:
+    """Issue 24 (2): these were dropped, so the engine served another function than PEFT's."""
+    with expect_error(ErrorCode.INCOMPATIBLE_ADAPTER) as info:
+        p.normalise_serving_config({**BASE_CONFIG, **bad})
+    assert repr(next(iter(bad))) in info.value.message
 
 
 # ------------------------------------------------------------------ manifest and digest
@@ -261,6 +281,12 @@ def test_manifest_validation(manifest: p.Manifest) -> None:
         p.parse_model(p.Manifest, {**data, "config": {**data["config"], "lora_alpha": 8.0}})
     with expect_error(ErrorCode.INVALID_REQUEST):
         p.parse_model(p.Manifest, {**data, "config": {**data["config"], "lora_dropout": 0.1}})
+    # a key refused by the one table keeps its code through pydantic, as the engine parses begin
+    with expect_error(ErrorCode.INCOMPATIBLE_ADAPTER) as info:
+        p.parse_model(p.Manifest, {**data, "config": {**data["config"], "layer_replication": [[0, 1]]}})
+    assert "'layer_replication'" in info.value.message
+    with expect_error(ErrorCode.INVALID_REQUEST):  # its neutral value: dropped, so not canonical
+        p.parse_model(p.Manifest, {**data, "config": {**data["config"], "layer_replication": None}})
     with expect_error(ErrorCode.INVALID_REQUEST):
         p.parse_model(p.Manifest, {**data, "config": {**data["config"], 3: object()}})
     with expect_error(ErrorCode.INVALID_REQUEST):
