@@ -91,11 +91,15 @@ def verify_hooks_applied(targets: tuple[str, ...]) -> None:
 
 def register_all(role: str) -> None:
     if role == "scheduler":
-        # Its target resolves (the main process checked SCHEDULER_PROCESS_TARGETS before spawning
-        # us), and its log line at every unload is asserted on every engine by the online run.
-        from sglang_ext.step_fence import complete_the_step_before_unload
+        # Their targets resolve (the main process checked SCHEDULER_PROCESS_TARGETS before spawning
+        # us); the first checks, before the scheduler reports ready, that the second was applied and
+        # that the live scheduler has what it reads. The fence's log line at every unload is
+        # asserted on every engine by the online run.
+        from sglang_ext.step_fence import complete_the_step_before_unload as fence
+        from sglang_ext.step_fence import refuse_a_scheduler_the_fence_cannot_read as check
 
-        upstream.register_hook(upstream.SCHEDULER_UNLOAD_ADAPTER, complete_the_step_before_unload, "AROUND")
+        upstream.register_hook(upstream.SCHEDULER_INIT, check, "AFTER")
+        upstream.register_hook(upstream.SCHEDULER_UNLOAD_ADAPTER, fence, "AROUND")
         return
     if role != "main":
         return

@@ -18,6 +18,7 @@ delete that override then, and re-read every accessor below against the new sour
 from __future__ import annotations
 
 import importlib
+from array import array
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,10 @@ METRICS_ROUTE = "sglang.srt.entrypoints.http_server.add_prometheus_middleware"
 # Scheduler process. Bound into the request dispatcher in Scheduler.__init__, which runs after
 # load_plugins() (run_scheduler_process), so the patched method is the one dispatched.
 SCHEDULER_UNLOAD_ADAPTER = "sglang.srt.managers.scheduler.Scheduler.unload_lora_adapter"
-SCHEDULER_PROCESS_TARGETS = (SCHEDULER_UNLOAD_ADAPTER,)
+# Its end is where the live scheduler's attributes first exist, before run_scheduler_process
+# reports it ready (see scheduler_problems).
+SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
+SCHEDULER_PROCESS_TARGETS = (SCHEDULER_INIT, SCHEDULER_UNLOAD_ADAPTER)
 
 MAIN_PROCESS_TARGETS = (
     CHECK_SERVER_ARGS,
@@ -94,6 +98,10 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "OpenAIServingBase": ("sglang.srt.entrypoints.openai.serving_base", "OpenAIServingBase"),
     "ConcurrentCounter": ("sglang.srt.utils.common", "ConcurrentCounter"),
     "LoRAUpdateOutput": ("sglang.srt.managers.io_struct", "LoRAUpdateOutput"),
+    # the scheduler's launched steps, as the step fence reads them (see launched_steps)
+    "ScheduleBatch": ("sglang.srt.managers.schedule_batch", "ScheduleBatch"),
+    "Req": ("sglang.srt.managers.schedule_batch", "Req"),
+    "GenerationBatchResult": ("sglang.srt.managers.utils", "GenerationBatchResult"),
     # the observability settings http_server reads to mount /metrics (--enable-metrics)
     "get_observability": ("sglang.srt.runtime_context", "get_observability"),
     # what mount_metrics_route mirrors (http_server imports it from here)
@@ -190,7 +198,41 @@ def surface_problems() -> list[str]:
         problems += [f"ReqState.{f} is missing" for f in REQ_STATE_FIELDS if f not in fields]
     except (ImportError, AttributeError):
         pass
+    return problems + step_reader_problems()
+
+
+def step_reader_problems() -> list[str]:
+    """What the step fence reads that exists before a scheduler does: the step classes' fields,
+    a fresh Req's ``lora_id``, the unload request's ``lora_id``."""
+    problems: list[str] = []
+    for owner, field in STEP_FIELDS:
+        try:
+            if field not in getattr(symbol(owner), "__dataclass_fields__", {}):
+                problems.append(f"{SYMBOLS[owner][1]}.{field} is missing")
+        except (ImportError, AttributeError):
+            pass  # already reported above
+    try:
+        req_cls, params_cls = symbol("Req"), symbol("SamplingParams")
+        unload_cls = symbol("UnloadLoRAAdapterReqInput")
+    except (ImportError, AttributeError):
+        return problems  # already reported above
+    try:
+        req = req_cls("lora-versions-check", "", array("q"), params_cls(), lora_id="L")
+        problems += [f"Req().{a} is missing" for a in REQ_ATTRIBUTES if not hasattr(req, a)]
+    except Exception as exc:  # a constructor that changed shape is a problem too
+        problems.append(f"Req() cannot be built: {exc!r}")
+    try:
+        if not hasattr(unload_cls(lora_name="lora-versions-check", lora_id="L"), "lora_id"):
+            problems.append("UnloadLoRAAdapterReqInput().lora_id is missing")
+    except Exception as exc:
+        problems.append(f"UnloadLoRAAdapterReqInput(lora_id=) cannot be built: {exc!r}")
     return problems
+
+
+def scheduler_problems(scheduler: Any) -> list[str]:
+    """The instance attributes of the live Scheduler the step fence reads (set in its __init__, so
+    checked at its end, in the scheduler process, before the scheduler reports ready)."""
+    return [f"Scheduler.{a} is missing" for a in SCHEDULER_ATTRIBUTES if not hasattr(scheduler, a)]
 
 
 def tokenizer_manager_problems(tm: Any) -> list[str]:
@@ -236,10 +278,35 @@ def new_pinned_ref(lora_name: str) -> Any:
     return symbol("LoRARef")(lora_name=lora_name, lora_path="__tensor__", pinned=True)
 
 
-# The scheduler's launched steps (sglang.srt.managers.scheduler.Scheduler, 0.5.23): ``enable_overlap``;
-# ``result_queue``, a deque of (ScheduleBatch, GenerationBatchResult) launched and not processed
-# yet (overlap only); ``last_batch``; ``ScheduleBatch.reqs``; ``Req.lora_id``;
-# ``GenerationBatchResult.copy_done``, a device event recorded after the step's forward.
+# The scheduler's launched steps (sglang.srt.managers.scheduler.Scheduler, 0.5.23), read by the
+# step fence. Every attribute is read as it is, never defaulted: a missing one (a rename in a pin
+# bump) would otherwise read as "no launched step" and let an unload free a slot a step still
+# reads. All of them exist in every mode of 0.5.23: ``enable_overlap`` is set in __init__,
+# ``last_batch`` and ``result_queue`` in init_running_status (the queue, a deque of
+# (ScheduleBatch, GenerationBatchResult) launched and not processed yet, is filled only by the
+# overlap loops; event_loop_normal leaves it empty). ``ScheduleBatch.reqs`` and
+# ``GenerationBatchResult.copy_done`` (a device event recorded after the step's forward, None
+# when none was recorded) are dataclass fields; ``Req.lora_id`` (None for a base-model row) is set
+# in Req.__init__.
+SCHEDULER_ATTRIBUTES = ("enable_overlap", "last_batch", "result_queue")
+STEP_FIELDS: tuple[tuple[str, str], ...] = (("ScheduleBatch", "reqs"), ("GenerationBatchResult", "copy_done"))
+REQ_ATTRIBUTES = ("lora_id",)
+
+
+class SchedulerUnreadable(Exception):
+    """The live scheduler, a step it launched, or the unload request lacks an attribute the step
+    fence reads: the fence refuses the unload rather than guess."""
+
+    def __init__(self, attribute: str) -> None:
+        super().__init__(f"{attribute} is missing")
+        self.attribute = attribute
+
+
+def _read(obj: Any, owner: str, attribute: str) -> Any:
+    try:
+        return getattr(obj, attribute)
+    except AttributeError:
+        raise SchedulerUnreadable(f"{owner}.{attribute}") from None
 
 
 @dataclass(frozen=True)
@@ -253,20 +320,36 @@ class LaunchedStep:
 
 
 def _lora_ids(batch: Any) -> frozenset[str]:
-    return frozenset(r.lora_id for r in getattr(batch, "reqs", None) or () if getattr(r, "lora_id", None))
+    """The adapters a batch's rows read (a base-model row has lora_id None)."""
+    ids = (_read(req, "Req", "lora_id") for req in _read(batch, "ScheduleBatch", "reqs"))
+    return frozenset(i for i in ids if i is not None)
+
+
+def overlap_scheduler_on(scheduler: Any) -> bool:
+    return bool(_read(scheduler, "Scheduler", "enable_overlap"))
 
 
 def launched_steps(scheduler: Any) -> list[LaunchedStep]:
-    """What the scheduler launched and has not finished processing. Without the overlap
-    scheduler that is at most ``last_batch``, processed before the next request is ingested."""
-    out: list[LaunchedStep] = []
-    queue = list(getattr(scheduler, "result_queue", None) or ())
-    if scheduler.enable_overlap:
-        out += [LaunchedStep(_lora_ids(batch), getattr(result, "copy_done", None)) for batch, result in queue]
-    last = scheduler.last_batch
-    if last is not None and (not scheduler.enable_overlap or not queue):
+    """What the scheduler launched and has not finished processing: every queued step, with its
+    result's device event, whatever the mode (only the overlap loops queue any); and
+    ``last_batch``, as processed, except under the overlap scheduler while steps are queued (it is
+    then the newest of them, not processed yet). Without the overlap scheduler that is at most
+    ``last_batch``, processed before the next request is ingested. Raises
+    :class:`SchedulerUnreadable` naming what is missing."""
+    queue = list(_read(scheduler, "Scheduler", "result_queue"))
+    out = [
+        LaunchedStep(_lora_ids(batch), _read(result, "GenerationBatchResult", "copy_done"))
+        for batch, result in queue
+    ]
+    last = _read(scheduler, "Scheduler", "last_batch")
+    if last is not None and (not overlap_scheduler_on(scheduler) or not queue):
         out.append(LaunchedStep(_lora_ids(last), True))
     return out
+
+
+def unload_lora_id(recv_req: Any) -> str | None:
+    """The engine-local id an unload names (UnloadLoRAAdapterReqInput.lora_id)."""
+    return _read(recv_req, "UnloadLoRAAdapterReqInput", "lora_id")
 
 
 def unload_refused(message: str) -> Any:

@@ -57,9 +57,13 @@ def refuse_to_start(message: str) -> NoReturn:
     """Stop the engine at start with a clear message and a non-zero exit code.
 
     Called only before SGLang has spawned any child process (plugin load, argument checks), so
-    there is nothing to clean up. ``os._exit`` rather than ``SystemExit``: SGLang's plugin loader
-    would log and swallow an ordinary exception, and a SystemExit was seen to linger for minutes
-    in interpreter shutdown (atexit work of modules imported by then) before the process ended.
+    there is nothing to clean up, or in the scheduler process before it reports ready (the step
+    fence's start check): SGLang's main process then sees the scheduler die during initialization
+    (it reports this exit code) and ends the engine itself.
+
+    ``os._exit`` rather than ``SystemExit``: SGLang's plugin loader would log and swallow an
+    ordinary exception, and a SystemExit was seen to linger for minutes in interpreter shutdown
+    (atexit work of modules imported by then) before the process ended.
     """
     log_line(f"REFUSED TO START: {message}")
     sys.stderr.flush()

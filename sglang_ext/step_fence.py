@@ -11,6 +11,12 @@ unloads; a launched step whose completion is unknown refuses the unload (typed b
 retried later): nothing is freed on a guess. Without the overlap scheduler (every CPU engine)
 the last batch is processed before the unload is ingested, and the fence passes at once.
 
+The fence fails closed: every scheduler attribute it reads is named in ``lora_registry_patch``
+and read as it is. The class-level ones are checked at plugin load in the main process
+(``surface_problems``), the live scheduler's at the end of ``Scheduler.__init__``
+(:func:`refuse_a_scheduler_the_fence_cannot_read`): a missing one refuses to start, never reads
+as "nothing launched".
+
 The plugin still refuses the overlap scheduler outside the GPU proof test
 (``setup_checks.OVERLAP_PROOF_ENV``); this hook is what that test proves.
 """
@@ -40,11 +46,16 @@ def complete_the_step_before_unload(
 ) -> Any:
     """AROUND Scheduler.unload_lora_adapter (0.5.23; the scheduler thread, between steps): wait
     for the launched steps that read ``recv_req.lora_id`` to complete, then unload; refuse
-    (changing nothing) when a step's completion cannot be known. One log line per unload."""
+    (changing nothing) when a step's completion cannot be known, or when what the fence reads is
+    missing (never read as "no launched step"). One log line per unload."""
     from sglang_ext.plugin import log_line
 
-    lora_id = getattr(recv_req, "lora_id", None)
-    steps = upstream.launched_steps(self)
+    try:
+        lora_id = upstream.unload_lora_id(recv_req)
+        steps = upstream.launched_steps(self)
+        overlap = upstream.overlap_scheduler_on(self)
+    except upstream.SchedulerUnreadable as exc:
+        return refuse_unreadable(exc, recv_req)
     waited = 0
     if lora_id is not None and not step_fence_passed(lora_id, fence_view(steps)):
         for step in steps:
@@ -53,7 +64,7 @@ def complete_the_step_before_unload(
                 waited += 1
     passed = lora_id is None or step_fence_passed(lora_id, fence_view(steps))
     log_line(
-        f"{LOG_MARKER} lora_id={lora_id} overlap={bool(self.enable_overlap)} launched={len(steps)} "
+        f"{LOG_MARKER} lora_id={lora_id} overlap={overlap} launched={len(steps)} "
         f"on_adapter={sum(1 for s in steps if lora_id in s.lora_ids)} waited={waited} fence_passed={passed}"
     )
     if not passed:
@@ -61,3 +72,33 @@ def complete_the_step_before_unload(
             f"step fence: a launched step on adapter {lora_id} has no known completion; nothing unloaded"
         )
     return original(self, recv_req, *args, **kwargs)
+
+
+def refuse_unreadable(exc: upstream.SchedulerUnreadable, recv_req: Any) -> Any:
+    """After the start check (refuse_a_scheduler_the_fence_cannot_read) this is a step object or
+    request that changed shape at run time: refused like an unknown completion."""
+    from sglang_ext.plugin import log_line
+
+    shown_id = getattr(recv_req, "lora_id", "?")  # for the log line only (already refused)
+    log_line(f"{LOG_MARKER} lora_id={shown_id} unreadable={exc.attribute} fence_passed=False")
+    return upstream.unload_refused(f"step fence: {exc}, the launched steps cannot be read; nothing unloaded")
+
+
+def scheduler_start_problems(scheduler: Any) -> list[str]:
+    """Why the fence could not run on this scheduler: its hooks not in place (HookRegistry logs and
+    skips a target it cannot patch), or a live attribute it reads missing."""
+    unapplied = upstream.unapplied_hooks(upstream.SCHEDULER_PROCESS_TARGETS)
+    return [f"hook not applied to {t}" for t in unapplied] + upstream.scheduler_problems(scheduler)
+
+
+def refuse_a_scheduler_the_fence_cannot_read(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER Scheduler.__init__ (the scheduler process; run_scheduler_process reports the scheduler
+    ready only after it returns): the attributes the fence reads on the live scheduler exist only
+    from here on, so here is the first place to check them. A problem refuses to start: this
+    process exits with the plugin's code and the engine never becomes healthy."""
+    from sglang_ext.plugin import refuse_to_start
+
+    problems = scheduler_start_problems(self)
+    if problems:
+        refuse_to_start(f"the installed SGLang's scheduler lacks what the step fence reads: {problems}")
+    return None

@@ -76,3 +76,66 @@ def test_importing_the_module_imports_no_sglang():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_the_live_scheduler_is_checked_before_it_serves():
+    """Scheduler instance attributes exist only on the live scheduler (set in __init__): each one
+    the step fence reads is named when missing, none defaulted."""
+    renamed = SimpleNamespace(enable_overlap=False, last_batch=None)
+    assert upstream.scheduler_problems(renamed) == ["Scheduler.result_queue is missing"]
+    assert upstream.scheduler_problems(SimpleNamespace()) == [
+        f"Scheduler.{a} is missing" for a in upstream.SCHEDULER_ATTRIBUTES
+    ]
+
+
+def test_the_scheduler_init_is_a_scheduler_process_target():
+    assert upstream.SCHEDULER_INIT in upstream.SCHEDULER_PROCESS_TARGETS
+
+
+def test_a_missing_step_field_is_named(monkeypatch):
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    monkeypatch.delitem(ScheduleBatch.__dataclass_fields__, "reqs")
+    monkeypatch.delitem(GenerationBatchResult.__dataclass_fields__, "copy_done")
+    assert upstream.surface_problems() == [
+        "ScheduleBatch.reqs is missing",
+        "GenerationBatchResult.copy_done is missing",
+    ]
+
+
+def test_a_request_without_lora_id_is_named(monkeypatch):
+    from sglang.srt.managers.schedule_batch import Req
+
+    real_init = Req.__init__
+
+    def init_without_lora_id(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        del self.lora_id
+
+    monkeypatch.setattr(Req, "__init__", init_without_lora_id)
+    assert upstream.surface_problems() == ["Req().lora_id is missing"]
+
+
+def test_the_reader_reads_real_step_objects():
+    """launched_steps on the 0.5.23 step classes themselves (only the scheduler is a stand-in here;
+    tests/sglang_ext/test_step_fence_engines.py reads a live one)."""
+    from array import array
+    from collections import deque
+
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    def req(rid: str, lora_id: str | None):
+        return Req(rid, "", array("q"), SamplingParams(), lora_id=lora_id)
+
+    queued = ScheduleBatch(reqs=[req("r1", "L1"), req("r2", None)])
+    last = ScheduleBatch(reqs=[req("r3", "L2")])
+    sched = SimpleNamespace(
+        enable_overlap=True, last_batch=last, result_queue=deque([(queued, GenerationBatchResult())])
+    )
+    steps = upstream.launched_steps(sched)
+    assert [(s.lora_ids, s.completion) for s in steps] == [(frozenset({"L1"}), None)]
+    sched.enable_overlap, sched.result_queue = False, deque()
+    assert [(s.lora_ids, s.completion) for s in upstream.launched_steps(sched)] == [(frozenset({"L2"}), True)]

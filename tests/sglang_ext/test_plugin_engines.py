@@ -16,6 +16,9 @@ from sglang_ext.plugin import REFUSED_EXIT_CODE
 
 pytestmark = pytest.mark.engine
 
+WRAPPERS = Path(__file__).parents[1] / "engine_wrappers"
+sys.path.insert(0, str(WRAPPERS))
+
 PROMPTS = [[302, 356, 417, 494, 439], [60, 61, 62, 63, 64, 65, 66, 67]]
 MAX_NEW = 12
 
@@ -230,3 +233,31 @@ def test_refused_setup_exits_nonzero_with_clear_message(refused_starts, case):
     log = spec.log_path.read_text()
     assert "[lora-versions] REFUSED TO START" in log
     assert REFUSED[case][1] in log
+
+
+def test_a_scheduler_lacking_what_the_step_fence_reads_refuses_to_start(fixtures, run_dir):
+    """Issue 24: Scheduler.result_queue taken away inside the real scheduler process (what a
+    rename in a pin bump looks like). The scheduler serves without it when the overlap scheduler
+    is off, and a fence that read it as an empty queue would pass every unload: the plugin must
+    refuse instead, in the scheduler before it reports ready, so the engine never becomes healthy."""
+    from scheduler_without_result_queue import REMOVED
+
+    spec = EngineSpec(
+        name="refused-scheduler-attribute",
+        model_path=fixtures.model_dir,
+        log_path=run_dir / "refused-scheduler-attribute.log",
+        startup_timeout_s=300,
+        command_prefix=[sys.executable, str(WRAPPERS / "sglang_without_scheduler_attribute.py")],
+    )
+    try:
+        engine = start_engine(spec)
+    except EngineStartError:
+        pass
+    else:
+        engine.stop()
+        raise AssertionError("the engine started and served with Scheduler.result_queue missing")
+    log = spec.log_path.read_text()
+    refused = [ln for ln in log.splitlines() if "[lora-versions] REFUSED TO START" in ln]
+    assert len(refused) == 1 and f"Scheduler.{REMOVED} is missing" in refused[0], refused
+    # SGLang's own report of the scheduler process's end: the plugin's exit code, not a crash.
+    assert f"scheduler died during initialization (exit code: {REFUSED_EXIT_CODE})" in log
