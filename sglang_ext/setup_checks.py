@@ -65,6 +65,27 @@ def setup_problems(cfg: Any, env: Mapping[str, str] | None = None) -> list[str]:
             f"tp_size={cfg.tp_size} > 1: tensor parallelism is not proven with managed versions "
             "(run tp 1 engines, one cohort member each)"
         )
+    if (getattr(cfg, "pp_size", 1) or 1) > 1:
+        # The step fence reads the one-batch loops' last_batch and result_queue; the pipeline loop
+        # (event_loop_pp) keeps a micro-batch in flight per stage, which the fence cannot see.
+        problems.append(
+            f"pp_size={cfg.pp_size} > 1: pipeline parallelism keeps several launched micro-batches the "
+            "step fence cannot see (run pp 1 engines)"
+        )
+    if getattr(cfg, "enable_pdmux", False):
+        problems.append(
+            "--enable-pdmux is on: PD multiplexing runs prefill and decode batches on two streams at once, "
+            "outside the one-batch loops the step fence reads"
+        )
+    if getattr(cfg, "enable_lora_overlap_loading", False):
+        # LoRAOverlapLoader (sglang/srt/lora/lora_overlap_loader.py) starts a slot's fill on a side
+        # stream at admission and evicts a non-pinned adapter for it there, while launched steps run:
+        # a slot change neither the native count nor the step fence at unload orders.
+        problems.append(
+            "--enable-lora-overlap-loading is on: it fills (and evicts) LoRA slots on a side stream while "
+            "launched steps run, outside the step fence; managed versions are proven only with slots "
+            "changed between steps"
+        )
     spec = getattr(cfg, "speculative_algorithm", None)
     if spec not in (None, "", "NONE", "none"):
         problems.append(f"speculative decoding ({spec}) is enabled: not supported with managed versions")

@@ -197,6 +197,12 @@ REFUSED = {
         "PD disaggregation (disaggregation_mode=prefill)",
     ),
     "overlap-schedule": ({"overlap_schedule": True}, "the overlap scheduler is enabled"),
+    "lora-overlap-loading": (
+        {"extra_args": ["--enable-lora-overlap-loading"]},
+        "--enable-lora-overlap-loading is on",
+    ),
+    "pp-size": ({"extra_args": ["--pp-size", "2"]}, "pp_size=2 > 1"),
+    "pdmux": ({"extra_args": ["--enable-pdmux"]}, "--enable-pdmux is on"),
     "lora-disabled": ({"lora_flags": []}, "--enable-lora is off"),
 }
 

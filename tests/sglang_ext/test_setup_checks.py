@@ -33,6 +33,9 @@ def test_supported_setup_has_no_problem():
         ("speculative_algorithm", "EAGLE", "speculative decoding (EAGLE)"),
         ("disaggregation_mode", "decode", "disaggregation_mode=decode"),
         ("disable_overlap_schedule", False, "overlap scheduler is enabled"),
+        ("enable_lora_overlap_loading", True, "--enable-lora-overlap-loading is on"),
+        ("pp_size", 2, "pp_size=2 > 1"),
+        ("enable_pdmux", True, "--enable-pdmux is on"),
     ],
 )
 def test_each_unsupported_setting_is_named(field, value, needle):
