@@ -19,7 +19,10 @@ Per repetition and per engine (the paths interleaved, so load drift hits all of 
   clock as the stock path's adapter file was (``client_write_ms``).
 * ``collective``: the same contract with the tensor bytes broadcast over the engine's gloo group
   (the bench process is the trainer, through ``relax_glue.collective_sender``; the group is
-  connected once per engine, before the clock), each bucket acknowledged over HTTP.
+  connected once per engine, before the clock), each bucket acknowledged over HTTP. ``begin``
+  and the buckets go through ``EngineClient`` as the publisher's do, so a group the engine
+  broke (its ``begin`` answers TRANSPORT_UNAVAILABLE) is reconnected inside that repetition's
+  ``begin`` (counted: ``collective_reconnects``), not a failure of every later repetition.
 * ``stock``: ``/load_lora_adapter`` of the same adapter directory from disk, then (apart) a 1-token
   generation with it, which is what the staged ``end`` includes as its probe, then
   ``/unload_lora_adapter``.
@@ -66,10 +69,11 @@ import httpx  # noqa: E402
 from _bench_fixtures import LARGE_CONFIG, ensure_bench_fixtures, ensure_sized_adapters, rank_for_mib  # noqa: E402
 
 from relax_glue.collective_sender import CollectiveSender  # noqa: E402
+from relax_glue.engine_client import ClientTimeouts, EngineClient  # noqa: E402
 from relax_glue.snapshot import EncodedBucket, Snapshot  # noqa: E402
 from sglang_ext.devtools.fixtures import ensure_fixtures  # noqa: E402
 from sglang_ext.devtools.launcher import EngineSpec, running_engines  # noqa: E402
-from sglang_ext.protocol import ReceiveBucketMeta, Routes  # noqa: E402
+from sglang_ext.protocol import BeginRequest, PreparedReceipt, ReceiveBucketMeta, Routes  # noqa: E402
 from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV, default_staging_base  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "publish_engine.json"
@@ -78,6 +82,9 @@ EPOCH = "b1"
 MiB = 1024 * 1024
 PROMPT = [302, 356, 417, 494, 439]
 HTTP_TIMEOUT = 300.0
+CLIENT_TIMEOUTS = ClientTimeouts(
+    begin=HTTP_TIMEOUT, bucket=HTTP_TIMEOUT, end=HTTP_TIMEOUT, cleanup=HTTP_TIMEOUT
+)
 
 
 # ------------------------------------------------------------------------------------------- cases
@@ -188,12 +195,13 @@ class Driver:
         write_ms = (time.perf_counter() - tw) * 1e3
         t0 = time.perf_counter()
         try:
-            r = _check(self.http.post(Routes.BEGIN, json=body), "begin")
-            if r.json().get("state") != "PREPARED":
-                raise BenchError(f"begin: expected PREPARED, got {r.text[:500]}")
-            t1 = time.perf_counter()
-            if sender is not None:  # the whole bucket phase in one event loop, as the publisher
-                asyncio.run(self._collective_buckets(sender, name, attempt, payloads))
+            if sender is not None:  # begin and the bucket phase in one event loop, as the publisher
+                t0, t1 = asyncio.run(self._collective_begin_and_buckets(sender, begin, payloads))
+            else:
+                r = _check(self.http.post(Routes.BEGIN, json=body), "begin")
+                if r.json().get("state") != "PREPARED":
+                    raise BenchError(f"begin: expected PREPARED, got {r.text[:500]}")
+                t1 = time.perf_counter()
             for b, source in zip(payloads, sources, strict=True) if sender is None else ():
                 meta = ReceiveBucketMeta(
                     lora_name=name, attempt_token=attempt, index=b.spec.index, sha256=b.sha256, source=source
@@ -228,22 +236,39 @@ class Driver:
         }
         return times, name, attempt
 
-    async def _collective_buckets(
-        self, sender: CollectiveSender, name: str, attempt: str, payloads: list[EncodedBucket]
-    ) -> None:
-        """As the publisher does it: every bucket broadcast at once (the engine is PREPARED), then
-        the acknowledgements in order, each taking its broadcast as it is."""
-        for b in payloads:
-            sender.send_soon(attempt, b.spec.index, b.payload)
-        for b in payloads:
-            await sender.send(attempt, b.spec.index, b.payload)
-            meta = ReceiveBucketMeta(
-                lora_name=name, attempt_token=attempt, index=b.spec.index, sha256=b.sha256, collective=True
-            )
-            r = await asyncio.to_thread(
-                self.http.post, Routes.RECEIVE_BUCKET, content=b"", headers=meta.to_headers()
-            )
-            _check(r, f"receive_bucket {b.spec.index}/{len(payloads)} (collective acknowledgement)")
+    async def _collective_begin_and_buckets(
+        self, sender: CollectiveSender, begin: BeginRequest, payloads: list[EncodedBucket]
+    ) -> tuple[float, float]:
+        """As the publisher does it, through ``EngineClient``: ``begin`` (which connects a new
+        group when the engine's is unusable, e.g. broken by an earlier cleanup), then every
+        bucket broadcast at once (the engine is PREPARED), then the acknowledgements in order,
+        each asked while its broadcast is on the wire. Returns the clock when ``begin`` started
+        and when it ended."""
+        # The client's pools belong to this event loop (the sender and its group outlive it).
+        # Built before the clock: a client's two pools cost ~50 ms (SSL contexts) that a
+        # publisher pays once, not per publication.
+        async with EngineClient("bench", self.url, timeouts=CLIENT_TIMEOUTS, collective=sender) as client:
+            t0 = time.perf_counter()
+            receipt = await client.begin(begin)
+            if not isinstance(receipt, PreparedReceipt):
+                raise BenchError(f"begin: expected PREPARED, got {receipt!r:.500}")
+            t1 = time.perf_counter()
+            for b in payloads:
+                sender.send_soon(begin.attempt_token, b.spec.index, b.payload)
+            for b in payloads:
+                meta = ReceiveBucketMeta(
+                    lora_name=begin.lora_name,
+                    attempt_token=begin.attempt_token,
+                    index=b.spec.index,
+                    sha256=b.sha256,
+                )
+                await client.receive_bucket(meta, b.payload)
+        return t0, t1
+
+    @property
+    def reconnects(self) -> int:
+        """Groups connected after the first one (each inside a repetition's ``begin``)."""
+        return 0 if self.sender is None else self.sender.connects - 1
 
     def cleanup(self, name: str, attempt: str) -> float:
         t0 = time.perf_counter()
@@ -460,6 +485,7 @@ class Runner:
             ),
             "errors": self.errors,
             "collective_connect_ms": None if self.d.connect_ms is None else round(self.d.connect_ms, 1),
+            "collective_reconnects": self.d.reconnects,
         }
 
 
@@ -559,6 +585,12 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"  collective {s['collective_ms']:8.1f}  speedup {s['speedup']:5.2f}x"
                 f"  peak {s['peak_main_mib_above_idle']}  (connect {s['collective_connect_ms']} ms, once)"
             )
+        for res in results:
+            if res.get("collective_reconnects"):
+                print(
+                    f"  {res['engine']} {res['adapter']}: {res['collective_reconnects']} group(s) reconnected"
+                    " inside a begin (its time counts in that repetition)"
+                )
     print("\nengine side (medians, ms; memory of the engine's main process, MiB above idle)")
     head = (
         f"{'engine':6} {'adapter':14} {'cap':>9} {'read':>7} {'verify':>7} {'load':>7} {'probe':>7}"
