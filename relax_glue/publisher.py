@@ -60,6 +60,7 @@ from relax_glue.registry_types import (
 from relax_glue.snapshot import EncodedBucket, Snapshot
 from relax_glue.snapshot_store import SnapshotStore, live_digests
 from sglang_ext import protocol as wire
+from sglang_ext.base_identity import base_differences
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
 __all__ = [
@@ -123,14 +124,22 @@ class CommitEvidence(StrEnum):
 
 
 def commit_evidence(
-    status: wire.EngineStatus | None, lora_name: str, attempt_token: str, digest: str
+    status: wire.EngineStatus | None,
+    lora_name: str,
+    attempt_token: str,
+    digest: str,
+    base_fingerprint: str | None = None,
 ) -> CommitEvidence:
     """The one rule for "does this engine allow the commit now?" (RFC 3.3), for every path that
     commits (publish, resolve, a fresh publisher). Only fresh, positive evidence counts:
     ``status`` is the engine's answer read after its READY (None: it did not answer). A READY
-    remembered from before, or an engine that cannot be asked, never does."""
+    remembered from before, or an engine that cannot be asked, never does; nor does an engine
+    that runs another base model than the epoch's (``base_fingerprint``, when the registry has
+    recorded it)."""
     if status is None:
         return CommitEvidence.UNREACHABLE
+    if base_fingerprint is not None and (status.base is None or status.base.fingerprint != base_fingerprint):
+        return CommitEvidence.NOT_READY
     v = next((v for v in status.versions if v.lora_name == lora_name), None)
     ready = (
         v is not None
@@ -140,6 +149,25 @@ def commit_evidence(
         and v.incarnation == status.incarnation
     )
     return CommitEvidence.READY if ready else CommitEvidence.NOT_READY
+
+
+def base_mismatch(statuses: Mapping[str, wire.EngineStatus]) -> LoraVersionError:
+    """The refusal for a cohort whose engines do not run one base model: each engine's
+    fingerprint, and which parts differ from the first fingerprinted engine's."""
+    first = next((s.base for s in statuses.values() if s.base is not None), None)
+    differ: dict[str, list[str]] = {}
+    for engine, s in statuses.items():
+        if s.base is None:
+            differ[engine] = ["no fingerprint"]
+        elif first is not None and s.base.fingerprint != first.fingerprint:
+            differ[engine] = base_differences(first, s.base)
+    return LoraVersionError(
+        ErrorCode.BASE_MISMATCH,
+        f"the cohort's engines do not run one base model ({differ}): every version of an epoch is "
+        "a delta on one base; start every engine with the same model, tokenizer and dtype",
+        fingerprints={e: s.base.fingerprint if s.base is not None else None for e, s in statuses.items()},
+        differ=differ,
+    )
 
 
 class PublishOutcome(StrEnum):
@@ -188,6 +216,7 @@ class _Attempt:
     token: str
     snapshot: Snapshot | None
     expected_revision: int
+    base: str | None = None  # the epoch's base fingerprint (None: not known yet)
     t0: float = dataclasses.field(default_factory=time.monotonic)
     steps: list[EngineStep] = dataclasses.field(default_factory=list)
     phase_s: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -308,6 +337,9 @@ class Publisher(CohortDriver):
         # default can only move by a commit, and only the pending attempt can commit.
         status = await self.registry.status()
         att.expected_revision = status.default_revision
+        refused = await self._epoch_base(att, status.base_fingerprint)
+        if refused is not None:
+            return await self._result(att, PublishOutcome.REFUSED, error=refused, query=False)
         if self.store is not None:
             # On disk before reserve: once the version can be committed, a restarted engine
             # (or a restarted trainer) must be able to get exactly these bytes back.
@@ -328,6 +360,27 @@ class Publisher(CohortDriver):
             return await self._replay(att)
         self._snapshots[att.token] = snapshot
         return await self._run(att, list(self._cohort))
+
+    async def _epoch_base(self, att: _Attempt, recorded: str | None) -> LoraVersionError | None:
+        """Set ``att.base`` to the epoch's base model: the registry's record, or, before the
+        epoch's first publication, the fingerprint every answering engine reports, recorded
+        now. A cohort whose engines disagree (or one that reports none) is refused here, before
+        anything is reserved or sent. No engine answering leaves it unknown: their begins will
+        say, and the commit needs every engine's fresh status anyway."""
+        if recorded is not None:
+            att.base = recorded
+            return None
+        statuses = {e: s for e, s in (await self._read_statuses(att)).items() if s is not None}
+        if not statuses:
+            return None
+        bases = {e: (s.base.fingerprint if s.base is not None else None) for e, s in statuses.items()}
+        if None in bases.values() or len(set(bases.values())) > 1:
+            return base_mismatch(statuses)
+        try:
+            att.base = await self.registry.record_base(fingerprint=next(iter(bases.values())))
+        except LoraVersionError as err:  # another publisher recorded another base meanwhile
+            return err
+        return None
 
     async def _replay(self, att: _Attempt) -> PublishResult:
         """``reserve`` found this exact version already (same key, same digest)."""
@@ -391,7 +444,9 @@ class Publisher(CohortDriver):
 
     async def _begin_phase(self, att: _Attempt, engines: Sequence[str]) -> list[str] | PublishResult:
         assert att.snapshot is not None, "driving an engine from begin needs the snapshot"
-        req = att.snapshot.begin_request(self.prefix, att.key.epoch, att.key.version_id, att.token)
+        req = att.snapshot.begin_request(
+            self.prefix, att.key.epoch, att.key.version_id, att.token, base_fingerprint=att.base
+        )
 
         async def one(engine: str) -> wire.EngineVersionState:
             reply = await self.engines[engine].begin(req)
@@ -496,7 +551,13 @@ class Publisher(CohortDriver):
     async def _commit_evidence(self, att: _Attempt) -> dict[str, CommitEvidence]:
         """Every cohort engine's status read now, judged with :func:`commit_evidence`."""
         statuses = await self._read_statuses(att)
-        return {e: commit_evidence(s, att.lora_name, att.token, att.digest) for e, s in statuses.items()}
+        if att.base is None:
+            # No engine answered before the reserve: the epoch's base is fixed now, from the
+            # statuses every engine must give for the commit (a disagreement is never READY).
+            await self._epoch_base(att, None)
+        return {
+            e: commit_evidence(s, att.lora_name, att.token, att.digest, att.base) for e, s in statuses.items()
+        }
 
     async def _commit(self, att: _Attempt) -> PublishResult:
         t = time.monotonic()
@@ -624,6 +685,7 @@ class Publisher(CohortDriver):
                 view.attempt_token,
                 snap,
                 expected_revision=status.default_revision,
+                base=status.base_fingerprint,
             )
             try:
                 return await self._resolve_attempt(att, view)

@@ -145,7 +145,10 @@ class Reconciler(CohortDriver):
         todo = [e for e in self._cohort if engines is None or e in engines]
         snapshots: dict[str, Snapshot | LoraVersionError] = {}
         ok, refused, unknown = await self._fanout(
-            self.steps, "reconcile", todo, lambda e: self._reconcile_engine(e, wanted, snapshots)
+            self.steps,
+            "reconcile",
+            todo,
+            lambda e: self._reconcile_engine(e, wanted, snapshots, status.base_fingerprint),
         )
         results: list[RestoreResult] = []
         for engine in todo:
@@ -171,9 +174,19 @@ class Reconciler(CohortDriver):
         engine: str,
         wanted: Sequence[VersionView],
         snapshots: dict[str, Snapshot | LoraVersionError],
+        base: str | None,
     ) -> list[RestoreResult]:
         status = await self.engines[engine].status()  # refused / unknown: the whole engine is UNREACHABLE
         await self._note_incarnation(engine, status.incarnation)
+        if base is not None and (status.base is None or status.base.fingerprint != base):
+            # Restarted on another base model: nothing of the epoch is ever staged there.
+            seen = status.base.fingerprint if status.base is not None else None
+            detail = f"the engine runs base {seen}, the epoch's is {base}"
+            conflict = RestoreOutcome.CONFLICT
+            return [
+                RestoreResult(engine, v.version_key, v.lora_name, conflict, status.incarnation, detail)
+                for v in wanted
+            ]
         results = []
         for view, action, vs in restore_plan(wanted, status):
             t0 = time.monotonic()
@@ -214,11 +227,13 @@ class Reconciler(CohortDriver):
                         result(RestoreOutcome.FAILED, "an interrupted restore could not be cleaned yet")
                     )
                     continue
-            outcome, detail = await self._restore(engine, view, snap)
+            outcome, detail = await self._restore(engine, view, snap, base)
             results.append(result(outcome, detail))
         return results
 
-    async def _restore(self, engine: str, view: VersionView, snap: Snapshot) -> tuple[RestoreOutcome, str]:
+    async def _restore(
+        self, engine: str, view: VersionView, snap: Snapshot, base: str | None
+    ) -> tuple[RestoreOutcome, str]:
         """begin -> every bucket -> end on one engine under a fresh attempt token."""
         client = self.engines[engine]
         token = f"rst-{uuid.uuid4().hex}"
@@ -234,6 +249,7 @@ class Reconciler(CohortDriver):
                 "attempt_token": token,
                 "manifest": snap.manifest,
                 "bucket_plan": snap.bucket_plan,
+                "base_fingerprint": base,
             },
         )
         op = "begin"

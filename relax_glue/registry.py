@@ -127,6 +127,7 @@ _SPACE_RE = re.compile(r"\s")
 
 # The public operations, used by the durable store (journal) and the actor (dispatch allow-list).
 MUTATING_OPS: tuple[str, ...] = (
+    "record_base",
     "reserve",
     "record_prepared",
     "record_ready",
@@ -239,8 +240,28 @@ class LoRAVersionRegistry:
         self._reserve_requests: dict[str, tuple[tuple[VersionKey, str, str], ReserveResult]] = {}
         self._results: dict[tuple[str, ...], Any] = {}  # first answers to receipts, by natural key
         self._seq = 0  # accepted transitions; the store journals a call iff this moved
+        # The base model every version of the epoch is a delta on (an engine's fingerprint,
+        # sglang_ext.base_identity), fixed by the first publication for the whole epoch.
+        self._base: str | None = None
 
     # ================================================================ publication (RFC 3)
+
+    def record_base(self, fingerprint: str) -> str:
+        """Fix the epoch's base model (the cohort's fingerprint, read by the publisher before its
+        first publication); the same fingerprint again changes nothing, another one is
+        BASE_MISMATCH forever (versions of one epoch are deltas on one base)."""
+        _text("fingerprint", fingerprint, SHA256_RE)
+        if self._base is not None and self._base != fingerprint:
+            _fail(
+                ErrorCode.BASE_MISMATCH,
+                f"the epoch's base model is {self._base}, not {fingerprint}",
+                expected_base=self._base,
+                engine_base=fingerprint,
+            )
+        if self._base is None:
+            self._base = fingerprint
+            self._accepted()
+        return self._base
 
     def reserve(
         self, version_key: VersionKey | Sequence[str], digest: str, lora_name: str, request_id: str
@@ -838,6 +859,7 @@ class LoRAVersionRegistry:
             unknown_outcomes=tuple(self._unknown[k] for k in sorted(self._unknown)),
             sessions=counts,
             seq=self._seq,
+            base_fingerprint=self._base,
         )
 
     def version(self, version_key: VersionKey | Sequence[str]) -> VersionView | None:
@@ -954,6 +976,7 @@ class LoRAVersionRegistry:
             "reserve_requests": {r: [list(a), res] for r, (a, res) in self._reserve_requests.items()},
             "results": [[list(k), v] for k, v in self._results.items()],
             "seq": self._seq,
+            "base": self._base,
         }
         return json.dumps(encode(state), sort_keys=True, separators=(",", ":"))
 
@@ -977,6 +1000,7 @@ class LoRAVersionRegistry:
         reg._reserve_requests = {r: (tuple(a), res) for r, (a, res) in state["reserve_requests"].items()}
         reg._results = {tuple(k): v for k, v in state["results"]}
         reg._seq = state["seq"]
+        reg._base = state.get("base")  # absent in checkpoints written before it was recorded
         reg.check_invariants(full=True)
         return reg
 

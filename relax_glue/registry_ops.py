@@ -51,6 +51,9 @@ class RegistryOps:
 
     # --------------------------------------------------------------------- mutating ops
 
+    def record_base(self, fingerprint: str) -> str:
+        return self._dispatch("record_base", fingerprint=fingerprint)
+
     def reserve(
         self, version_key: VersionKey | Sequence[str], digest: str, lora_name: str, request_id: str
     ) -> ReserveResult:

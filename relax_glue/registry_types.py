@@ -245,6 +245,7 @@ class StatusView:
     unknown_outcomes: tuple[UnknownOutcome, ...]
     sessions: Mapping[str, int]  # count per SessionState
     seq: int  # accepted transitions so far
+    base_fingerprint: str | None = None  # the epoch's base model, fixed by its first publication
 
 
 # ---------------------------------------------------------------------- internal state records

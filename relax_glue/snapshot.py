@@ -115,9 +115,15 @@ class Snapshot:
             yield EncodedBucket(spec, payload, manifest_bucket_checksum(self.manifest, payload))
 
     def begin_request(
-        self, prefix: str, epoch: str | int, version_id: str | int, attempt_token: str
+        self,
+        prefix: str,
+        epoch: str | int,
+        version_id: str | int,
+        attempt_token: str,
+        base_fingerprint: str | None = None,
     ) -> BeginRequest:
-        """The ``begin`` body for this snapshot under ``(epoch, version_id)``."""
+        """The ``begin`` body for this snapshot under ``(epoch, version_id)``; with the epoch's
+        ``base_fingerprint`` an engine of another base refuses it (BASE_MISMATCH)."""
         # parse_model turns a bad token into LoraVersionError(INVALID_REQUEST), not a pydantic error.
         return parse_model(
             BeginRequest,
@@ -128,6 +134,7 @@ class Snapshot:
                 "attempt_token": attempt_token,
                 "manifest": self.manifest,
                 "bucket_plan": self.bucket_plan,
+                "base_fingerprint": base_fingerprint,
             },
         )
 

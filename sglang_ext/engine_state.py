@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from sglang_ext.metrics import NO_METRICS, Metrics
 from sglang_ext.names import MANAGED_CAPACITY
-from sglang_ext.protocol import EngineStatus
+from sglang_ext.protocol import BaseIdentity, EngineStatus
 from sglang_ext.staging import local_source_dir
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ class EngineState:
     reclaim: ReclaimService | None = None
     collective: CollectiveLink | None = None
     metrics: Metrics = NO_METRICS
+    base: BaseIdentity | None = None  # the base model adapters apply to (computed at attach)
     body_limits: BodyLimits = field(default_factory=BodyLimits.from_env)
     # where a trainer on this host may hand buckets over as files (None: bodies only)
     local_source_dir: Path | None = field(default_factory=local_source_dir)
@@ -86,10 +87,13 @@ class EngineState:
 
             self.metrics = VersionMetrics(self)  # its per-version series read status() per scrape
         self.native = NativeLora(tokenizer_manager)
+        self.base = engine_base(server_args, tokenizer_manager)
+        log_line(f"base model fingerprint {self.base.fingerprint}")
         self.table = VersionTable(
             self.incarnation,
             staging_limits(server_args, upstream.base_hf_config(tokenizer_manager)),
             normalize_targets=upstream.normalized_target_modules,
+            base_fingerprint=self.base.fingerprint,
         )
         locks = NameLocks()
         staging = StagingArea()
@@ -116,10 +120,33 @@ class EngineState:
             )
         return EngineStatus(
             incarnation=self.incarnation,
+            base=self.base,
             versions=versions,
             managed_capacity=self.table.limits.managed_capacity if self.table else MANAGED_CAPACITY,
             server_time=time.time(),
         )
+
+
+def engine_base(server_args: Any, tokenizer_manager: Any) -> BaseIdentity:
+    """This engine's base model identity (:mod:`sglang_ext.base_identity`): files read once, at
+    start, from the model's local directory (a few hundred KiB per weight file)."""
+    from sglang_ext import base_identity
+    from sglang_ext import lora_registry_patch as upstream
+
+    model_path = str(server_args.model_path)
+    revision = getattr(server_args, "revision", None)
+    model_dir = base_identity.local_model_dir(model_path, revision)
+    tokenizer_path = getattr(server_args, "tokenizer_path", None) or model_path
+    tokenizer_dir = base_identity.local_model_dir(str(tokenizer_path), revision)
+    dtype, quantization = upstream.base_serving(tokenizer_manager)
+    return base_identity.base_identity(
+        model_dir=model_dir,
+        tokenizer_dir=tokenizer_dir,
+        config=base_identity.config_of(model_dir, upstream.base_hf_config(tokenizer_manager).to_dict()),
+        dtype=dtype,
+        quantization=quantization,
+        model_name=f"{model_path}@{revision}",
+    )
 
 
 def staging_limits(server_args: Any, hf_config: Any) -> StagingLimits:

@@ -33,6 +33,9 @@ class ErrorCode(StrEnum):
     CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
     BUCKET_OUT_OF_ORDER = "BUCKET_OUT_OF_ORDER"
     INCOMPATIBLE_ADAPTER = "INCOMPATIBLE_ADAPTER"
+    # The engine runs another base model (config, tokenizer, weights or dtype) than the one the
+    # epoch's versions were published for: refused before any bucket moves
+    BASE_MISMATCH = "BASE_MISMATCH"
     PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
     # collective transport: no usable group (connect first), or this attempt's transfer failed
     TRANSPORT_UNAVAILABLE = "TRANSPORT_UNAVAILABLE"
@@ -77,6 +80,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.CHECKSUM_MISMATCH: 422,
     ErrorCode.BUCKET_OUT_OF_ORDER: 409,
     ErrorCode.INCOMPATIBLE_ADAPTER: 422,
+    ErrorCode.BASE_MISMATCH: 409,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.TRANSPORT_UNAVAILABLE: 409,
     ErrorCode.TRANSFER_FAILED: 409,

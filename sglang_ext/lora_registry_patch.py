@@ -399,6 +399,12 @@ def base_hf_config(tm: Any) -> Any:
     return tm.model_config.hf_config
 
 
+def base_serving(tm: Any) -> tuple[str, str | None]:
+    """(dtype, quantization) the base model runs with: ``ModelConfig.dtype`` (the resolved torch
+    dtype) and ``ModelConfig.quantization`` (sglang.srt.configs.model_config, 0.5.23)."""
+    return str(tm.model_config.dtype), tm.model_config.quantization
+
+
 def vocab_size(tm: Any) -> int:
     return int(tm.model_config.vocab_size)
 

@@ -81,6 +81,9 @@ class BeginRequest(WireModel):
     # table whatever it says. "collective": the engine posts the receives on its collective
     # group (TRANSPORT_UNAVAILABLE, changing nothing, when it has none) before PREPARED.
     transport: Literal["http", "collective"] = "http"
+    # The epoch's base model (the registry's record): an engine with another base refuses the
+    # begin (BASE_MISMATCH) before anything is reserved. Not part of the version's identity.
+    base_fingerprint: Sha256Hex | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> BeginRequest:
@@ -284,8 +287,21 @@ class VersionStatus(WireModel):
     updated_at: float
 
 
+class BaseIdentity(WireModel):
+    """The base model an engine applies adapters to (:mod:`sglang_ext.base_identity`): one
+    fingerprint over four separately hashed parts, so a mismatch can say which part differs."""
+
+    fingerprint: Sha256Hex
+    config: Sha256Hex
+    tokenizer: Sha256Hex
+    weights: Sha256Hex
+    serving: Sha256Hex
+
+
 class EngineStatus(WireModel):
     incarnation: Token
+    # None only from something that is not a plugin engine; the publisher refuses it
+    base: BaseIdentity | None = None
     versions: tuple[VersionStatus, ...] = ()
     managed_capacity: NonNegInt | None = None  # pinned managed versions this engine accepts
     server_time: float | None = None  # unix seconds, for reading the timestamps above

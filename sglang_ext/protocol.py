@@ -32,6 +32,7 @@ from sglang_ext.identity import (
 )
 from sglang_ext.messages import (
     DEFAULT_LORA_PREFIX,
+    BaseIdentity,
     BeginReply,
     BeginRequest,
     BucketAck,
@@ -102,6 +103,7 @@ __all__ = [
     "LORA_NAME_HEADER",
     "MANIFEST_SCHEMA_VERSION",
     "SERVING_CONFIG_FIELDS",
+    "BaseIdentity",
     "BeginReply",
     "BeginRequest",
     "BucketAck",

@@ -203,9 +203,12 @@ class VersionTable:
         limits: StagingLimits,
         clock: Callable[[], float] = time.time,
         normalize_targets: Callable[[list[str]], set[str]] = set,
+        base_fingerprint: str | None = None,
     ) -> None:
         self.incarnation = incarnation
         self.limits = limits
+        # this engine's base model (sglang_ext.base_identity), checked against every begin
+        self.base_fingerprint = base_fingerprint
         # SGLang stacks q/k/v and gate/up; the shell passes its normaliser so both compare alike.
         self._normalize_targets = normalize_targets
         self._clock = clock
@@ -323,6 +326,14 @@ class VersionTable:
             )
 
     def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
+        if req.base_fingerprint is not None and req.base_fingerprint != self.base_fingerprint:
+            raise _err(
+                ErrorCode.BASE_MISMATCH,
+                f"this engine's base model is {self.base_fingerprint}, the epoch's is "
+                f"{req.base_fingerprint}: an adapter for another base is never served here",
+                engine_base=self.base_fingerprint,
+                expected_base=req.base_fingerprint,
+            )
         self._check_attempt_owner(req.lora_name, req.attempt_token)
         if req.attempt_token in self.cleaned:
             raise _err(

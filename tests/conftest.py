@@ -32,7 +32,9 @@ def run_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def engine_farm(fixtures: Fixtures, run_dir: Path) -> Iterator[dict]:
-    """E0 and E1 with the plugin on, and ``stock`` with it off, started together in parallel."""
+    """E0 and E1 with the plugin on, and ``stock`` with it off, started together in parallel;
+    ``EB`` like E0 but on another base model of the same shape (other weights only)."""
+    from sglang_ext.devtools.fixtures import ensure_other_base
     from sglang_ext.devtools.launcher import EngineSpec, running_engines
     from sglang_ext.engine_state import BODY_IDLE_TIMEOUT_ENV
     from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV
@@ -50,6 +52,9 @@ def engine_farm(fixtures: Fixtures, run_dir: Path) -> Iterator[dict]:
         for n in ("E0", "E1")
     ] + [
         EngineSpec(name="stock", model_path=fixtures.model_dir, log_path=run_dir / "stock.log", plugin=False),
+        EngineSpec(
+            name="EB", model_path=ensure_other_base(fixtures), log_path=run_dir / "EB.log", extra_args=admin
+        ),
     ]
     t0 = time.monotonic()
     with running_engines(specs) as engines:
@@ -68,6 +73,13 @@ def engines(engine_farm: dict) -> tuple:
 @pytest.fixture(scope="session")
 def stock_engine(engine_farm: dict):
     return engine_farm["stock"]
+
+
+@pytest.fixture(scope="session")
+def other_base_engine(engine_farm: dict):
+    """A plugin engine whose base model has the cohort's shape, config and tokenizer but other
+    weights (tests/relax_glue/test_base_model_engines.py)."""
+    return engine_farm["EB"]
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -214,6 +214,22 @@ def write_random_qwen3(
     return json.loads((model_dir / "config.json").read_text())
 
 
+OTHER_BASE_SEED = MODEL_SEED + 1
+
+
+def ensure_other_base(fixtures: Fixtures) -> Path:
+    """A second tiny base model of exactly the same shape, config and tokenizer as
+    ``fixtures.model_dir`` but other weights: an engine on it must be told apart from the
+    cohort's (sglang_ext.base_identity) although every adapter fits it."""
+
+    def build(out: Path) -> None:
+        copy_tokenizer(fixtures.model_dir, out)
+        write_random_qwen3(out, TINY_SHAPE, seed=OTHER_BASE_SEED, std=0.2)
+
+    # beside the fixture set, not in it: the set's tree is what its generator key promises
+    return build_atomically(fixtures.root.with_name(f"{fixtures.root.name}-other-base"), build)
+
+
 def _module_shapes(config: dict) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every LoRA target in one decoder layer, by its path."""
     from types import SimpleNamespace

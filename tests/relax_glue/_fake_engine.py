@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import json
 import uuid
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
 from sglang_ext.engine_state import ENGINE_BUCKET_CAP_BYTES, ENGINE_VERSION_CAP_BYTES, EngineState
 from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.http_routes import install
-from sglang_ext.protocol import EngineVersionState, Routes
+from sglang_ext.protocol import BaseIdentity, EngineVersionState, Routes
 from sglang_ext.publication import NameLocks, PublicationService
 from sglang_ext.reclaim import ReclaimService
 from sglang_ext.version_table import ManagedVersion, StagingLimits, VersionTable
@@ -63,14 +64,35 @@ class Gate:
         self.opened.set()
 
 
+def fake_base(label: str) -> BaseIdentity:
+    """A base model identity for a fake engine: engines with one label run the same base."""
+
+    def part(name: str) -> str:
+        return hashlib.sha256(f"{label}/{name}".encode()).hexdigest()
+
+    return BaseIdentity(
+        fingerprint=part("fingerprint"),
+        config=part("config"),
+        tokenizer=part("tokenizer"),
+        weights=part("weights"),
+        serving=part("serving"),
+    )
+
+
 class FakeEngine:
     """One fake engine. ``client()`` builds a real EngineClient wired to it."""
 
     def __init__(
-        self, engine_id: str, *, capacity: int = 2, shared_log: list[tuple[str, str, str]] | None = None
+        self,
+        engine_id: str,
+        *,
+        capacity: int = 2,
+        shared_log: list[tuple[str, str, str]] | None = None,
+        base: str = "base",
     ):
         self.engine_id = engine_id
         self.capacity = capacity
+        self.base = fake_base(base)  # the base model it "runs" (another label: another base)
         self.unloads: collections.Counter[str] = collections.Counter()  # physical unloads per name
         self.seen: list[tuple[str, str]] = []  # (op, detail) of every call that arrived
         self.shared_log = shared_log if shared_log is not None else []  # (engine, op, detail)
@@ -93,9 +115,11 @@ class FakeEngine:
             max_version_bytes=ENGINE_VERSION_CAP_BYTES,
             max_bucket_bytes=ENGINE_BUCKET_CAP_BYTES,
         )
-        state = EngineState(incarnation=f"{self.engine_id}-{uuid.uuid4().hex[:12]}")
+        state = EngineState(incarnation=f"{self.engine_id}-{uuid.uuid4().hex[:12]}", base=self.base)
         state.native = self.native = FakeNative(self.unloads)
-        state.table = self.table = VersionTable(state.incarnation, limits)
+        state.table = self.table = VersionTable(
+            state.incarnation, limits, base_fingerprint=self.base.fingerprint
+        )
         locks = NameLocks()
         state.publication = PublicationService(self.table, self.native, fake_staging(), locks)
         state.reclaim = ReclaimService(self.table, self.native, locks)
@@ -351,10 +375,14 @@ class Cluster:
 
 
 def make_cluster(
-    engines: tuple[str, ...] = ("E0", "E1"), *, timeouts: ClientTimeouts | None = None
+    engines: tuple[str, ...] = ("E0", "E1"),
+    *,
+    timeouts: ClientTimeouts | None = None,
+    bases: dict[str, str] | None = None,
 ) -> Cluster:
+    """``bases``: engine -> base label for engines that run another base model than the rest."""
     log: list[tuple[str, str, str]] = []
     audit = AuditLog()
-    fakes = {e: FakeEngine(e, shared_log=log) for e in engines}
+    fakes = {e: FakeEngine(e, shared_log=log, base=(bases or {}).get(e, "base")) for e in engines}
     clients = {e: f.client(audit=audit, timeouts=timeouts) for e, f in fakes.items()}
     return Cluster(fakes, clients, audit, log)

@@ -170,7 +170,8 @@ async def test_phases_are_ordered_and_each_bucket_is_acked_by_all_before_the_nex
     assert [i for _, i in buckets] == sorted(i for _, i in buckets)
     ops = [op for _, op, _ in log]
     first_bucket, last_bucket = ops.index("receive_bucket"), len(ops) - 1 - ops[::-1].index("receive_bucket")
-    assert set(ops[:first_bucket]) == {"begin"} and ops[:first_bucket].count("begin") == 2
+    # the epoch's first publication reads every engine's base model, then begins everywhere
+    assert ops[:first_bucket] == ["status", "status", "begin", "begin"]
     assert set(ops[last_bucket + 1 :]) == {"end", "status"}
     assert ops[last_bucket + 1 :][:2] == ["end", "end"]  # ends before the pre-commit status check
     view = world.version("A")
@@ -472,7 +473,7 @@ async def test_engine_restart_between_ready_and_commit_is_refused_until_ready_ag
     restarted: list[str] = []
 
     def restart_once(nth: int) -> None:
-        if nth == 1:
+        if nth == 2:  # read 1 is the epoch's base, before the reserve; read 2 the pre-commit one
             restarted.append(world.fakes["E1"].restart())
 
     world.fakes["E1"].before("status", restart_once)
@@ -496,10 +497,11 @@ async def test_no_commit_while_an_engine_cannot_answer_after_its_ready(world: Wo
     """Issue 9 (1): an engine that restarted after its READY and is still booting (503) or cannot
     be reached (timeout) must block the commit: only fresh READY evidence from every engine counts.
     Before: the failed pre-commit read was "no news" and the publication committed."""
+    # status read 1 is the epoch's base, before the reserve; read 2 is the pre-commit one
     if fault == "503":
-        world.fakes["E1"].fail("status", 1, status=503)
+        world.fakes["E1"].fail("status", 2, status=503)
     else:
-        world.fakes["E1"].fail("status", 1, timeout=True)
+        world.fakes["E1"].fail("status", 2, timeout=True)
     result = await world.publish("A")
     assert result.outcome is PublishOutcome.OUTCOME_UNKNOWN and result.unknown == ("E1",)
     assert world.version("A").state is VersionState.LOADING and world.status().default is None
