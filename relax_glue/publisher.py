@@ -659,8 +659,9 @@ class Publisher(CohortDriver):
     async def resolve(self, snapshot: Snapshot | None = None) -> PublishResult | None:
         """Settle the pending attempt (LOADING or ABORTED), if there is one.
 
-        ABORTED: cleanup on every engine not yet confirmed. LOADING: ask each engine that is
-        not READY for this version (``GET /lora_versions/{name}``): READY_LOCAL for this
+        ABORTED: cleanup on every engine not yet confirmed. LOADING: ask every engine (also one
+        the registry has READY: that record may be stale) for this version
+        (``GET /lora_versions/{name}``): READY_LOCAL for this
         attempt counts as its READY receipt; LOADING, or PREPARED with every bucket, gets only
         ``end`` again (it joins the load); PREPARED with buckets missing, or unknown to the
         engine (never got begin, or restarted), is driven again from begin (duplicate buckets
@@ -712,8 +713,11 @@ class Publisher(CohortDriver):
             )
             return await self._result(att, done, view=view)
         await self._read_statuses(att)  # a restart must be known before READY is trusted
-        view = await self.registry.version(version_key=att.key)
-        todo = [e for e in self._cohort if view.attempt_phases.get(e) is not AttemptPhase.READY]
+        # Every engine is asked, also those the registry has READY: a READY recorded in the
+        # engine's current incarnation may be stale all the same (its copy cleaned up since, by
+        # an operator or a stale attempt), and only its own answer says so. Trusting the record
+        # would leave the attempt NOT_COMMITTED forever, its slot held.
+        todo = list(self._cohort)
 
         async def ask(engine: str) -> ResolveAction:
             try:

@@ -126,6 +126,19 @@ def test_a_session_whose_owner_died_mid_close_expires_too() -> None:
     assert reg.version(vk("A")).session_refs == 0
 
 
+def test_a_closing_session_cannot_renew_its_lease_but_still_expires() -> None:
+    """A session its owner began to close takes no new lease (nothing will run on it again);
+    if the owner dies before close_and_release, the lease it had is what releases the ref."""
+    reg = new_registry()
+    _bound(reg)
+    reg.renew_lease(sk("s"), 1.0, T0)
+    reg.begin_close(sk("s"))
+    seq = reg.seq
+    refused(ErrorCode.SESSION_CLOSED, reg.renew_lease, sk("s"), 100.0, T0 + 0.5)
+    assert reg.seq == seq and reg.session(sk("s")).lease_expires_at == T0 + 1
+    assert reg.expire_leases(T0 + 1) == (sk("s"),)
+
+
 def test_sessions_without_a_lease_are_never_expired() -> None:
     reg = new_registry()
     _bound(reg)
@@ -166,7 +179,7 @@ def test_the_durable_store_stamps_now_once_and_replays_the_same_decisions(tmp_pa
 # ------------------------------------------------------------------------------ session layer
 
 
-async def _world(ttl: float, heartbeat: float):
+async def _world(ttl: float, heartbeat: float | None):
     reg = new_registry()
     cluster = make_cluster()
     pub = EnginePublisher(
@@ -210,5 +223,26 @@ async def test_the_heartbeat_keeps_an_idle_session_alive_and_a_dead_worker_loses
         reaper.cancel()
         await asyncio.gather(reaper, return_exceptions=True)
         assert reaper.cancelled()  # it ran until cancelled: no call of it raised
+        await mgr.aclose()
+        await cluster.aclose()
+
+
+
+async def test_the_default_heartbeat_is_a_third_of_the_ttl_and_keeps_an_idle_session() -> None:
+    """No heartbeat given (as the README's quickstart does): the manager renews every TTL / 3,
+    so a session idle for several TTLs is never expired while its worker lives."""
+    reg, cluster, _pub, client, mgr = await _world(ttl=0.3, heartbeat=None)
+    assert mgr.heartbeat_s == pytest.approx(0.1)
+    reaper = asyncio.ensure_future(client.reap_leases_forever(0.02))
+    try:
+        s = await mgr.open("idle")
+        await s.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        before = mgr.renewals
+        await asyncio.sleep(1.0)  # more than 3 TTLs without a turn
+        assert reg.session(s.key).state is SessionState.OPEN
+        assert 6 <= mgr.renewals - before <= 14  # about one renewal per 0.1 s
+    finally:
+        reaper.cancel()
+        await asyncio.gather(reaper, return_exceptions=True)
         await mgr.aclose()
         await cluster.aclose()

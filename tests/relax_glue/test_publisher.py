@@ -723,3 +723,30 @@ async def test_a_cohort_of_three_commits_only_when_all_three_are_ready_and_recla
     assert w.version("B").reclaim_phases == dict.fromkeys(THREE, ReclaimPhase.UNLOADED)
     assert set(w.engine_states("B").values()) == {EngineVersionState.UNLOADED}
     assert w.cluster.audit.forbidden() == []
+
+
+async def test_no_commit_when_an_engine_answers_not_ready_in_the_same_incarnation(world: World) -> None:
+    """E1 answered READY, then (same process, same incarnation) its copy is cleaned up by
+    someone else before the commit's status read: the READY the registry recorded is stale
+    evidence. The commit is refused (NOT_ALL_READY naming E1), the default does not move, and
+    resolve() then finds the attempt doomed there and cleans it up."""
+    e1 = world.wrap("E1")
+    token: list[str] = []
+
+    async def clean_e1() -> None:  # a real cleanup on the engine, right before the status read
+        (att,) = [v for v in world.status().versions if v.state is VersionState.LOADING]
+        token.append(att.attempt_token)
+        await world.cluster.clients["E1"].cleanup(
+            wire.CleanupRequest(lora_name=att.lora_name, attempt_token=att.attempt_token)
+        )
+
+    e1.before_send("status", 2, clean_e1)  # read 1 is the epoch's base; read 2 the pre-commit one
+    incarnation = world.fakes["E1"].incarnation
+    result = await world.publish("A")
+    assert token and world.fakes["E1"].incarnation == incarnation  # no restart: the same incarnation
+    assert result.outcome is PublishOutcome.NOT_COMMITTED, result
+    assert result.error.code is ErrorCode.NOT_ALL_READY and result.error.details["engines"] == ["E1"]
+    assert world.status().default is None and world.version("A").state is VersionState.LOADING
+    resolved = await world.pub.resolve()
+    assert resolved is not None and resolved.outcome is PublishOutcome.FAILED_CLEAN, resolved
+    assert world.engine_states("A") == {"E0": EngineVersionState.CLEANED, "E1": EngineVersionState.CLEANED}

@@ -479,3 +479,70 @@ def test_turn_outcome_unknown_survives_a_pickle_round_trip_unchanged() -> None:
     assert type(copy) is TurnOutcomeUnknown and str(copy) == str(err)
     fields = ("engine_id", "op", "cause", "status_code", "maybe_sent", "admitted", "rid", "lora_path")
     assert {f: getattr(copy, f) for f in fields} == {f: getattr(err, f) for f in fields}
+
+
+# ------------------------------------------------------------- failure and concurrency paths
+
+
+async def test_a_close_while_a_refused_turn_waits_to_be_resent_sends_nothing_more(world: World) -> None:
+    """The turn was refused before admission (VERSION_NOT_READY, Retry-After 1 s) and waits to be
+    sent again; the session closes meanwhile. The turn ends SESSION_CLOSED without its resend
+    (no dispatch after close began), the close releases the ref once, nothing reached an engine."""
+    await world.publish("A")
+    s = await world.mgr.open("s")
+    for fake in world.fakes.values():
+        fake.fail("generate", 1, code=ErrorCode.VERSION_NOT_READY)
+    turn = asyncio.ensure_future(s.generate(BODY, rid="r1"))
+    await eventually(lambda: sum(f.calls["generate"] for f in world.fakes.values()) == 1)
+    view = await s.close()
+    await expect(ErrorCode.SESSION_CLOSED, turn)
+    assert view.released and world.refs("A") == 0
+    assert sum(f.calls["generate"] for f in world.fakes.values()) == 1  # the refused send only
+    assert all(f.generations == [] for f in world.fakes.values()) and s.resends == 0
+
+
+async def test_a_settle_whose_abort_reply_is_lost_keeps_the_turn_unsettled(world: World) -> None:
+    """discard(rid) aborts the turn first; that abort's reply is lost, so the turn may still
+    run: it stays unknown (new turns still refused) and a second discard settles it."""
+    await world.publish("A")
+    for e in ("E0", "E1"):
+        wrapped = FaultInjectingClient(world.cluster.clients[e]).drop_reply("generate", nth=1)
+        world.engines[e] = wrapped.drop_reply("abort_request", nth=1)
+    mgr = SessionManager(world.reg, world.engines)
+    s = await mgr.open()
+    with pytest.raises(TurnOutcomeUnknown):
+        await s.generate(BODY, rid="r1")
+    with pytest.raises(OutcomeUnknown):
+        await s.discard("r1")
+    assert s.unknown_turns == ("r1",)
+    await expect(ErrorCode.INVALID_REQUEST, s.generate(BODY))
+    await s.discard("r1")  # the abort's reply arrives this time
+    assert s.unknown_turns == () and (await s.generate(BODY, rid="r2"))["meta_info"]["id"] == "r2"
+    fake = world.fakes[mgr.router.pick(s.key)]
+    assert [a["rid"] for a in fake.aborts] == ["r1", "r1"]  # both aborts reached the engine
+
+
+async def test_an_abort_whose_reply_is_lost_leaves_the_binding_and_the_request_accounted(
+    world: World,
+) -> None:
+    """A temporary abort whose reply is lost raises to the caller; nothing of the session
+    changes: the request still ends (here: aborted by the engine, which did get the abort), the
+    binding stays, the next turn carries the same lora_path."""
+    await world.publish("A")
+    for e in ("E0", "E1"):
+        world.engines[e] = FaultInjectingClient(world.cluster.clients[e]).drop_reply("abort_request", nth=1)
+    mgr = SessionManager(world.reg, world.engines)
+    s = await mgr.open()
+    for fake in world.fakes.values():
+        fake.hold_generations()
+    turn = asyncio.ensure_future(s.generate(BODY, rid="r1"))
+    await eventually(lambda: s.in_flight == ("r1",) and any(f.generations for f in world.fakes.values()))
+    with pytest.raises(OutcomeUnknown):
+        await s.abort("r1")
+    out = await turn
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"  # the engine did abort it
+    assert s.in_flight == () and s.lora_path == name_of("A")
+    for fake in world.fakes.values():
+        fake.release_generations()
+    assert (await s.generate(BODY))["meta_info"]["lora_path"] == name_of("A")
+    assert world.refs("A") == 1
