@@ -1,6 +1,7 @@
 """The registry as a named single-writer Ray actor, against a real local Ray (num_cpus=1).
 
-Skipped only when Ray is not importable (it is the optional ``ray`` extra; CI installs it).
+Skipped only when Ray is not installed (the optional ``ray`` extra; CI installs it); installed but
+broken is a failure.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _optional import optional_module
 
-ray = pytest.importorskip("ray", reason="Ray is the optional 'ray' extra: pip install '.[ray]'")
+ray = optional_module("ray", "ray", "ray")
 
 from _rg_helpers import ENGINES, EPOCH, Publisher, async_scenario, refused, sk, vk  # noqa: E402
 

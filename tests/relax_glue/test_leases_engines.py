@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from _admin_key import ADMIN_KEY
 from _e2e_helpers import PROMPTS, TOOL_IDS, aclose_all, greedy, make_clients, new_epoch, purge, snapshot_of
+from _optional import optional_module
 
 from relax_glue.actor import AsyncRegistryClient, start_registry_actor
 from relax_glue.publisher import Publisher, PublishOutcome
@@ -35,7 +36,7 @@ WORKER = Path(__file__).with_name("_lease_worker.py")
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray = pytest.importorskip("ray", reason="Ray is the optional 'ray' extra")
+    ray = optional_module("ray", "ray", "ray")
     owned = not ray.is_initialized()
     if owned:
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)

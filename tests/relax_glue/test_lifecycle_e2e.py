@@ -44,6 +44,7 @@ from _e2e_helpers import (
     wait_until,
     write_json,
 )
+from _optional import optional_module
 
 from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.publisher import PublishOutcome
@@ -191,7 +192,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray = pytest.importorskip("ray", reason="Ray is the optional 'ray' extra: pip install '.[ray]'")
+    ray = optional_module("ray", "ray", "ray")
     import os
 
     owned = not ray.is_initialized()
