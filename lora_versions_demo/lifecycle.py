@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import itertools
 import json
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,6 +47,18 @@ TOOL_IDS: tuple[int, ...] = (
 TURN_TOKENS = 8
 EPOCH = "demo"
 DEFAULT_ENGINES = 2
+
+
+_ACCESS_PATH_RE = re.compile(r'"(?:GET|POST|PUT|DELETE) (/[^ ?"]*)')
+
+
+def forbidden_paths_served(log_path: Path) -> dict[str, int]:
+    """Forbidden endpoints (pause, flush, memory release) in an engine's HTTP access log, with
+    their count: whoever called them (our clients, the gateway, anyone) shows up here."""
+    from relax_glue.engine_client import FORBIDDEN_PATHS
+
+    seen = collections.Counter(_ACCESS_PATH_RE.findall(Path(log_path).read_text(errors="replace")))
+    return {path: n for path, n in sorted(seen.items()) if path in FORBIDDEN_PATHS}
 
 
 def _greedy(n: int) -> dict[str, Any]:
@@ -112,8 +125,10 @@ class Demo:
         self.steps.append(self._step)
         print(f"\n== step {len(self.steps)}: {title}")
 
-    def check(self, what: str, ok: bool, detail: Any = "") -> bool:
-        entry = {"step": len(self.steps), "check": what, "ok": bool(ok), "detail": detail}
+    def check(self, name: str, what: str, ok: bool, detail: Any = "") -> bool:
+        """Record one check: ``name`` is its stable identifier (what the tests pin, whatever the
+        run's counts are), ``what`` the sentence the table prints."""
+        entry = {"step": len(self.steps), "name": name, "check": what, "ok": bool(ok), "detail": detail}
         self.checks.append(entry)
         self._step["checks"].append(entry)
         print(f"  [{'ok' if ok else 'FAIL'}] {what}" + (f"  ({detail})" if detail not in ("", None) else ""))
@@ -234,6 +249,24 @@ class Demo:
             "publish",
         )
 
+    def staged_calls(self, lora_name: str) -> dict[str, list[tuple[str, str, str]]]:
+        """Per engine, the control calls that named ``lora_name`` (op, detail, outcome), in order."""
+        return {
+            eid: [
+                (e.op, e.detail, e.outcome)
+                for e in cl.audit.entries(kind="control")
+                if e.detail == lora_name or e.detail.startswith(f"{lora_name}#")
+            ]
+            for eid, cl in self.clients.items()
+        }
+
+    @staticmethod
+    def staging_plan(lora_name: str, snap: Any) -> list[tuple[str, str, str]]:
+        """The staged protocol for one version on one engine, every call answered ok: begin, each
+        bucket once in index order, end."""
+        buckets = [("receive_bucket", f"{lora_name}#{b.index}", "ok") for b in snap.bucket_plan]
+        return [("begin", lora_name, "ok"), *buckets, ("end", lora_name, "ok")]
+
     # ------------------------------------------------------------------ the steps
 
     async def run(self) -> None:
@@ -253,24 +286,39 @@ class Demo:
         except LoraVersionError as err:
             refused = err.code
         self.check(
+            "refused_before_commit",
             "a session that generates before A commits is refused",
             refused is ErrorCode.NO_PUBLISHED_VERSION and not s0.requests,
             refused.value if refused else "accepted",
         )
         res = await self.pub.publish(self.snaps["A"], "A")
         self.show_publish("A", res)
-        self.check(f"A committed on {'/'.join(self.cohort)}", res.outcome is PublishOutcome.PUBLISHED)
         self.check(
-            f"A travelled in {len(self.snaps['A'].bucket_plan)} ordered buckets",
-            len(self.snaps["A"].bucket_plan) > 1,
+            "a_committed", f"A committed on {'/'.join(self.cohort)}", res.outcome is PublishOutcome.PUBLISHED
         )
-        await self.show_engines()
+        view = await self.show_engines()
+        staged = self.staged_calls(a)
+        want = self.staging_plan(a, self.snaps["A"])
+        self.check(
+            "a_staged_in_order",
+            f"A went to {self.all_engines} as begin, {len(want) - 2} ordered buckets, end, and is "
+            "READY_LOCAL on each",
+            len(want) > 3
+            and all(calls == want for calls in staged.values())
+            and all(view[e].get("A") == "READY_LOCAL" for e in self.cohort),
+            {
+                e: {"calls": len(calls), "in_order": calls == want, "state": view[e].get("A")}
+                for e, calls in staged.items()
+            },
+        )
 
         # 2 -------------------------------------------------------------------------
         self.step("sessions bind A at their first generation and generate")
         labels_a = ["S1", "S2", "S3", "S4"]
         for label in labels_a:
             await self.open(label)
+        unbound_at_open = [x for x in labels_a if self.sessions[x].lora_path is None]
+        refs_at_open = self.reg.version((self.epoch, "A")).session_refs
         await asyncio.gather(*(self.turn(label) for label in labels_a))
         # The gateway hashes each session key to an engine; the demo wants A traffic on both
         # engines while B is published, so it opens sessions until the gateway used both.
@@ -279,8 +327,20 @@ class Demo:
             await self.open(labels_a[-1])
             await self.turn(labels_a[-1])
         self.show_sessions(labels_a)
-        self.check("every session is bound to A", {self.sessions[x].lora_path for x in labels_a} == {a})
+        refs = self.reg.version((self.epoch, "A")).session_refs
         self.check(
+            "a_bound_at_first_generation",
+            "the A sessions were unbound when opened and bound A at their first generation",
+            unbound_at_open == labels_a[:4] and refs_at_open == 0 and refs == len(labels_a),
+            {"unbound_at_open": len(unbound_at_open), "a_refs_at_open": refs_at_open, "a_refs_after": refs},
+        )
+        self.check(
+            "a_sessions_bound_to_a",
+            "every session is bound to A",
+            {self.sessions[x].lora_path for x in labels_a} == {a},
+        )
+        self.check(
+            "a_sessions_on_every_engine",
             f"the A sessions run on {self.all_engines}",
             {self.engine_of(self.sessions[x]) for x in labels_a} == set(self.cohort),
         )
@@ -307,8 +367,13 @@ class Demo:
         done = await asyncio.gather(*traffic, return_exceptions=True)
         self.show_publish("B", res)
         errors = [d for d in done if isinstance(d, BaseException)]
-        self.check("B committed", res.outcome is PublishOutcome.PUBLISHED)
-        self.check("no A request failed while B was published", not errors, errors or "")
+        self.check("b_committed", "B committed", res.outcome is PublishOutcome.PUBLISHED)
+        self.check(
+            "no_a_request_failed_during_b",
+            "no A request failed while B was published",
+            not errors,
+            errors or "",
+        )
         gaps_during, gaps_before = [], []
         per_engine = dict.fromkeys(self.cohort, 0)
         for label, ts in stamps.items():
@@ -332,9 +397,13 @@ class Demo:
             f"publication; tokens streamed during it: {per_engine}"
         )
         self.check(
-            f"{self.all_engines} kept decoding during the publication", all(per_engine.values()), per_engine
+            "decoded_during_b",
+            f"{self.all_engines} kept decoding during the publication",
+            all(per_engine.values()),
+            per_engine,
         )
         self.check(
+            "a_sessions_stayed_on_a",
             "the A sessions stayed on A",
             all(t.lora_path == a for t in self.turns if t.session in labels_a),
         )
@@ -346,8 +415,16 @@ class Demo:
             await self.open(label)
         await asyncio.gather(*(self.turn(x) for x in [*labels_a, *labels_b]))
         self.show_sessions([*labels_a, *labels_b])
-        self.check("new sessions are bound to B", {self.sessions[x].lora_path for x in labels_b} == {b})
-        self.check("old sessions are still bound to A", {self.sessions[x].lora_path for x in labels_a} == {a})
+        self.check(
+            "new_sessions_bound_to_b",
+            "new sessions are bound to B",
+            {self.sessions[x].lora_path for x in labels_b} == {b},
+        )
+        self.check(
+            "old_sessions_still_on_a",
+            "old sessions are still bound to A",
+            {self.sessions[x].lora_path for x in labels_a} == {a},
+        )
         self.show_registry()
 
         # 5 -------------------------------------------------------------------------
@@ -357,24 +434,41 @@ class Demo:
         self.show_publish("C", res)
         code = res.error.code if res.error is not None else None
         self.check(
-            "reserve(C) is CAPACITY_ERROR", code is ErrorCode.CAPACITY_ERROR, "" if code else "accepted"
+            "c_refused_capacity",
+            "reserve(C) is CAPACITY_ERROR",
+            code is ErrorCode.CAPACITY_ERROR,
+            {"code": code.value if code else "accepted"},
         )
         begins = [
             e for cl in self.clients.values() for e in cl.audit.entries(kind="control") if e.detail == c
         ]
         after = sum(len(cl.audit.entries(kind="control")) for cl in self.clients.values())
         view = await self.show_engines()
+        holding_c = sorted(e for e, v in view.items() if "C" in v)
         self.check(
+            "c_unseen_by_engines",
             "no engine saw anything of C (no begin, no bytes)",
-            not begins and after == before and all("C" not in v for v in view.values()),
+            not begins and after == before and not holding_c,
+            {
+                "control_calls_before": before,
+                "control_calls_after": after,
+                "calls_naming_c": len(begins),
+                "engines_holding_c": holding_c,
+            },
         )
 
         # 6 -------------------------------------------------------------------------
         self.step("the A sessions close (FINALIZING -> begin_close -> release once)")
         closed = [await self.sessions[x].close() for x in [*labels_a, "S0"]]
-        self.check("every A session released its ref exactly once", all(v.released for v in closed[:-1]))
+        self.check(
+            "a_sessions_released_once",
+            "every A session released its ref exactly once",
+            all(v.released for v in closed[:-1]),
+        )
         self.show_registry()
-        self.check("A has no session refs left", self.reg.version((self.epoch, "A")).session_refs == 0)
+        self.check(
+            "a_refs_zero", "A has no session refs left", self.reg.version((self.epoch, "A")).session_refs == 0
+        )
 
         # 7 -------------------------------------------------------------------------
         self.step("reclaim A: unregister -> drain in-flight -> one physical unload per engine")
@@ -390,10 +484,16 @@ class Demo:
             rows.append([eid, r, lora_ids[eid], unload_counts[eid]])
         self.show(["engine", "reclaim", "engine-local lora_id", "unload log lines"], rows, "reclaim")
         self.check(
+            "a_reclaimed",
             f"A is RECLAIMED (UNLOADED receipts from {'/'.join(self.cohort)})",
             bool(results) and results[0].done,
         )
-        self.check("A was physically unloaded exactly once per engine", set(unload_counts.values()) == {1})
+        self.check(
+            "a_unloaded_once_per_engine",
+            "A was physically unloaded exactly once per engine (engine log lines)",
+            set(unload_counts.values()) == {1},
+            unload_counts,
+        )
         try:
             await self.gw.route("late-A").generate(
                 {
@@ -407,9 +507,10 @@ class Demo:
         except LoraVersionError as err:
             late = err
         self.check(
+            "late_a_refused",
             "a late request naming A, through the gateway, is refused (no fallback, no implicit reload)",
             late is not None and late.code is ErrorCode.VERSION_RECLAIMED,
-            f"{late.code.value} from {late.details.get('engine_id')}" if late else "served",
+            {"code": late.code.value, "engine_id": late.details.get("engine_id")} if late else "served",
         )
         self.show_registry()
 
@@ -420,6 +521,7 @@ class Demo:
         res = await pub_task
         self.show_publish("C", res)
         self.check(
+            "c_committed_default",
             "C committed; default is C",
             res.outcome is PublishOutcome.PUBLISHED and self.reg.status().default_lora_name == c,
         )
@@ -428,6 +530,7 @@ class Demo:
         await asyncio.gather(*(self.turn(x) for x in [*labels_b, label_c]))
         self.show_sessions([*labels_b, label_c])
         self.check(
+            "c_session_bound_b_kept",
             f"{label_c} is bound to C; {'/'.join(labels_b)} are still on B",
             self.sessions[label_c].lora_path == c and {self.sessions[x].lora_path for x in labels_b} == {b},
         )
@@ -439,18 +542,31 @@ class Demo:
         await asyncio.to_thread(self.check_references)
         bad = [t for t in self.turns if not t.reference_ok]
         self.check(
+            "turns_equal_reference",
             f"all {len(self.turns)} turns equal the HF+PEFT reference of their bound version (full prefix)",
             not bad,
-            [dataclasses.asdict(t) for t in bad][:3] or "",
+            {"turns": len(self.turns), "wrong": [dataclasses.asdict(t) for t in bad][:3]},
         )
         self.check_gateway()
         logs = [cl.audit for cl in (*self.clients.values(), self.gw.client)]
-        self.check("no pause / flush / abort-all endpoint was ever called", not forbidden_calls(logs))
+        # The audit sees what our clients sent; the engines' access logs see every caller (the
+        # gateway included).
+        served = {e: forbidden_paths_served(self.engines[e].log_path) for e in self.cohort}
+        audited = forbidden_calls(logs)
+        self.check(
+            "no_pause_flush_abort_all",
+            "no pause / flush / abort-all endpoint was ever called (audit logs and engine access logs)",
+            not audited and not any(served.values()),
+            {"audited": [dataclasses.asdict(e) for e in audited][:3], "engine_logs": served},
+        )
         failed = [e for lg in logs for e in lg.entries(kind="generation") if e.outcome != "ok"]
         expected = {("late-A", "refused:VERSION_RECLAIMED")}  # S0's early turn was never sent
         unexpected = [e for e in failed if (e.detail, e.outcome) not in expected]
         self.check(
-            "no generation request failed (besides the deliberate late A)", not unexpected, unexpected or ""
+            "no_generation_failed",
+            "no generation request failed (besides the deliberate late A)",
+            not unexpected,
+            unexpected or "",
         )
         counts = {
             eid: dict(sorted(collections.Counter(e.op for e in cl.audit.entries(kind="control")).items()))
@@ -491,11 +607,13 @@ class Demo:
             "cache_hit_rate_later_turns": round(hit, 3),
         }
         self.check(
+            "gateway_sticky",
             "through the gateway, every session's turns ran on one engine (routing key = session key)",
             all(len(v) == 1 for v in per_session.values()),
             f"{len(per_session)} sessions, {len(self.turns)} turns",
         )
         self.check(
+            "gateway_kv_cache_hits",
             "later turns found their prefix in that engine's KV cache (cached / prompt tokens)",
             hit >= 0.5,
             f"{hit:.0%} over {len(later)} turns",
@@ -544,7 +662,7 @@ def _run_demo(
     try:
         asyncio.run(_run(demo))
     except Exception as exc:  # report what happened, still write demo.json
-        demo.check("the demo ran to the end", False, f"{type(exc).__name__}: {exc}")
+        demo.check("ran_to_the_end", "the demo ran to the end", False, f"{type(exc).__name__}: {exc}")
     report = demo.report()
     report["run_s"] = round(time.monotonic() - t1, 1)
     report["engine_start_s"] = round(t1 - t0, 1)
