@@ -65,6 +65,9 @@ FAULT_KINDS = (
 COHORT = ("E0", "E1")
 ADAPTERS = ("A", "B", "C")
 TURN_TOKENS = 6
+# The request that keeps a retired version in flight through its reclaim: long enough to outlast
+# the first reclaim call's wait and reach the second (the kill), far below the context (2048).
+DRAIN_TOKENS = 1200
 _UNLOAD_RE = re.compile(rf"{UNLOAD_LOG_LINE}: .*?lora_id='?([0-9a-f]+)")
 
 
@@ -427,21 +430,33 @@ class Campaign:
 
     async def _reclaim_with_kill(self, fault: FaultRecord) -> None:
         """A request admitted on the retired version keeps it in flight, so reclaim answers
-        DRAINING; the engine is killed at its second reclaim call (mid-drain)."""
+        DRAINING; the engine is killed at its second reclaim call (mid-drain).
+
+        Fires whatever came before: a round with no reclaimable version (the first round, or one
+        after a publication that did not commit) publishes one first, and the reclaim starts
+        only once the target engine counts the long request in flight."""
         from relax_glue.actor import RegistryUnavailable
 
-        st = await self.registry.status()
-        retired = [v for v in st.versions if v.state.value == "RETIRED" and v.session_refs == 0]
+        retired = await self._reclaimable()
+        if not retired:
+            res = await self.publish_next()  # retires the default; its sessions close below
+            await self.close_retired_sessions()
+            retired = await self._reclaimable()
+            fault.detail = f"published {res.outcome.value} to retire one; "
         engine = self.rng.choice(COHORT)
         fault.target = engine
         long_req = None
         if retired:
             name = retired[0].lora_name
-            body = {"input_ids": list(PROMPTS[0]), "sampling_params": _greedy(400), "lora_path": name}
+            body = {
+                "input_ids": list(PROMPTS[0]),
+                "sampling_params": _greedy(DRAIN_TOKENS),
+                "lora_path": name,
+            }
             long_req = asyncio.ensure_future(
                 self.clients[engine].generate({**body, "rid": f"drain-{name[-12:]}"})
             )
-            await asyncio.sleep(1.0)  # admitted and decoding
+            fault.detail += f"in_flight={await self._await_in_flight(engine, name)} "
         w = self.wrapped[engine]
 
         async def kill() -> None:
@@ -449,13 +464,31 @@ class Campaign:
             await self.kill_engine(engine)
 
         w.before_send("reclaim", w.calls["reclaim"] + 2, kill)
-        fault.detail = f"retired={len(retired)}"
-        with contextlib.suppress(RegistryUnavailable):
-            res = await self.pub.reclaim_ready()
-            fault.detail += " " + ",".join(f"{r.version_key.version_id}:{r.engines}" for r in res)
+        fault.detail += f"retired={len(retired)}"
+        try:
+            with contextlib.suppress(RegistryUnavailable):
+                res = await self.pub.reclaim_ready()
+                fault.detail += " " + ",".join(f"{r.version_key.version_id}:{r.engines}" for r in res)
+        finally:
+            w.disarm()  # a kill whose call never came must not fire in a later reclaim by surprise
         if long_req is not None:
             with contextlib.suppress(Exception):
                 await long_req  # killed mid-decode: OutcomeUnknown, as it must be
+
+    async def _reclaimable(self) -> list[Any]:
+        st = await self.registry.status()
+        return [v for v in st.versions if v.state.value == "RETIRED" and v.session_refs == 0]
+
+    async def _await_in_flight(self, engine: str, lora_name: str, timeout_s: float = 30.0) -> int:
+        """The engine's native in-flight count of ``lora_name`` once it is above 0 (the request
+        admitted), or the last count read when ``timeout_s`` ran out."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = await self.clients[engine].version_status(lora_name)
+            n = status.in_flight or 0
+            if n > 0 or time.monotonic() > deadline:
+                return n
+            await asyncio.sleep(0.05)
 
     async def recover(self) -> bool:
         """Resolve, reclaim and reconcile until nothing is pending, unknown or missing."""
