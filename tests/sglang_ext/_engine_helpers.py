@@ -3,7 +3,9 @@ so the engine side is tested independently of the trainer side)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import re
 import time
 import uuid
 from pathlib import Path
@@ -12,7 +14,7 @@ import httpx
 from _admin_key import ADMIN_KEY
 
 from relax_glue.snapshot import Snapshot
-from sglang_ext.devtools.engine_log import unload_lines
+from sglang_ext.devtools.engine_log import await_unload_lines, unload_lines
 from sglang_ext.protocol import BeginRequest, ReceiveBucketMeta, Routes
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -146,6 +148,37 @@ def reclaim(url: str, name: str, reclaim_id: str, timeout_s: float = 30.0) -> ht
 
 def unload_log_count(engine, lora_id: str) -> int:
     return unload_lines(engine.log_path, lora_id)
+
+
+def unload_log_count_after(engine, lora_id: str, expect: int = 1, timeout_s: float = 10.0) -> int:
+    """:func:`unload_log_count` once the log shows ``expect`` unloads or ``timeout_s`` passed (the
+    scheduler writes the line, and it may trail the reply that said the unload is done)."""
+    return asyncio.run(await_unload_lines(engine.log_path, lora_id, expect, timeout_s))
+
+
+# SGLang 0.5.23's LoRAManager.load_lora_adapter logs this once per physical load, with the new
+# LoRARef: ``LoRA adapter loading starts: LoRARef(lora_id=<id>, lora_name=<name>, ...)``.
+_LOAD_LINE = re.compile(r"LoRA adapter loading starts: LoRARef\(lora_id=(\w+), lora_name=([^,)]+)")
+
+
+def loaded_lora_ids(engine, lora_name: str) -> list[str]:
+    """The engine-local lora_ids SGLang physically loaded under ``lora_name``, in log order (the
+    table forgets a candidate's lora_id at cleanup; the log keeps every load)."""
+    text = Path(engine.log_path).read_text(errors="replace")
+    return [m[1] for m in _LOAD_LINE.finditer(text) if m[2] == lora_name]
+
+
+def first_state_other_than(url: str, name: str, state: str, timeout_s: float = 60.0) -> str:
+    """Poll ``GET /lora_versions/<name>`` as fast as it answers until the state is not ``state``;
+    that first other state (a short-lived one, LOADING, is seen this way)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(headers=ADMIN, timeout=10) as client:
+        while time.monotonic() < deadline:
+            r = client.get(f"{url}/lora_versions/{name}")
+            assert r.status_code == 200, r.text
+            if r.json()["state"] != state:
+                return r.json()["state"]
+    raise AssertionError(f"{name} stayed {state} for {timeout_s} s")
 
 
 class Published:

@@ -6,25 +6,33 @@ checked to leave the engine's state unchanged and a following publication to suc
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
+from _digest_collision import colliding_snapshots
 from _engine_helpers import (
     ADMIN,
+    EPOCH,
+    PREFIX,
     Staged,
     error_code,
+    first_state_other_than,
     generate,
+    loaded_lora_ids,
     post,
     snapshot_of,
     status,
+    unload_log_count_after,
     versions,
     visible_state,
 )
 
-from sglang_ext.protocol import Routes
+from sglang_ext.protocol import Routes, read_peft_dir
 
 pytestmark = pytest.mark.engine
 
@@ -53,6 +61,8 @@ def test_happy_path_equals_stock_load_of_the_same_adapter(
     assert ref.status_code == 200, ref.text
     expected = generate(stock_engine.url, PROMPT, "ref-B").json()["output_ids"]
     httpx.post(f"{stock_engine.url}/unload_lora_adapter", json={"lora_name": "ref-B"}, timeout=120)
+    # B must change the output, or serving the base model would "equal" the stock load too
+    assert generate(stock_engine.url, PROMPT).json()["output_ids"] != expected
     assert len(snaps["B"].bucket_plan) > 1, "the fixture must travel in several buckets"
 
     version_id = None
@@ -84,7 +94,10 @@ def test_happy_path_equals_stock_load_of_the_same_adapter(
 
 
 def test_duplicates_replay_without_second_effect(engines, snaps, cleanup_after):
-    url = engines[0].url
+    """A repeated begin, bucket or end answers what the first did and does nothing again: the
+    bucket is not counted twice, and SGLang loads the version once (its load lines in the log)."""
+    e0 = engines[0]
+    url = e0.url
     s = Staged(url, snaps["A"])
     cleanup_after.append(s)
     first = s.begin().json()
@@ -92,6 +105,7 @@ def test_duplicates_replay_without_second_effect(engines, snaps, cleanup_after):
     buckets = s.buckets()
     assert s.send_bucket(buckets[0]).json() == {"index": 0, "accepted": True, "duplicate": False}
     assert s.send_bucket(buckets[0]).json() == {"index": 0, "accepted": True, "duplicate": True}
+    assert versions(url)[s.name]["buckets_received"] == 1
     for b in buckets[1:]:
         assert s.send_bucket(b).status_code == 200
     ready = s.end().json()
@@ -101,6 +115,8 @@ def test_duplicates_replay_without_second_effect(engines, snaps, cleanup_after):
     # begin of a READY name with the same digest: the READY receipt, no second load
     assert s.begin().json() == ready
     assert versions(url)[s.name]["lora_id"] == lora_id
+    assert versions(url)[s.name]["buckets_received"] == len(buckets)
+    assert loaded_lora_ids(e0, s.name) == [lora_id]
 
 
 def test_out_of_order_and_corrupted_buckets_change_nothing(engines, snaps, cleanup_after):
@@ -147,17 +163,41 @@ def test_incompatible_adapter_is_refused_at_begin(engines, snaps, cleanup_after)
     assert_publication_still_works(url, snaps["A"], cleanup_after)
 
 
-def test_same_name_other_digest_is_a_conflict(engines, snaps, cleanup_after):
+def test_same_name_other_digest_is_a_conflict(engines, snaps, fixtures, cleanup_after):
+    """A valid begin names an existing version with another digest only when the two digests share
+    the 12 hex characters the name carries, so the two snapshots here are a real prefix collision
+    (fixture A with 6 low bytes changed; tests/sglang_ext/_digest_collision.py). The second is
+    VERSION_CONFLICT while the first is READY, from another attempt and from the one that loaded
+    it, and still after the first's cleanup (a name fixes its digest for the engine's lifetime);
+    none of these changes anything, and the first keeps serving what it served."""
     url = engines[0].url
-    a = Staged(url, snaps["A"])
+    config, tensors = read_peft_dir(fixtures.adapter_dir("A"))
+    first, second = colliding_snapshots(config, tensors, max_bucket_bytes=16 * 1024)
+    a = Staged(url, first)
     cleanup_after.append(a)
-    assert a.begin().status_code == 200
-    # Forge B's content under A's name: the name carries A's digest prefix, the body B's digest.
-    body = a.begin_req.model_dump(mode="json")
-    body_b = Staged(url, snaps["B"], a.version_id).begin_req.model_dump(mode="json")
-    body_b["lora_name"] = body["lora_name"]
-    r = post(url, Routes.BEGIN, body_b)
-    assert r.status_code in (400, 409) and error_code(r) in ("INVALID_REQUEST", "VERSION_CONFLICT")
+    assert a.publish()["state"] == "READY_LOCAL"
+    served = generate(url, PROMPT, a.name).json()["output_ids"]
+    before = visible_state(url)
+
+    def begin_second(attempt: str) -> httpx.Response:
+        req = second.begin_request(PREFIX, EPOCH, a.version_id, attempt)  # validated: a sound body
+        assert req.lora_name == a.name and req.digest != first.digest
+        return post(url, Routes.BEGIN, req.model_dump(mode="json"))
+
+    def assert_conflict(r: httpx.Response) -> None:
+        assert r.status_code == 409 and error_code(r) == "VERSION_CONFLICT", r.text
+        assert r.json()["error"]["digest"] == first.digest  # the digest the name holds here
+
+    for attempt in (uuid.uuid4().hex, a.attempt):
+        assert_conflict(begin_second(attempt))
+    assert visible_state(url) == before
+    assert generate(url, PROMPT, a.name).json()["output_ids"] == served
+
+    assert a.cleanup().json()["state"] == "CLEANED"
+    cleaned = visible_state(url)
+    assert_conflict(begin_second(uuid.uuid4().hex))
+    assert visible_state(url) == cleaned
+    assert_publication_still_works(url, snaps["B"], cleanup_after)
 
 
 def test_cleanup_is_idempotent_and_tombstones_the_attempt(engines, snaps, cleanup_after):
@@ -187,7 +227,12 @@ def test_cleanup_before_begin_prevents_a_late_begin(engines, snaps):
 
 
 def test_cleanup_racing_a_late_end_unloads_the_candidate(engines, snaps):
-    url = engines[0].url
+    """The cleanup arrives while the end's load is running (the version seen LOADING): it waits
+    for the load, which answers the end READY, then unloads what was loaded, exactly once (the
+    one lora_id SGLang loaded under the name has exactly one unload line in the engine log), and
+    the name is never served again."""
+    e0 = engines[0]
+    url = e0.url
     s = Staged(url, snaps["C"])
     assert s.begin().status_code == 200
     for b in s.buckets():
@@ -195,17 +240,22 @@ def test_cleanup_racing_a_late_end_unloads_the_candidate(engines, snaps):
     results: dict = {}
     t = threading.Thread(target=lambda: results.setdefault("end", s.end()))
     t.start()
-    time.sleep(0.05)
+    seen = first_state_other_than(url, s.name, "PREPARED")
+    assert seen == "LOADING", f"the cleanup must race the load, but the version was {seen} already"
     cleaned = s.cleanup()
     t.join()
-    assert cleaned.status_code == 200, cleaned.text
-    assert results["end"].status_code in (200, 409)  # READY first, or refused as stale
+    assert cleaned.status_code == 200 and cleaned.json()["state"] == "CLEANED", cleaned.text
+    end = results["end"]
+    assert end.status_code == 200 and end.json()["state"] == "READY_LOCAL", end.text
+    [lora_id] = loaded_lora_ids(e0, s.name)  # exactly one physical load ...
+    assert unload_log_count_after(e0, lora_id) == 1  # ... and exactly one physical unload of it
     listed = versions(url)[s.name]
     assert listed["state"] == "CLEANED" and listed["lora_id"] is None
     models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
     assert s.name not in {m["id"] for m in models}
     r = generate(url, PROMPT, s.name)
-    assert r.status_code != 200  # never served after cleanup (no fallback, no implicit reload)
+    # never served after cleanup (no fallback, no implicit reload)
+    assert r.status_code == 404 and error_code(r) == "UNKNOWN_VERSION", r.text
 
 
 def test_engine_capacity_refuses_a_third_managed_version(engines, snaps, cleanup_after):
@@ -263,69 +313,97 @@ def test_managed_names_are_protected_from_the_stock_lora_api(engines, snaps, fix
     assert generate(url, PROMPT, s.name).status_code == 200
 
 
+class TokenStream:
+    """Greedy streams on one version, one after another in a thread, recording when each streamed
+    chunk arrived (``time.perf_counter``). Entered once the first chunk arrived."""
+
+    def __init__(self, url: str, lora_name: str) -> None:
+        self.url = url
+        self.lora_name = lora_name
+        self.arrivals: list[float] = []
+        self.failures: list[str] = []
+        self._first = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def __enter__(self) -> TokenStream:
+        self._thread.start()
+        assert self._first.wait(60), f"no token on {self.lora_name} within 60 s: {self.failures}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        body = {
+            "input_ids": PROMPT,
+            "lora_path": self.lora_name,
+            "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True},
+        }
+        while not self._stop.is_set():
+            try:
+                with httpx.stream("POST", f"{self.url}/generate", json=body, timeout=120) as r:
+                    if r.status_code != 200:
+                        self.failures.append(f"status {r.status_code}")
+                        return
+                    for line in r.iter_lines():
+                        if line.startswith("data:") and line.strip() != "data: [DONE]":
+                            self.arrivals.append(time.perf_counter())
+                            self._first.set()
+            except httpx.HTTPError as exc:
+                self.failures.append(repr(exc))
+                return
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in itertools.pairwise(self.arrivals)]
+
+
+def largest_gap_within(arrivals: list[float], start: float, end: float) -> float:
+    """The longest stretch of [start, end] without an arrival, the window's edges included."""
+    marks = [start, *(t for t in arrivals if start <= t <= end), end]
+    return max(b - a for a, b in itertools.pairwise(marks))
+
+
+# A token gap on these CPU engines is tens of milliseconds (about 0.05 s even during a
+# publication); a stall of a second means the publication held the event loop or the scheduler.
+STALL_S = 1.0
+
+
 def test_generation_on_a_keeps_running_while_b_is_published(engines, snaps, cleanup_after, run_dir):
+    """From the moment B's begin is sent to the moment B's end answers READY, A's stream goes on:
+    tokens arrive inside that window and no stretch of it (its edges included) goes without one
+    for longer than STALL_S (or 5x the longest gap of the same stream without a publication)."""
     url = engines[0].url
     a = Staged(url, snaps["A"])
     cleanup_after.append(a)
     a.publish()
-    stop = threading.Event()
-    gaps: list[float] = []
-    failures: list[str] = []
-    baseline_gap: list[float] = []
+    with TokenStream(url, a.name) as alone:  # the same load without publication, for comparison
+        time.sleep(2)  # a measuring period, not a wait for a condition
+    assert not alone.failures, alone.failures
+    bound = max(STALL_S, 5 * max(alone.gaps()))
 
-    def stream_a(sink: list[float]) -> None:
-        while not stop.is_set():
-            body = {
-                "input_ids": PROMPT,
-                "lora_path": a.name,
-                "stream": True,
-                "sampling_params": {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True},
-            }
-            last = None
-            try:
-                with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
-                    if r.status_code != 200:
-                        failures.append(f"status {r.status_code}")
-                        continue
-                    for line in r.iter_lines():
-                        if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                            continue
-                        now = time.perf_counter()
-                        if last is not None:
-                            sink.append(now - last)
-                        last = now
-            except httpx.HTTPError as exc:
-                failures.append(repr(exc))
-
-    # the same load without publication, for comparison
-    t = threading.Thread(target=stream_a, args=(baseline_gap,))
-    t.start()
-    time.sleep(3)
-    stop.set()
-    t.join()
-
-    stop.clear()
-    t = threading.Thread(target=stream_a, args=(gaps,))
-    t.start()
-    time.sleep(1)
     b = Staged(url, snaps["B"])
     cleanup_after.append(b)
-    t0 = time.perf_counter()
-    b.publish()
-    publish_s = time.perf_counter() - t0
-    time.sleep(1)
-    stop.set()
-    t.join()
-    assert not failures, failures
-    assert gaps, "A produced tokens during the publication"
+    with TokenStream(url, a.name) as during:
+        t_begin = time.perf_counter()
+        assert b.publish()["state"] == "READY_LOCAL"
+        t_ready = time.perf_counter()
+    assert not during.failures, during.failures
+    inside = [t for t in during.arrivals if t_begin <= t <= t_ready]
+    gap = largest_gap_within(during.arrivals, t_begin, t_ready)
     report = {
-        "publish_s": round(publish_s, 3),
-        "max_gap_s_during_publication": round(max(gaps), 3),
-        "max_gap_s_without_publication": round(max(baseline_gap), 3),
-        "tokens_during": len(gaps),
+        "publish_s": round(t_ready - t_begin, 3),
+        "tokens_during_publication": len(inside),
+        "max_gap_s_during_publication": round(gap, 3),
+        "max_gap_s_without_publication": round(max(alone.gaps()), 3),
+        "bound_s": round(bound, 3),
     }
     (run_dir / "publication_gap.json").write_text(json.dumps(report, indent=2))
     print(f"\n[publication gap] {report}")
+    assert inside, f"no token of A arrived between B's begin and B's READY: {report}"
+    assert gap <= bound, f"A's stream stalled {gap:.3f} s during B's publication: {report}"
 
 
 def test_a_bucket_handed_over_as_a_local_file_serves_exactly_like_a_body(

@@ -9,7 +9,6 @@ the queue, r3 finds the queue full.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import httpx
@@ -45,14 +44,47 @@ def _start(url: str, name: str, rid: str, results: dict) -> threading.Thread:
     return t
 
 
+def _start_decoding(url: str, name: str, rid: str) -> threading.Thread:
+    """A long request as a stream, returned once its first token arrived: the scheduler admitted
+    it into its one running slot and decodes it (counted in flight is not enough: that is the
+    tokenizer side, before the scheduler saw it)."""
+    first = threading.Event()
+    body = {
+        "input_ids": PROMPT,
+        "lora_path": name,
+        "rid": rid,
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True},
+    }
+
+    def run() -> None:
+        with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    first.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert first.wait(60), f"{rid} produced no token within 60 s"
+    return t
+
+
+def _through_the_scheduler(url: str) -> None:
+    """One base-model request end to end. Sent after the aborts answered, it reaches the scheduler
+    after them and, with one running slot, runs only once the aborted request left it; its reply
+    comes back the way the aborts' own outputs came, after them. So every release the aborts could
+    cause has happened when this returns."""
+    r = generate(url, PROMPT, max_new_tokens=2)
+    assert r.status_code == 200, r.text
+
+
 def test_abort_of_a_queued_request_and_queue_full_503_release_once(queue_engine, fixtures):
     url = queue_engine.url
     a = Published(queue_engine, snapshot_of(fixtures.adapter_dir("A")))
     results: dict = {}
     running, queued = uuid.uuid4().hex, uuid.uuid4().hex
-    threads = [_start(url, a.name, running, results)]
-    wait_in_flight(url, a.name, 1)
-    time.sleep(0.5)  # r1 admitted and decoding
+    threads = [_start_decoding(url, a.name, running)]
+    assert in_flight(url, a.name) == 1
     threads.append(_start(url, a.name, queued, results))
     wait_in_flight(url, a.name, 2)
 
@@ -82,7 +114,7 @@ def test_repeated_terminal_messages_release_nothing_more(queue_engine, fixtures)
     assert generate(url, PROMPT, b.name, max_new_tokens=4, rid=rid).status_code == 200
     for _ in range(3):  # terminal messages for a request that already finished
         assert httpx.post(f"{url}/abort_request", json={"rid": rid}, timeout=10).status_code == 200
-    time.sleep(0.5)
+    _through_the_scheduler(url)
     assert in_flight(url, b.name) == 0
 
     results: dict = {}
@@ -104,6 +136,6 @@ def test_repeated_terminal_messages_release_nothing_more(queue_engine, fixtures)
         th.join()
     assert results["r"].json()["meta_info"]["finish_reason"]["type"] == "abort", results["r"].text[:300]
     wait_in_flight(url, b.name, 0)
-    time.sleep(0.5)
+    _through_the_scheduler(url)
     assert in_flight(url, b.name) == 0  # not -1: the second abort released nothing
     b.finish()
