@@ -9,6 +9,7 @@ the queue, r3 finds the queue full.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import httpx
@@ -44,29 +45,22 @@ def _start(url: str, name: str, rid: str, results: dict) -> threading.Thread:
     return t
 
 
-def _start_decoding(url: str, name: str, rid: str) -> threading.Thread:
-    """A long request as a stream, returned once its first token arrived: the scheduler admitted
-    it into its one running slot and decodes it (counted in flight is not enough: that is the
-    tokenizer side, before the scheduler saw it)."""
-    first = threading.Event()
-    body = {
-        "input_ids": PROMPT,
-        "lora_path": name,
-        "rid": rid,
-        "stream": True,
-        "sampling_params": {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True},
-    }
+def _scheduler_counts(url: str) -> tuple[int, int]:
+    """(running, waiting) requests as the scheduler itself counts them (SGLang's ``/v1/loads``):
+    in flight is the tokenizer side, which counts a request before the scheduler has seen it."""
+    r = httpx.get(f"{url}/v1/loads", params={"include": "core"}, timeout=10)
+    assert r.status_code == 200, r.text
+    [load] = r.json()["loads"]
+    return load["num_running_reqs"], load["num_waiting_reqs"]
 
-    def run() -> None:
-        with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    first.set()
 
-    t = threading.Thread(target=run)
-    t.start()
-    assert first.wait(60), f"{rid} produced no token within 60 s"
-    return t
+def _wait_scheduler(url: str, running: int, waiting: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _scheduler_counts(url) == (running, waiting):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"scheduler never at {running} running, {waiting} waiting: {_scheduler_counts(url)}")
 
 
 def _through_the_scheduler(url: str) -> None:
@@ -83,10 +77,12 @@ def test_abort_of_a_queued_request_and_queue_full_503_release_once(queue_engine,
     a = Published(queue_engine, snapshot_of(fixtures.adapter_dir("A")))
     results: dict = {}
     running, queued = uuid.uuid4().hex, uuid.uuid4().hex
-    threads = [_start_decoding(url, a.name, running)]
+    threads = [_start(url, a.name, running, results)]
+    _wait_scheduler(url, running=1, waiting=0)  # r1 admitted and decoding
     assert in_flight(url, a.name) == 1
     threads.append(_start(url, a.name, queued, results))
-    wait_in_flight(url, a.name, 2)
+    _wait_scheduler(url, running=1, waiting=1)  # r2 in the scheduler's queue: it is full now
+    assert in_flight(url, a.name) == 2
 
     full = generate(url, PROMPT, a.name, max_new_tokens=4)
     assert full.status_code == 503, full.text  # the queue is full: rejected after acquire
