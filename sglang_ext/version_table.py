@@ -218,6 +218,8 @@ class VersionTable:
         # fixes its digest here for the incarnation's lifetime (VERSION_CONFLICT), so this binds
         # the token to exactly one (name, digest): one attempt can never feed two versions.
         self.attempt_owner: dict[str, str] = {}
+        # version key -> the one digest it was begun with in this incarnation (VERSION_CONFLICT)
+        self.key_digest: dict[VersionKey, str] = {}
 
     # ----------------------------------------------------------------------------- queries
 
@@ -349,6 +351,16 @@ class VersionTable:
                 lora_name=req.lora_name,
                 digest=existing.digest,
             )
+        keyed = self.key_digest.get(req.version_key)
+        if keyed is not None and keyed != req.digest:
+            # Another digest gives another name, so the check above cannot see it: a version
+            # key names one adapter for the engine's lifetime, as the registry's does per epoch.
+            raise _err(
+                ErrorCode.VERSION_CONFLICT,
+                f"version {req.version_key.epoch}/{req.version_key.version_id} exists here with another "
+                "digest",
+                digest=keyed,
+            )
         if existing is not None and existing.state in (S.RECLAIMING, S.UNLOADED):
             raise _err(
                 ErrorCode.VERSION_RECLAIMED,
@@ -397,6 +409,7 @@ class VersionTable:
             updated_at=now,
         )
         self.versions[req.lora_name] = v  # replaces a CLEANED record of an earlier attempt
+        self.key_digest[req.version_key] = req.digest
         self.attempt_owner[req.attempt_token] = req.lora_name
         return self.prepared_receipt(v)
 
