@@ -20,6 +20,7 @@ from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.registry_types import VersionKey, VersionState
 from relax_glue.snapshot_store import SnapshotStore
 from relax_glue.store import DurableRegistry
+from sglang_ext import protocol as wire
 from sglang_ext.errors import ErrorCode, LoraVersionError
 
 SNAP = {name: make_snapshot(seed=i) for i, name in enumerate("ABC")}
@@ -129,3 +130,51 @@ async def test_a_restarted_engine_on_another_base_gets_no_restore(tmp_path: Path
     assert result.outcome is RestoreOutcome.CONFLICT and "base" in result.detail
     assert len(e1.ops("begin")) == begins and e1.table.versions == {}
     assert reg.version(VersionKey(EPOCH, "A")).state is VersionState.PUBLISHED
+
+
+def _status(base_label: str | None) -> wire.EngineStatus:
+    return wire.EngineStatus(incarnation="i1", base=fake_base(base_label) if base_label else None)
+
+
+_ALL_PARTS = ["config", "tokenizer", "weights", "serving"]
+
+
+@pytest.mark.parametrize(
+    ("bases", "differ"),
+    [
+        ({"E0": "ours", "E1": "ours"}, {}),
+        ({"E0": "ours", "E1": "theirs"}, {"E1": _ALL_PARTS}),
+        ({"E0": "ours", "E1": None}, {"E1": ["no fingerprint"]}),
+        # the reference is the first engine that HAS a fingerprint, not the first engine
+        ({"E0": None, "E1": "ours", "E2": "theirs"}, {"E0": ["no fingerprint"], "E2": _ALL_PARTS}),
+        ({"E0": None, "E1": None}, {"E0": ["no fingerprint"], "E1": ["no fingerprint"]}),
+        ({"E0": "ours", "E1": "theirs", "E2": "ours"}, {"E1": _ALL_PARTS}),
+    ],
+)
+def test_base_mismatch_names_every_engine_that_differs_and_how(
+    bases: dict[str, str | None], differ: dict[str, list[str]]
+) -> None:
+    """The refusal's details, engine by engine: an engine without a fingerprint (not a plugin
+    engine, or one that could not fingerprint its base) is named as such, never skipped; an
+    engine on another base is named with the parts that differ from the reference."""
+    from relax_glue.publisher import base_mismatch
+
+    statuses = {e: _status(label) for e, label in bases.items()}
+    err = base_mismatch(statuses)
+    assert err.code is ErrorCode.BASE_MISMATCH
+    assert err.details["differ"] == differ
+    assert err.details["fingerprints"] == {
+        e: fake_base(label).fingerprint if label else None for e, label in bases.items()
+    }
+
+
+def test_base_mismatch_names_only_the_parts_that_differ() -> None:
+    from relax_glue.publisher import base_mismatch
+
+    ours = fake_base("ours")
+    tokenizer_only = ours.model_copy(update={"tokenizer": fake_base("x").tokenizer, "fingerprint": "c" * 64})
+    statuses = {
+        "E0": wire.EngineStatus(incarnation="i1", base=ours),
+        "E1": wire.EngineStatus(incarnation="i1", base=tokenizer_only),
+    }
+    assert base_mismatch(statuses).details["differ"] == {"E1": ["tokenizer"]}

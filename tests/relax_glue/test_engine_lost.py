@@ -142,3 +142,60 @@ async def test_the_publisher_finishes_a_stuck_reclaim_and_publishes_without_the_
 def test_a_declaration_needs_a_reason_of_bounded_size(reason: str) -> None:
     reg = new_registry()
     refused(ErrorCode.INVALID_REQUEST, reg.declare_engine_lost, "E1", reason)
+
+
+THREE = ("E0", "E1", "E2")
+_ATTEMPT_ROWS = ["CLEANED", "NONE", "UNKNOWN"]
+_RECLAIM_ROWS = ["UNLOADED", "PENDING", "UNKNOWN"]
+
+
+@pytest.mark.parametrize("e0", _ATTEMPT_ROWS)
+@pytest.mark.parametrize("e1", _ATTEMPT_ROWS)
+def test_losing_an_engine_finishes_an_aborted_attempt_only_if_every_other_engine_cleaned(
+    e0: str, e1: str
+) -> None:
+    """Cohort of three, E2 lost while B is ABORTED: B becomes FAILED_CLEAN (its slot freed) only
+    when both remaining engines confirmed its cleanup; one engine not (yet) clean or unknown
+    keeps it ABORTED, holding its slot, and its unknown outcome stays."""
+    reg = new_registry(engines=THREE, capacity=3)
+    pub = Publisher(reg)
+    pub.reserve("B")
+    reg.abort(pub.token("B"), "x")
+    reg.mark_engine_unknown("E2", pub.token("B"), "cleanup", "gone")
+    for engine, phase in (("E0", e0), ("E1", e1)):
+        if phase == "CLEANED":
+            pub.cleanup("B", engine)
+        elif phase == "UNKNOWN":
+            reg.mark_engine_unknown(engine, pub.token("B"), "cleanup", "no answer")
+    res = reg.declare_engine_lost("E2", "host died")
+    done = e0 == e1 == "CLEANED"
+    assert res.finished == ((vk("B"),) if done else ())
+    view = reg.version(vk("B"))
+    assert view.state is (VersionState.FAILED_CLEAN if done else VersionState.ABORTED)
+    assert dict(view.attempt_phases) == {"E0": AttemptPhase(e0), "E1": AttemptPhase(e1)}
+    assert reg.status().slots_used == (0 if done else 1)
+    still_unknown = sorted(e for e, p in (("E0", e0), ("E1", e1)) if p == "UNKNOWN")
+    assert [u.engine_id for u in reg.status().unknown_outcomes] == still_unknown
+
+
+@pytest.mark.parametrize("e0", _RECLAIM_ROWS)
+@pytest.mark.parametrize("e1", _RECLAIM_ROWS)
+def test_losing_an_engine_finishes_a_reclaim_only_if_every_other_engine_unloaded(e0: str, e1: str) -> None:
+    reg = new_registry(engines=THREE, capacity=3)
+    pub = Publisher(reg)
+    pub.publish("A")
+    pub.publish("B")
+    claim = reg.claim_reclaim(vk("A"))
+    reg.mark_engine_unknown("E2", claim.reclaim_id, "reclaim", "gone")
+    for engine, phase in (("E0", e0), ("E1", e1)):
+        if phase == "UNLOADED":
+            pub.unloaded("A", engine, claim)
+        elif phase == "UNKNOWN":
+            reg.mark_engine_unknown(engine, claim.reclaim_id, "reclaim", "no answer")
+    res = reg.declare_engine_lost("E2", "host died")
+    done = e0 == e1 == "UNLOADED"
+    assert res.finished == ((vk("A"),) if done else ())
+    view = reg.version(vk("A"))
+    assert view.state is (VersionState.RECLAIMED if done else VersionState.RECLAIMING)
+    assert dict(view.reclaim_phases) == {"E0": ReclaimPhase(e0), "E1": ReclaimPhase(e1)}
+    assert reg.status().slots_used == (1 if done else 2)

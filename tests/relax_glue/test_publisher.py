@@ -703,6 +703,68 @@ def test_resolve_has_one_action_for_every_engine_state():
     )
 
 
+def _version_status(state: EngineVersionState, **kw: Any) -> wire.VersionStatus:
+    fields = dict(
+        lora_name="p@e-v-aaaaaaaaaaaa",
+        state=state,
+        version_key=wire.VersionKey(epoch="e", version_id="v"),
+        digest="a" * 64,
+        attempt_token="tok-1",
+        incarnation="inc",
+        created_at=0.0,
+        updated_at=0.0,
+    )
+    return wire.VersionStatus(**{**fields, **kw})
+
+
+@pytest.mark.parametrize(
+    ("received", "total", "action"),
+    [
+        (0, 0, "REDRIVE"),  # a status that reports no plan proves nothing arrived: begin again
+        (0, 1, "REDRIVE"),
+        (1, 1, "END"),
+        (0, 3, "REDRIVE"),
+        (1, 3, "REDRIVE"),
+        (2, 3, "REDRIVE"),  # one bucket short is not complete
+        (3, 3, "END"),
+    ],
+)
+def test_resolve_ends_a_prepared_attempt_only_when_every_planned_bucket_is_there(
+    received: int, total: int, action: str
+) -> None:
+    from relax_glue.publisher import ResolveAction, resolve_action
+
+    vs = _version_status(EngineVersionState.PREPARED, buckets_received=received, buckets_total=total)
+    assert resolve_action(vs, "tok-1", "a" * 64) is ResolveAction(action)
+
+
+@pytest.mark.parametrize("state", list(EngineVersionState))
+@pytest.mark.parametrize("foreign", ["attempt_token", "digest", "both"])
+def test_resolve_never_drives_a_name_another_attempt_or_digest_holds(state, foreign: str) -> None:
+    """Whatever its state (even READY_LOCAL with every bucket), a name held under another
+    attempt token or another digest is DOOMED for this attempt: never recorded READY, never
+    ended, never re-driven over."""
+    from relax_glue.publisher import ResolveAction, resolve_action
+
+    other = {"attempt_token": "tok-other", "digest": "b" * 64}
+    changes = other if foreign == "both" else {foreign: other[foreign]}
+    vs = _version_status(state, buckets_received=2, buckets_total=2, **changes)
+    assert resolve_action(vs, "tok-1", "a" * 64) is ResolveAction.DOOMED
+
+
+@pytest.mark.parametrize("outcome", list(PublishOutcome))
+@pytest.mark.parametrize("state", [None, *VersionState])
+def test_a_publish_result_is_ok_only_when_published_and_holds_a_slot_by_the_registry_rule(outcome, state):
+    """``ok``: the version is the default now (committed by this call or earlier); every other
+    outcome is not. ``holds_slot``: the registry's one slot rule on the state read after the
+    run; a result with no state read (not reserved, registry unreachable) holds nothing."""
+    from relax_glue.registry import holds_slot
+
+    result = PublishResult(outcome, VersionKey(EPOCH, "A"), "n", "a" * 64, None, state)
+    assert result.ok == (outcome in (PublishOutcome.PUBLISHED, PublishOutcome.ALREADY_PUBLISHED))
+    assert result.holds_slot == (state is not None and holds_slot(state))
+
+
 # ---------------------------------------------------------------------------- N engines
 
 THREE = ("E0", "E1", "E2")

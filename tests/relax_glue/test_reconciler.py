@@ -152,6 +152,40 @@ async def test_retired_versions_without_session_refs_are_not_wanted(world: World
     assert [v.version_key.version_id for v in wanted_versions(world.reg.status())] == ["B"]
 
 
+_COMMIT_ORDER = "CADBE"  # version ids that do not sort like their commits; E is the default
+
+
+@pytest.mark.parametrize(
+    ("held", "wanted"),
+    [
+        ((), ["E"]),
+        (("A",), ["E", "A"]),
+        (("C", "D"), ["E", "D", "C"]),
+        (("C", "A", "D", "B"), ["E", "B", "D", "A", "C"]),
+        (("A", "B"), ["E", "B", "A"]),
+    ],
+)
+def test_wanted_versions_is_the_default_then_every_held_retired_version_newest_first(
+    held: tuple[str, ...], wanted: list[str]
+) -> None:
+    """Commits in the order C, A, D, B, E; a session bound to each version in ``held`` while it
+    was the default. Wanted: the default, then each retired version a session still holds, by
+    commit revision from the newest. A retired version nobody holds is not wanted, RETIRED or
+    RECLAIMING."""
+    from _rg_helpers import Publisher as RegistryPublisher
+
+    reg = new_registry(capacity=len(_COMMIT_ORDER))
+    pub = RegistryPublisher(reg)
+    for vid in _COMMIT_ORDER:
+        pub.publish(vid)
+        if vid in held:
+            reg.bind_first(sk(f"s-{vid}"))
+    unheld = [v for v in _COMMIT_ORDER[:-1] if v not in held]
+    if unheld:
+        reg.claim_reclaim(VersionKey(EPOCH, unheld[0]))  # one RECLAIMING, the others RETIRED
+    assert [v.version_key.version_id for v in wanted_versions(reg.status())] == wanted
+
+
 # ----------------------------------------------------------------------------------- restore
 
 

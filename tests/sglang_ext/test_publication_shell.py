@@ -6,6 +6,7 @@ Each ends by checking what holds a slot, what is servable and how many physical 
 from __future__ import annotations
 
 import asyncio
+import copy
 import uuid
 
 import pytest
@@ -373,3 +374,509 @@ def test_the_publication_service_takes_the_lock_set_it_shares_with_reclaim():
     sh = Shell()
     with pytest.raises(TypeError):
         PublicationService(sh.table, sh.native, fake_staging())  # type: ignore[call-arg]
+
+
+# ---------------------------------------------------------------- remove_version, row by row
+
+
+async def _ready_in(shell: Shell, seed: int, removal: str) -> tuple[str, str]:
+    """A READY version whose removal is ``removal``: "none" (still served), "reclaim"
+    (RECLAIMING under r1) or "cleanup" (a cleanup marked it cleaning)."""
+    name, token = await shell.stage(seed)
+    await shell.end(name, token)
+    if removal == "reclaim":
+        shell.table.start_reclaim(name, "r1")
+    elif removal == "cleanup":
+        shell.table.mark_cleaning(name, token)
+    return name, token
+
+
+@pytest.mark.parametrize(
+    ("removal", "in_flight", "unloaded"),
+    [
+        ("none", 0, False),  # never unloaded while its removal has not started, even when idle
+        ("none", 1, False),
+        ("reclaim", 0, True),
+        ("reclaim", 1, False),  # drained within the call's bound: still one request in it
+        ("cleanup", 0, True),
+        ("cleanup", 1, False),
+    ],
+)
+async def test_remove_version_unloads_only_a_version_being_removed_with_nothing_in_flight(
+    shell, removal: str, in_flight: int, unloaded: bool
+):
+    from sglang_ext.publication import RemovalPending, remove_version
+
+    name, _ = await _ready_in(shell, 60, removal)
+    lora_id = shell.table.get(name).lora_id
+    for _ in range(in_flight):
+        shell.native.acquire(name)
+    result = await remove_version(shell.table, shell.native, name, lora_id, 0.02)
+    assert name not in shell.native.registry  # unregistered first, whatever follows
+    if unloaded:
+        assert result is None and shell.native.unloads[name] == 1 and lora_id not in shell.native.loaded
+    else:
+        assert result == RemovalPending(in_flight) and shell.native.unloads[name] == 0
+        assert lora_id in shell.native.loaded
+
+
+async def test_remove_version_of_a_name_with_nothing_loaded_touches_nothing(shell):
+    from sglang_ext.publication import remove_version
+
+    name, _ = await _ready_in(shell, 61, "reclaim")
+    registry = dict(shell.native.registry)
+    assert await remove_version(shell.table, shell.native, name, None, 0.02) is None
+    assert shell.native.registry == registry and shell.native.unloads[name] == 0
+
+
+@pytest.mark.parametrize("code", [c for c in ErrorCode if c is not ErrorCode.LOAD_FAILED])
+async def test_only_sglangs_not_unloaded_answer_makes_a_removal_pending(shell, code: ErrorCode):
+    """SGLang answering "not unloaded" (LOAD_FAILED) after the name was unregistered is a removal
+    still pending: retried by the next call. Every other error is raised to the caller as it is,
+    never turned into a pending removal that hides it."""
+    from sglang_ext.publication import RemovalPending, remove_version
+
+    name, _ = await _ready_in(shell, 62, "reclaim")
+    lora_id = shell.table.get(name).lora_id
+    shell.native.fail_next("physical_unload", LoraVersionError(code, "injected"))
+    with pytest.raises(LoraVersionError) as info:
+        await remove_version(shell.table, shell.native, name, lora_id, 0.02)
+    assert info.value.code is code
+    shell.native.fail_next("physical_unload")  # LOAD_FAILED
+    pending = await remove_version(shell.table, shell.native, name, lora_id, 0.02)
+    assert isinstance(pending, RemovalPending) and pending.in_flight == 0 and pending.unload_error
+    assert await remove_version(shell.table, shell.native, name, lora_id, 0.02) is None
+    assert shell.native.unloads[name] == 1
+
+
+async def test_an_error_that_is_no_lora_version_error_is_raised_too(shell):
+    from sglang_ext.publication import remove_version
+
+    name, _ = await _ready_in(shell, 63, "reclaim")
+    shell.native.fail_next("physical_unload", RuntimeError("scheduler died"))
+    with pytest.raises(RuntimeError):
+        await remove_version(shell.table, shell.native, name, shell.table.get(name).lora_id, 0.02)
+
+
+# ------------------------------------------------------------------------------ name locks
+
+
+async def _ticks(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_a_name_lock_serialises_every_holder_and_waiter_and_is_gone_after():
+    """Holder, waiter, and a caller arriving while the waiter holds: never two inside at once
+    (the lock must not be dropped while anyone still holds or waits for it); other names run
+    alongside; the lock of a name exists only while someone holds or waits for it."""
+    from sglang_ext.publication import NameLocks
+
+    locks = NameLocks()
+    inside: list[str] = []
+    most = 0
+    gates = {who: asyncio.Event() for who in ("t1", "t2", "t3", "other")}
+    entered = {who: asyncio.Event() for who in gates}
+
+    async def user(who: str, name: str = "a") -> None:
+        nonlocal most
+        async with locks[name]:
+            inside.append(who)
+            most = max(most, sum(1 for w in inside if w != "other"))
+            entered[who].set()
+            await gates[who].wait()
+            inside.remove(who)
+
+    t1 = asyncio.ensure_future(user("t1"))
+    await entered["t1"].wait()
+    t2 = asyncio.ensure_future(user("t2"))
+    other = asyncio.ensure_future(user("other", "b"))
+    await entered["other"].wait()  # another name is not blocked by "a"
+    await _ticks()
+    assert not entered["t2"].is_set()
+    gates["t1"].set()
+    await entered["t2"].wait()
+    t3 = asyncio.ensure_future(user("t3"))  # arrives while t2 holds, nobody else waits
+    await _ticks()
+    assert not entered["t3"].is_set(), "a caller got in while the lock was held"
+    gates["t2"].set()
+    await entered["t3"].wait()
+    gates["t3"].set()
+    gates["other"].set()
+    await asyncio.gather(t1, t2, t3, other)
+    assert most == 1 and locks._locks == {}
+
+
+async def test_a_cancelled_waiter_leaves_no_lock_behind():
+    from sglang_ext.publication import NameLocks
+
+    locks = NameLocks()
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with locks["a"]:
+            await release.wait()
+
+    holder = asyncio.ensure_future(hold())
+    await _ticks()
+    waiter = asyncio.ensure_future(hold())
+    await _ticks()
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert "a" in locks._locks  # still held
+    release.set()
+    await holder
+    assert locks._locks == {}
+
+
+# ------------------------------------------------------------------- begin and staging room
+
+
+def _no_room(shell: Shell) -> list[int]:
+    """The staging directory is full from now on; returns the sizes it was asked to hold."""
+    asked: list[int] = []
+
+    def full(nbytes: int, what: str) -> None:
+        asked.append(nbytes)
+        raise LoraVersionError(ErrorCode.PAYLOAD_TOO_LARGE, f"{what}: no room")
+
+    shell.publication.staging.check_room = full
+    return asked
+
+
+async def test_every_new_attempt_is_checked_for_room_before_the_table_changes(shell):
+    """A new attempt of a name, also one whose earlier attempt was cleaned up (the table holds a
+    CLEANED record of it), is refused with nothing reserved when staging has no room; a retry of
+    the current attempt (PREPARED or READY) is answered from the table, whatever the room."""
+    cleaned_name, cleaned_token = await shell.stage(66)
+    await shell.cleanup(cleaned_name, cleaned_token)
+    prepared_name, _ = await shell.stage(64)
+    ready_name, ready_token = await shell.stage(65)
+    await shell.end(ready_name, ready_token)
+    asked = _no_room(shell)
+    assert (await shell.publication.begin(shell.begin_req[prepared_name])).state == "PREPARED"
+    assert (await shell.publication.begin(shell.begin_req[ready_name])).state == "READY_LOCAL"
+    assert asked == []
+    fresh = shell.snapshots[66].begin_request("p", "e", "v66", uuid.uuid4().hex)  # same version, new attempt
+    for req in (fresh, shell.snapshots[64].begin_request("p", "e", "v64b", uuid.uuid4().hex)):
+        before = copy.deepcopy((shell.table.versions, shell.table.attempt_owner))
+        with pytest.raises(LoraVersionError) as info:
+            await shell.publication.begin(req)
+        assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE
+        assert (shell.table.versions, shell.table.attempt_owner) == before
+    assert asked == [fresh.manifest.total_bytes, shell.snapshots[64].manifest.total_bytes]
+    assert shell.table.get(cleaned_name).attempt_token == cleaned_token
+
+
+# -------------------------------------------------------------------- reclaim, row by row
+
+
+async def test_a_reclaim_of_a_name_this_engine_does_not_hold_is_unloaded_at_once(shell):
+    """After a restart an engine holds none of its old versions: a reclaim of a name it never
+    loaded, or holds only as a CLEANED tombstone, answers UNLOADED (authoritative, so the
+    registry slot can be freed), unloads nothing and adds nothing to the table."""
+    name, token = await shell.stage(67)
+    await shell.cleanup(name, token)
+    never = "relax_policy_lora@e-v99-" + "0" * 12
+    for target in (never, name):
+        before = copy.deepcopy(shell.table.versions)
+        receipt = await shell.reclaim(target, "r1")
+        assert receipt.state == "UNLOADED" and receipt.reclaim_id == "r1" and receipt.lora_name == target
+        assert shell.table.versions == before and shell.native.unloads[target] == 0
+    staging, _ = await shell.stage(68)
+    with pytest.raises(LoraVersionError) as info:
+        await shell.reclaim(staging, "r1")  # PREPARED: a candidate is cleaned up, never reclaimed
+    assert info.value.code is ErrorCode.VERSION_NOT_READY
+
+
+async def test_two_calls_of_one_reclaim_draining_together_both_end_unloaded_once(shell):
+    """A repeated reclaim call (same id) joins the drain outside the name lock; when the last
+    request ends, the first to finish unloads and the other finds the version UNLOADED: both
+    answer UNLOADED, exactly one physical unload, no error."""
+    name, token = await shell.stage(69)
+    await shell.end(name, token)
+    lora_id = shell.native.acquire(name)
+    first = asyncio.ensure_future(shell.reclaim(name, "r1", timeout_s=5.0))
+    second = asyncio.ensure_future(shell.reclaim(name, "r1", timeout_s=5.0))
+    await asyncio.sleep(0.05)
+    assert not first.done() and not second.done()
+    shell.native.release(lora_id)
+    answers = await asyncio.gather(first, second)
+    assert [a.state for a in answers] == ["UNLOADED", "UNLOADED"]
+    assert shell.native.unloads[name] == 1 and shell.table.get(name).state == "UNLOADED"
+    assert shell.reclaim_service._drain_started == {}
+
+
+# ------------------------------------------------------------------ racing calls of one name
+
+
+async def _begun(shell: Shell, seed: int):
+    """A staged begin without any bucket; (request, its snapshot's buckets)."""
+    await shell.stage(seed)  # records the snapshot; its own version is left as it is
+    snap = shell.snapshots[seed]
+    req = snap.begin_request("p", "e", f"w{seed}", uuid.uuid4().hex)
+    await shell.publication.begin(req)
+    return req, list(snap.iter_buckets())
+
+
+def _held_reader(payload: bytes, gate: asyncio.Event, started: asyncio.Event):
+    async def read(cap: int, receiver) -> None:
+        started.set()
+        await gate.wait()
+        receiver.feed(payload)
+
+    return read
+
+
+async def test_two_uploads_of_one_bucket_racing_are_both_acknowledged_and_stored_once(shell):
+    """Both bodies are read outside the name lock; the check is asked again before the commit:
+    the first stores the bucket, the second is answered as a duplicate and stores nothing."""
+    req, buckets = await _begun(shell, 70)
+    b = buckets[0]
+    meta = ReceiveBucketMeta(
+        lora_name=req.lora_name, attempt_token=req.attempt_token, index=0, sha256=b.sha256
+    )
+    gate = asyncio.Event()
+    started = [asyncio.Event(), asyncio.Event()]
+    uploads = [
+        asyncio.ensure_future(shell.publication.receive_bucket(meta, _held_reader(b.payload, gate, s)))
+        for s in started
+    ]
+    for s in started:
+        await s.wait()  # both passed the first check and are reading
+    gate.set()
+    acks = await asyncio.gather(*uploads)
+    assert sorted(a.duplicate for a in acks) == [False, True] and all(a.accepted for a in acks)
+    assert shell.table.get(req.lora_name).next_bucket == 1
+    key = (req.lora_name, req.attempt_token)
+    files = sorted(p.name for p in shell.publication.staging.attempt_dir(key).iterdir())
+    assert files == ["bucket-00000.safetensors"]
+    assert not [p for p in shell.publication.staging.root.glob("incoming-*")]  # no stray part
+
+
+async def test_a_bucket_whose_attempt_is_cleaned_while_its_body_is_read_is_refused_and_left_nowhere(shell):
+    req, buckets = await _begun(shell, 71)
+    b = buckets[0]
+    meta = ReceiveBucketMeta(
+        lora_name=req.lora_name, attempt_token=req.attempt_token, index=0, sha256=b.sha256
+    )
+    before = staged_files(shell)  # the other version's bucket only
+    gate, started = asyncio.Event(), asyncio.Event()
+    reader = _held_reader(b.payload, gate, started)
+    upload = asyncio.ensure_future(shell.publication.receive_bucket(meta, reader))
+    await started.wait()
+    assert (await shell.cleanup(req.lora_name, req.attempt_token)).state == "CLEANED"
+    gate.set()
+    with pytest.raises(LoraVersionError) as info:
+        await upload
+    assert info.value.code is ErrorCode.STALE_ATTEMPT
+    assert staged_files(shell) == before  # neither committed nor left as a stray part
+    assert shell.table.get(req.lora_name).state == "CLEANED"
+
+
+async def test_two_ends_racing_share_one_load(shell, monkeypatch):
+    """A second end while the load runs joins it (JOIN): one native load, one probe, both
+    answered READY_LOCAL with the same receipt."""
+    name, token = await shell.stage(72)
+    gate, loads = asyncio.Event(), []
+    real_load = shell.native.load_pinned
+
+    async def slow_load(*args):
+        loads.append(args[0])
+        await gate.wait()
+        return await real_load(*args)
+
+    monkeypatch.setattr(shell.native, "load_pinned", slow_load)
+    first = asyncio.ensure_future(shell.end(name, token))
+    await _ticks()
+    second = asyncio.ensure_future(shell.end(name, token))
+    await _ticks()
+    assert shell.table.get(name).state == "LOADING" and not second.done()
+    gate.set()
+    receipts = await asyncio.gather(first, second)
+    assert receipts[0] == receipts[1] and receipts[0].state == "READY_LOCAL"
+    assert loads == [name] and len(shell.native.loaded) == 1
+    assert (await shell.end(name, token)) == receipts[0]  # READY: the stored receipt, no load
+    assert loads == [name]
+
+
+class _DrainClock:
+    """The reclaim service's monotonic clock, moved by hand, and the drain times it reported."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.drained: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def metrics(self):
+        from sglang_ext.metrics import NO_METRICS
+
+        clock = self
+
+        class Recording(type(NO_METRICS)):
+            def drained(self, seconds: float) -> None:
+                clock.drained.append(seconds)
+
+        return Recording()
+
+
+async def test_a_reclaims_drain_time_runs_from_its_start_across_every_resumed_call(shell, monkeypatch):
+    """The drain time a reclaim reports is from the call that started it to the unload, however
+    many resumed calls (same reclaim id) polled it in between; it is reported once."""
+    from types import SimpleNamespace
+
+    import sglang_ext.reclaim as reclaim_module
+
+    clock = _DrainClock()
+    # the module's own clock only: asyncio's loop keeps the real one
+    monkeypatch.setattr(reclaim_module, "time", SimpleNamespace(monotonic=clock))
+    shell.reclaim_service = ReclaimService(shell.table, shell.native, shell.locks, clock.metrics())
+    name, token = await shell.stage(73)
+    await shell.end(name, token)
+    lora_id = shell.native.acquire(name)
+    assert isinstance(await shell.reclaim(name, "r1", timeout_s=0.01), DrainingReply)  # started at 100
+    for now in (103.0, 105.0):
+        clock.now = now
+        assert isinstance(await shell.reclaim(name, "r1", timeout_s=0.01), DrainingReply)
+    clock.now = 107.0
+    shell.native.release(lora_id)
+    assert (await shell.reclaim(name, "r1")).state == "UNLOADED"
+    assert (await shell.reclaim(name, "r1")).state == "UNLOADED"  # a replay reports nothing more
+    assert clock.drained == [7.0]
+
+
+def _attempt_dirs(shell: Shell) -> list:
+    return sorted(p.name for p in shell.publication.staging.root.iterdir() if p.name.startswith("attempt-"))
+
+
+async def test_only_a_begin_that_starts_staging_makes_a_staging_directory(shell):
+    """A replayed begin of a READY version (nothing to stage) and a refused begin leave no
+    directory behind: a directory per replay would outlive the version (reclaim removes none)."""
+    name, token = await shell.stage(74)
+    await shell.end(name, token)
+    assert _attempt_dirs(shell) == []
+    assert (await shell.publication.begin(shell.begin_req[name])).state == "READY_LOCAL"
+    assert _attempt_dirs(shell) == []
+    other = shell.begin_req[name].model_copy(update={"attempt_token": uuid.uuid4().hex})
+    with pytest.raises(LoraVersionError) as info:
+        await shell.publication.begin(other)
+    assert info.value.code is ErrorCode.NOT_ATTEMPT_OWNER and _attempt_dirs(shell) == []
+    assert (await shell.reclaim(name, "r1")).state == "UNLOADED"
+    assert list(shell.publication.staging.root.iterdir()) == []
+
+
+async def test_a_negative_count_is_recorded_as_an_anomaly_by_every_reclaim_call_it_refuses(shell):
+    """The count is checked before anything changes, on the call that would start the reclaim
+    and on every call that would resume it: each refusal is seen (typed and counted)."""
+    anomalies: list[str] = []
+    from sglang_ext.metrics import NO_METRICS
+
+    class Recording(type(NO_METRICS)):
+        def anomaly(self, kind: str) -> None:
+            anomalies.append(kind)
+
+    shell.reclaim_service = ReclaimService(shell.table, shell.native, shell.locks, Recording())
+    name, token = await shell.stage(75)
+    await shell.end(name, token)
+    lora_id = shell.native.lora_id_of(name)
+    shell.native.acquire(name)
+    assert isinstance(await shell.reclaim(name, "r1", timeout_s=0.01), DrainingReply)  # started
+    shell.native.release(lora_id)
+    shell.native.release(lora_id)  # -1: a release without an acquire
+    for _ in range(2):
+        with pytest.raises(LoraVersionError) as info:
+            await shell.reclaim(name, "r1")
+        assert info.value.code is ErrorCode.IN_FLIGHT_ANOMALY
+    assert anomalies == ["negative_in_flight", "negative_in_flight"]
+    assert shell.native.unloads[name] == 0 and shell.table.get(name).state == "RECLAIMING"
+
+
+async def test_a_body_that_declares_more_than_its_bucket_can_hold_is_refused_at_once(shell):
+    """The receiver's cap is the bucket's own bound (its tensor bytes plus a header allowance),
+    never the engine-wide bucket cap: a header length past it is PAYLOAD_TOO_LARGE on the first
+    chunk, before anything more is read or buffered."""
+    import struct
+
+    from sglang_ext.transport import max_payload_bytes
+
+    req, buckets = await _begun(shell, 76)
+    b = buckets[0]
+    v = shell.table.get(req.lora_name)
+    own_bound = max_payload_bytes(v.manifest, v.plan[0])
+    assert own_bound + 2**16 < shell.table.limits.max_bucket_bytes
+    meta = ReceiveBucketMeta(
+        lora_name=req.lora_name, attempt_token=req.attempt_token, index=0, sha256=b.sha256
+    )
+    fed: list[int] = []
+
+    async def read(cap: int, receiver) -> None:
+        chunk = struct.pack("<Q", own_bound + 2**16) + b"{"  # a header longer than the bucket's cap
+        fed.append(len(chunk))
+        receiver.feed(chunk)
+        fed.append(-1)  # never reached: refused inside feed
+
+    before = staged_files(shell)
+    with pytest.raises(LoraVersionError) as info:
+        await shell.publication.receive_bucket(meta, read)
+    assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE
+    assert fed == [9] and staged_files(shell) == before and v.next_bucket == 0
+
+
+async def _cleanup_case(shell: Shell, case: str) -> tuple[str, str]:
+    if case == "never_seen":
+        return "relax_policy_lora@e-v98-" + "0" * 12, uuid.uuid4().hex
+    name, token = await shell.stage(77)
+    if case in ("ready", "replayed", "failed"):
+        if case == "failed":
+            shell.native.fail_next("probe")
+            shell.native.fail_next("physical_unload")
+            with pytest.raises(LoraVersionError):
+                await shell.end(name, token)
+        else:
+            await shell.end(name, token)
+    if case == "replayed":
+        await shell.cleanup(name, token)
+    return name, token
+
+
+@pytest.mark.parametrize("case", ["never_seen", "prepared", "ready", "failed", "replayed"])
+async def test_a_cleanup_through_the_shell_ends_clean_for_every_decision_of_the_table(shell, case):
+    """NOTHING (a token never seen, a replayed cleanup), DROP_STASH (staged only), UNLOAD (READY,
+    or FAILED with its leftover): each answers CLEANED with the same receipt on a replay, leaves
+    nothing loaded, staged or holding a slot, and unloads at most once."""
+    name, token = await _cleanup_case(shell, case)
+    receipt = await shell.cleanup(name, token)
+    assert receipt.state == "CLEANED" and receipt.lora_name == name and receipt.attempt_token == token
+    assert await shell.cleanup(name, token) == receipt
+    assert shell.table.slots_in_use() == 0 and shell.native.loaded == {} and shell.native.registry == {}
+    assert staged_files(shell) == [] and shell.native.unloads[name] == (
+        1 if case in ("ready", "replayed", "failed") else 0
+    )
+
+
+async def test_a_duplicate_bucket_is_acknowledged_without_reading_its_body(shell):
+    """A bucket already accepted is answered at once: its body is not read, no part is staged
+    (a retried upload of a large bucket costs nothing)."""
+    req, buckets = await _begun(shell, 78)
+    b = buckets[0]
+    meta = ReceiveBucketMeta(
+        lora_name=req.lora_name, attempt_token=req.attempt_token, index=0, sha256=b.sha256
+    )
+
+    async def read(cap: int, receiver, payload: bytes = b.payload) -> None:
+        receiver.feed(payload)
+
+    assert not (await shell.publication.receive_bucket(meta, read)).duplicate
+    before = staged_files(shell)
+    reads: list[int] = []
+
+    async def counted(cap: int, receiver) -> None:
+        reads.append(cap)
+        receiver.feed(b.payload)
+
+    ack = await shell.publication.receive_bucket(meta, counted)
+    assert ack.duplicate and ack.accepted and reads == []
+    assert staged_files(shell) == before

@@ -63,3 +63,72 @@ def test_the_overlap_proof_switch_opens_only_on_cuda():
     assert len(setup_problems(on_cpu, proof)) == 1 and not overlap_proof_active(on_cpu, proof)
     assert len(setup_problems(on_cuda, {})) == 1  # without the switch: refused as always
     assert len(setup_problems(on_cuda, {OVERLAP_PROOF_ENV: "yes"})) == 1
+
+
+# Each rule row by row: every value that means "off" is accepted, every value that turns the
+# feature on is refused, and each threshold is checked on both sides of its boundary.
+_ROWS = [
+    ("speculative_algorithm", [None, "", "NONE", "none"], ["EAGLE", "EAGLE3", "NGRAM", "STANDALONE"]),
+    ("disaggregation_mode", [None, "", "null"], ["prefill", "decode"]),
+    ("max_loras_per_batch", [3, 4, 8], [0, None, 1, 2]),
+    ("max_loaded_loras", [None, 3, 4], [0, 1, 2]),
+    ("tokenizer_worker_num", [None, 0, 1], [2, 3]),
+    ("dp_size", [None, 0, 1], [2, 3]),
+    ("tp_size", [None, 0, 1], [2, 4]),
+    ("pp_size", [None, 0, 1], [2, 3]),
+    ("enable_pdmux", [False, None], [True]),
+    ("enable_lora_overlap_loading", [False, None], [True]),
+    ("enable_lora", [True], [False, None]),
+    ("disable_overlap_schedule", [True], [False, None]),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "supported"),
+    [(f, v, True) for f, ok, _ in _ROWS for v in ok] + [(f, v, False) for f, _, bad in _ROWS for v in bad],
+)
+def test_every_value_of_every_rule_is_accepted_or_refused(field, value, supported):
+    problems = setup_problems(SimpleNamespace(**{**GOOD, field: value}), {})
+    assert (problems == []) == supported, problems
+    if not supported:
+        assert len(problems) == 1
+
+
+def test_a_setting_left_out_of_the_config_takes_the_supported_default_or_is_refused():
+    """Server args without a field (an older SGLang): the defaults that mean "off" pass, and
+    the three that must be set explicitly are refused."""
+    for field in (
+        "tokenizer_worker_num",
+        "dp_size",
+        "max_loaded_loras",
+        "tp_size",
+        "speculative_algorithm",
+        "disaggregation_mode",
+    ):
+        assert setup_problems(SimpleNamespace(**{k: v for k, v in GOOD.items() if k != field}), {}) == []
+    for field in ("enable_lora", "max_loras_per_batch", "disable_overlap_schedule"):
+        cfg = SimpleNamespace(**{k: v for k, v in GOOD.items() if k != field})
+        assert len(setup_problems(cfg, {})) == 1, field
+
+
+@pytest.mark.parametrize(
+    ("device", "proof"),
+    [
+        ("cuda", True),
+        ("cuda:0", True),
+        ("cuda:3", True),
+        ("cpu", False),
+        ("", False),
+        (None, False),
+        ("xpu", False),
+        ("npu", False),
+        ("mps", False),
+    ],
+)
+def test_the_overlap_proof_switch_opens_on_every_cuda_device_and_nowhere_else(device, proof):
+    from sglang_ext.setup_checks import OVERLAP_PROOF_ENV, overlap_proof_active
+
+    cfg = SimpleNamespace(**{**GOOD, "disable_overlap_schedule": False, "device": device})
+    assert overlap_proof_active(cfg, {OVERLAP_PROOF_ENV: "1"}) is proof
+    assert (setup_problems(cfg, {OVERLAP_PROOF_ENV: "1"}) == []) is proof
+    assert not overlap_proof_active(cfg, {})

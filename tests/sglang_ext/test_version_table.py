@@ -331,3 +331,588 @@ def test_a_foreign_cleanup_of_a_cleaned_or_absent_name_only_tombstones_its_token
     table.finish_cleanup(req.lora_name, "c" * 32)
     assert "c" * 32 in table.cleaned and table.get(req.lora_name).attempt_token == req.attempt_token
     assert table.plan_cleanup("relax_policy_lora@e1-nope-" + "0" * 12, "d" * 32) is CleanupDecision.NOTHING
+
+
+# ------------------------------------------------------------------- the rules, row by row
+# Every state a version can be in, each reached through the table's own transitions (never set
+# by hand), so a row's answer is the answer the engine would give.
+
+STATES = (
+    "ABSENT",
+    "PREPARED",
+    "LOADING",
+    "LOADING_CLEANING",  # the load ran, its probe failed, the removal started (abandon_load)
+    "READY_LOCAL",
+    "READY_LOCAL_CLEANING",  # a cleanup unregistered it and is still draining (mark_cleaning)
+    "FAILED",
+    "RECLAIMING",
+    "UNLOADED",
+    "CLEANED",
+)
+
+
+def table_in(label: str, seed: int = 40, earlier: str | None = None) -> tuple[VersionTable, object]:
+    """A fresh table whose one version (its begin request returned) is in ``label``; RECLAIMING
+    and UNLOADED are under reclaim id ``r1``, a leftover of FAILED is ``id-left``. ``earlier``:
+    an attempt token that staged the same version first and was cleaned up."""
+    t = VersionTable("inc-1", LIMITS)
+    s = snap(seed)
+    req = begin_req(s, str(seed))
+    if earlier is not None:
+        first = req.model_copy(update={"attempt_token": earlier})
+        t.begin(first)
+        t.finish_cleanup(first.lora_name, first.attempt_token)
+    if label == "ABSENT":
+        return t, req
+    t.begin(req)
+    name, token = req.lora_name, req.attempt_token
+    if label == "CLEANED":
+        t.finish_cleanup(name, token)
+        return t, req
+    if label != "PREPARED":
+        for m in metas(req, s):
+            t.accept_bucket(m)
+        t.start_load(name, token)
+    if label == "LOADING_CLEANING":
+        t.abandon_load(name, token)
+    elif label == "FAILED":
+        t.fail_load(name, token, leftover_lora_id="id-left")
+    elif label in ("READY_LOCAL", "READY_LOCAL_CLEANING", "RECLAIMING", "UNLOADED"):
+        t.finish_load(name, token, lora_id="id-ready")
+        if label == "READY_LOCAL_CLEANING":
+            t.mark_cleaning(name, token)
+        if label in ("RECLAIMING", "UNLOADED"):
+            t.start_reclaim(name, "r1")
+        if label == "UNLOADED":
+            t.finish_reclaim(name, "r1")
+    expected = label.removesuffix("_CLEANING")
+    assert t.get(name).state == expected and t.get(name).cleaning == label.endswith("_CLEANING")
+    return t, req
+
+
+def snapshot_of(t: VersionTable):
+    return copy.deepcopy((t.versions, t.cleaned, t.attempt_owner))
+
+
+# start_reclaim(name, "r1") and (name, "r2") in every state: a decision, or the refusal's code.
+# Only a READY_LOCAL version not being cleaned up starts; a name this incarnation does not hold
+# (never loaded, or only a CLEANED tombstone) is NOT_LOADED, authoritatively.
+_RECLAIM_ROWS = {
+    "ABSENT": ("NOT_LOADED", "NOT_LOADED"),
+    "CLEANED": ("NOT_LOADED", "NOT_LOADED"),
+    "PREPARED": (ErrorCode.VERSION_NOT_READY, ErrorCode.VERSION_NOT_READY),
+    "LOADING": (ErrorCode.VERSION_NOT_READY, ErrorCode.VERSION_NOT_READY),
+    "LOADING_CLEANING": (ErrorCode.VERSION_NOT_READY, ErrorCode.VERSION_NOT_READY),
+    "READY_LOCAL": ("START", "START"),
+    "READY_LOCAL_CLEANING": (ErrorCode.VERSION_NOT_READY, ErrorCode.VERSION_NOT_READY),
+    "FAILED": (ErrorCode.VERSION_NOT_READY, ErrorCode.VERSION_NOT_READY),
+    "RECLAIMING": ("RESUME", ErrorCode.STALE_ATTEMPT),  # under r1: another id is refused
+    "UNLOADED": ("DONE", ErrorCode.STALE_ATTEMPT),
+}
+
+
+@pytest.mark.parametrize("label", STATES)
+@pytest.mark.parametrize("reclaim_id", ["r1", "r2"])
+def test_start_reclaim_has_one_answer_for_every_state(label, reclaim_id):
+    from sglang_ext.version_table import ReclaimDecision
+
+    assert set(_RECLAIM_ROWS) == set(STATES)
+    t, req = table_in(label)
+    want = _RECLAIM_ROWS[label][reclaim_id == "r2"]
+    if isinstance(want, ErrorCode):
+        refused_without_trace(t, lambda: t.start_reclaim(req.lora_name, reclaim_id), want)
+        return
+    before = snapshot_of(t)
+    assert t.start_reclaim(req.lora_name, reclaim_id) is ReclaimDecision(want.lower())
+    if want == "START":
+        v = t.get(req.lora_name)
+        assert v.state == "RECLAIMING" and v.reclaim_id == reclaim_id
+        assert t.request_gate(req.lora_name, v.lora_id).code is ErrorCode.VERSION_RECLAIMED
+    else:
+        assert snapshot_of(t) == before  # a replay or an authoritative "not here" changes nothing
+
+
+# plan_cleanup(name, token) under the version's own token in every state. A committed version
+# is reclaimed, never cleaned: RECLAIMING / UNLOADED refuse even the owner.
+_CLEANUP_OWN = {
+    "ABSENT": CleanupDecision.NOTHING,  # never seen: only the token is tombstoned
+    "PREPARED": CleanupDecision.DROP_STASH,
+    "LOADING": CleanupDecision.WAIT_FOR_LOAD,
+    "LOADING_CLEANING": CleanupDecision.WAIT_FOR_LOAD,
+    "READY_LOCAL": CleanupDecision.UNLOAD,
+    "READY_LOCAL_CLEANING": CleanupDecision.UNLOAD,  # a retried cleanup after DRAINING goes on
+    "FAILED": CleanupDecision.UNLOAD,  # its pinned leftover is removed
+    "RECLAIMING": ErrorCode.VERSION_RECLAIMED,
+    "UNLOADED": ErrorCode.VERSION_RECLAIMED,
+    "CLEANED": CleanupDecision.NOTHING,
+}
+
+
+@pytest.mark.parametrize("label", STATES)
+def test_plan_cleanup_by_the_owner_has_one_answer_for_every_state_and_changes_nothing(label):
+    assert set(_CLEANUP_OWN) == set(STATES)
+    t, req = table_in(label)
+    want = _CLEANUP_OWN[label]
+    if isinstance(want, ErrorCode):
+        refused_without_trace(t, lambda: t.plan_cleanup(req.lora_name, req.attempt_token), want)
+        return
+    before = snapshot_of(t)
+    assert t.plan_cleanup(req.lora_name, req.attempt_token) is want
+    assert snapshot_of(t) == before  # a plan, never a change
+
+
+@pytest.mark.parametrize("label", STATES)
+def test_a_cleanup_of_an_already_cleaned_token_answers_nothing_whoever_holds_the_name_now(label):
+    """A token cleaned up earlier (a replayed cleanup, e.g. its reply was lost) is answered from
+    its tombstone: NOTHING to plan and the stored receipt, never NOT_ATTEMPT_OWNER because a
+    newer attempt holds the name now, never a change to that newer attempt."""
+    old = "e" * 32
+    t, req = table_in(label, earlier=old)
+    receipt = t.cleaned[old]
+    assert label == "ABSENT" or t.get(req.lora_name).attempt_token == req.attempt_token
+    before = snapshot_of(t)
+    assert t.plan_cleanup(req.lora_name, old) is CleanupDecision.NOTHING
+    assert t.finish_cleanup(req.lora_name, old) == receipt
+    assert snapshot_of(t) == before
+
+
+# fail_load acts only on a LOADING version of its own attempt; every other call (a late or
+# duplicated failure report) changes nothing.
+@pytest.mark.parametrize("label", STATES)
+@pytest.mark.parametrize("leftover", [None, "id-left-2"])
+def test_fail_load_changes_only_a_loading_version_of_its_own_attempt(label, leftover):
+    t, req = table_in(label)
+    before = snapshot_of(t)
+    t.fail_load(req.lora_name, "f" * 32, leftover_lora_id=leftover)  # another attempt: never
+    assert snapshot_of(t) == before
+    t.fail_load(req.lora_name, req.attempt_token, leftover_lora_id=leftover)
+    if not label.startswith("LOADING"):
+        assert snapshot_of(t) == before, label
+        return
+    v = t.get(req.lora_name)
+    assert not v.cleaning
+    if leftover is None:  # nothing stays loaded: end may be retried
+        assert v.state == "PREPARED" and t.plan_end(req.lora_name, req.attempt_token) is EndDecision.LOAD
+    else:  # still pinned in SGLang: FAILED, holding its slot, remembered by its id
+        assert v.state == "FAILED" and v.lora_id == leftover and holds_engine_slot(v.state)
+
+
+def test_check_bucket_answers_every_index_at_every_point_of_the_reception(table):
+    """For k buckets received of n, bucket i: i < k is a DUPLICATE (its own sha256) or
+    CHECKSUM_MISMATCH (another one); i == k < n is the one to ACCEPT; any other i, including
+    i == n and beyond the plan once every bucket is in, is BUCKET_OUT_OF_ORDER. Every refusal
+    leaves the table as it was."""
+    s = snap(41)
+    req = begin_req(s, "41")
+    table.begin(req)
+    ms = metas(req, s)
+    n = len(ms)
+    assert n >= 2
+
+    def meta(i: int, sha: str | None = None) -> ReceiveBucketMeta:
+        real = ms[i].sha256 if i < n else "1" * 64
+        return ReceiveBucketMeta(
+            lora_name=req.lora_name, attempt_token=req.attempt_token, index=i, sha256=sha or real
+        )
+
+    for k in range(n + 1):
+        for i in range(n + 2):
+            if i < k:
+                assert table.check_bucket(meta(i)) is BucketDecision.DUPLICATE, (k, i)
+                refused_without_trace(
+                    table, lambda i=i: table.check_bucket(meta(i, "0" * 64)), ErrorCode.CHECKSUM_MISMATCH
+                )
+            elif i == k < n:
+                assert table.check_bucket(meta(i)) is BucketDecision.ACCEPT, (k, i)
+            else:
+                refused_without_trace(
+                    table, lambda i=i: table.check_bucket(meta(i)), ErrorCode.BUCKET_OUT_OF_ORDER
+                )
+        if k < n:
+            table.accept_bucket(ms[k])
+    assert table.plan_end(req.lora_name, req.attempt_token) is EndDecision.LOAD
+
+
+def _limits(max_version_bytes: int, max_bucket_bytes: int) -> StagingLimits:
+    return StagingLimits(
+        managed_capacity=2,
+        lora=LIMITS.lora,
+        max_version_bytes=max_version_bytes,
+        max_bucket_bytes=max_bucket_bytes,
+    )
+
+
+@pytest.mark.parametrize("delta", [-1, 0, 1])
+def test_the_version_size_limit_admits_exactly_its_own_size(delta):
+    """``max_version_bytes`` is the largest version accepted: one byte over is PAYLOAD_TOO_LARGE
+    (nothing reserved), exactly the limit and below are accepted."""
+    req = begin_req(snap(42), "42")
+    total = req.manifest.total_bytes
+    t = VersionTable("inc-1", _limits(total + delta, 10**8))
+    if delta < 0:
+        refused_without_trace(t, lambda: t.begin(req), ErrorCode.PAYLOAD_TOO_LARGE)
+        assert t.slots_in_use() == 0
+    else:
+        assert t.begin(req).state == "PREPARED"
+
+
+def _first_bucket_smaller() -> Snapshot:
+    """A version whose biggest bucket is not its first: k_proj (out 8) sorts before q_proj (16)."""
+    g = torch.Generator().manual_seed(47)
+    tensors = {}
+    for i in range(3):
+        for module, out in (("k_proj", 8), ("q_proj", 16), ("v_proj", 8)):
+            stem = f"base_model.model.model.layers.{i}.self_attn.{module}"
+            tensors[f"{stem}.lora_A.weight"] = torch.randn(4, 16, generator=g)
+            tensors[f"{stem}.lora_B.weight"] = torch.randn(out, 4, generator=g)
+    config = {**CONFIG, "target_modules": ["k_proj", "q_proj", "v_proj"]}
+    return Snapshot.from_tensors(config, tensors, max_bucket_bytes=600)
+
+
+@pytest.mark.parametrize("delta", [-1, 0, 1])
+def test_the_bucket_size_limit_admits_exactly_its_own_size(delta):
+    """``max_bucket_bytes`` bounds the largest planned bucket the same way: over it is refused at
+    begin, before any byte moves; exactly the limit is accepted."""
+    req = begin_req(_first_bucket_smaller(), "43")
+    sizes = [spec.total_bytes for spec in req.bucket_plan]
+    biggest = max(sizes)
+    assert sizes[0] < biggest  # the biggest bucket decides, not the first
+    t = VersionTable("inc-1", _limits(10**9, biggest + delta))
+    if delta < 0:
+        refused_without_trace(t, lambda: t.begin(req), ErrorCode.PAYLOAD_TOO_LARGE)
+        assert t.slots_in_use() == 0
+    else:
+        assert t.begin(req).state == "PREPARED"
+
+
+# begin in every state, by the version's own attempt and by a fresh one: the receipt's state or
+# the refusal's code. A replay never changes the table (a retried begin while the version loads
+# must not restart it); only ABSENT and a CLEANED record take a new attempt.
+_BEGIN_ROWS = {
+    "ABSENT": ("PREPARED", "PREPARED"),
+    "PREPARED": ("PREPARED", ErrorCode.PUBLICATION_IN_PROGRESS),
+    "LOADING": ("PREPARED", ErrorCode.PUBLICATION_IN_PROGRESS),
+    "READY_LOCAL": ("READY_LOCAL", ErrorCode.NOT_ATTEMPT_OWNER),
+    "FAILED": (ErrorCode.LOAD_FAILED, ErrorCode.LOAD_FAILED),
+    "RECLAIMING": (ErrorCode.VERSION_RECLAIMED, ErrorCode.VERSION_RECLAIMED),
+    "UNLOADED": (ErrorCode.VERSION_RECLAIMED, ErrorCode.VERSION_RECLAIMED),
+    "CLEANED": (ErrorCode.STALE_ATTEMPT, "PREPARED"),  # its own token is tombstoned for good
+}
+
+
+@pytest.mark.parametrize("label", list(_BEGIN_ROWS))
+@pytest.mark.parametrize("whose", ["own", "fresh"])
+def test_begin_has_one_answer_for_every_state_and_a_replay_changes_nothing(label, whose):
+    t, req = table_in(label)
+    if whose == "fresh":
+        req = req.model_copy(update={"attempt_token": "d" * 32})
+    want = _BEGIN_ROWS[label][whose == "fresh"]
+    if isinstance(want, ErrorCode):
+        refused_without_trace(t, lambda: t.begin(req), want)
+        return
+    before = snapshot_of(t)
+    receipt = t.begin(req)
+    assert receipt.state == want and receipt.attempt_token == req.attempt_token
+    v = t.get(req.lora_name)
+    if label in ("ABSENT", "CLEANED"):  # a new attempt: PREPARED, holding a slot, bound to its token
+        assert v.state == "PREPARED" and v.next_bucket == 0
+        assert t.attempt_owner[req.attempt_token] == req.lora_name
+    else:
+        assert snapshot_of(t) == before
+
+
+# plan_end in every state, by the version's own attempt (PREPARED as table_in leaves it: no
+# bucket yet). It decides and never changes anything; only a complete PREPARED loads.
+_END_ROWS = {
+    "ABSENT": ErrorCode.STALE_ATTEMPT,  # no attempt is staging it
+    "PREPARED": ErrorCode.MANIFEST_MISMATCH,
+    "LOADING": EndDecision.JOIN,
+    "READY_LOCAL": EndDecision.READY,
+    "FAILED": ErrorCode.LOAD_FAILED,
+    "RECLAIMING": ErrorCode.STALE_ATTEMPT,  # committed, every bucket once received: never again LOAD
+    "UNLOADED": ErrorCode.STALE_ATTEMPT,
+    "CLEANED": ErrorCode.STALE_ATTEMPT,
+}
+
+
+@pytest.mark.parametrize("label", list(_END_ROWS))
+def test_plan_end_has_one_answer_for_every_state_and_changes_nothing(label):
+    t, req = table_in(label)
+    want = _END_ROWS[label]
+    if isinstance(want, ErrorCode):
+        refused_without_trace(t, lambda: t.plan_end(req.lora_name, req.attempt_token), want)
+        if label in ("RECLAIMING", "UNLOADED"):
+            with pytest.raises(LoraVersionError):
+                t.start_load(req.lora_name, req.attempt_token)
+            assert t.get(req.lora_name).state == label
+        return
+    before = snapshot_of(t)
+    assert t.plan_end(req.lora_name, req.attempt_token) is want
+    assert snapshot_of(t) == before
+
+
+@pytest.mark.parametrize("label", ["ABSENT", "PREPARED", "READY_LOCAL_CLEANING", "FAILED", "CLEANED"])
+def test_a_finished_cleanup_leaves_a_tombstone_that_holds_nothing(label):
+    """Whatever it removed, the attempt's record is CLEANED and holds nothing: no engine-local
+    id (its status shows none, it is not pinned), no staging, no slot; its token is tombstoned
+    and bound to the name."""
+    t, req = table_in(label)
+    receipt = t.finish_cleanup(req.lora_name, req.attempt_token)
+    assert receipt.lora_name == req.lora_name and receipt.attempt_token == req.attempt_token
+    assert t.cleaned[req.attempt_token] == receipt and t.attempt_owner[req.attempt_token] == req.lora_name
+    assert t.slots_in_use() == 0
+    v = t.get(req.lora_name)
+    if label == "ABSENT":
+        assert v is None  # never seen: only the token is tombstoned
+        return
+    assert v.state == "CLEANED" and v.lora_id is None and not v.cleaning
+    assert v.manifest is None and v.plan == ()
+    status = t.status_of(v, None)
+    assert status.lora_id is None and not status.pinned
+
+
+@pytest.mark.parametrize("label", STATES)
+def test_a_name_keeps_its_digest_in_every_state_for_the_engines_lifetime(label):
+    """Same name, another digest: VERSION_CONFLICT whatever the name's record says, a CLEANED
+    tombstone and an UNLOADED version too (the engine fixes a name's digest for its lifetime);
+    only a name it never saw takes it."""
+    t, req = table_in(label)
+    other = begin_req(snap(44), "44").model_copy(update={"lora_name": req.lora_name})
+    assert other.digest != req.digest
+    if label == "ABSENT":
+        assert t.begin(other).state == "PREPARED"
+    else:
+        refused_without_trace(t, lambda: t.begin(other), ErrorCode.VERSION_CONFLICT)
+
+
+@pytest.mark.parametrize(
+    ("engine_base", "req_base", "accepted"),
+    [
+        (None, None, True),
+        ("a" * 64, None, True),  # a begin that names no base is not checked against one
+        ("a" * 64, "a" * 64, True),
+        ("a" * 64, "b" * 64, False),
+        (None, "a" * 64, False),  # an engine without a fingerprint never takes an epoch's base
+    ],
+)
+def test_begin_checks_the_base_it_names_against_the_engines_own(engine_base, req_base, accepted):
+    t = VersionTable("inc-1", LIMITS, base_fingerprint=engine_base)
+    req = begin_req(snap(45), "45").model_copy(update={"base_fingerprint": req_base})
+    if accepted:
+        assert t.begin(req).state == "PREPARED"
+    else:
+        refused_without_trace(t, lambda: t.begin(req), ErrorCode.BASE_MISMATCH)
+
+
+# The gate in every state, with the id SGLang's registry holds for the name: the id the table
+# loaded, another one, or none. Only READY_LOCAL under exactly its own id is served; the
+# plugin's own probe passes a LOADING version (its id is not recorded until the load finished).
+_GATE = {
+    "ABSENT": ErrorCode.UNKNOWN_VERSION,
+    "PREPARED": ErrorCode.VERSION_NOT_READY,
+    "LOADING": ErrorCode.VERSION_NOT_READY,
+    "LOADING_CLEANING": ErrorCode.UNKNOWN_VERSION,
+    "READY_LOCAL": None,
+    "READY_LOCAL_CLEANING": ErrorCode.UNKNOWN_VERSION,
+    "FAILED": ErrorCode.UNKNOWN_VERSION,
+    "RECLAIMING": ErrorCode.VERSION_RECLAIMED,
+    "UNLOADED": ErrorCode.VERSION_RECLAIMED,
+    "CLEANED": ErrorCode.UNKNOWN_VERSION,
+}
+
+
+@pytest.mark.parametrize("label", STATES)
+@pytest.mark.parametrize("registered", ["own", "other", "none"])
+def test_the_request_gate_has_one_answer_for_every_state_and_registered_id(label, registered):
+    assert set(_GATE) == set(STATES)
+    t, req = table_in(label)
+    v = t.get(req.lora_name)
+    own = v.lora_id if v is not None else None
+    rid = {"own": own, "other": "id-other", "none": None}[registered]
+    want = _GATE[label]
+    if want is None and rid != own:
+        want = ErrorCode.VERSION_RECLAIMED  # registered under another id (or not at all): never served
+    before = snapshot_of(t)
+    got = t.request_gate(req.lora_name, rid)
+    assert (got.code if got else None) is want, (label, registered)
+    if label in ("PREPARED", "LOADING", "READY_LOCAL"):
+        probe = t.request_gate(req.lora_name, rid, probing=True)
+        assert (probe is None) == (label == "LOADING" or (label == "READY_LOCAL" and rid == own))
+    assert t.request_gate("a-plain-adapter", rid) is None  # not managed: stock SGLang decides
+    assert snapshot_of(t) == before
+
+
+@pytest.mark.parametrize("label", [s for s in STATES if s != "ABSENT"])
+@pytest.mark.parametrize("in_flight", [None, -2, -1, 0, 1, 2])
+def test_may_unload_now_only_once_removal_started_and_exactly_zero_in_flight(label, in_flight):
+    from sglang_ext.version_table import may_unload_now
+
+    t, req = table_in(label)
+    v = t.get(req.lora_name)
+    removal_started = label in ("RECLAIMING",) or label.endswith("_CLEANING")
+    assert may_unload_now(v, in_flight) == (removal_started and in_flight == 0)
+
+
+@pytest.mark.parametrize("in_flight", [None, -2, -1, 0, 1, 2])
+def test_a_name_the_table_does_not_manage_follows_stock_rules(in_flight):
+    from sglang_ext.version_table import may_unload_now
+
+    assert may_unload_now(None, in_flight) is True
+
+
+@pytest.mark.parametrize("in_flight", [None, -5, -1, 0, 1, 7])
+def test_only_a_count_below_zero_is_an_in_flight_anomaly(in_flight):
+    from sglang_ext.version_table import in_flight_anomaly
+
+    err = in_flight_anomaly("relax_policy_lora@e1-1-abcdefabcdef", in_flight)
+    if in_flight is not None and in_flight < 0:
+        assert err.code is ErrorCode.IN_FLIGHT_ANOMALY and err.details["in_flight"] == in_flight
+    else:
+        assert err is None
+
+
+_SLOT = {"PREPARED", "LOADING", "READY_LOCAL", "FAILED", "RECLAIMING"}
+_PINNED = {"READY_LOCAL", "FAILED", "RECLAIMING"}  # loaded in SGLang
+
+
+@pytest.mark.parametrize("label", [s for s in STATES if s != "ABSENT"])
+def test_slots_and_pins_follow_the_state_alone(label):
+    """A version holds a slot from begin until it is unloaded or cleaned (a PREPARED one pins at
+    end); it is pinned in SGLang while loaded. Both answers come from the state alone."""
+    t, req = table_in(label)
+    v = t.get(req.lora_name)
+    state = label.removesuffix("_CLEANING")
+    assert holds_engine_slot(v.state) == (state in _SLOT)
+    assert t.slots_in_use() == (1 if state in _SLOT else 0)
+    assert t.status_of(v, 0).pinned == (state in _PINNED)
+
+
+def test_holds_engine_slot_answers_every_engine_state():
+    assert {s.value for s in S if holds_engine_slot(s)} == _SLOT
+
+
+@pytest.mark.parametrize("label", ["PREPARED", "PREPARED_COMPLETE", "READY_LOCAL", "FAILED"])
+def test_after_its_cleanup_every_late_call_of_the_attempt_is_stale(label):
+    """Once an attempt is tombstoned, its late calls are STALE_ATTEMPT and change nothing, also
+    a bucket that was accepted before the cleanup (never acknowledged again as a duplicate) and
+    an end of an attempt whose every bucket had arrived."""
+    t = VersionTable("inc-1", LIMITS)
+    s = snap(46)
+    req = begin_req(s, "46")
+    t.begin(req)
+    ms = metas(req, s)
+    name, token = req.lora_name, req.attempt_token
+    if label != "PREPARED":
+        for m in ms:
+            t.accept_bucket(m)
+    if label in ("READY_LOCAL", "FAILED"):
+        t.start_load(name, token)
+        if label == "FAILED":
+            t.fail_load(name, token, leftover_lora_id="id-left")
+        else:
+            t.finish_load(name, token, lora_id="id-46")
+        t.mark_cleaning(name, token)
+    t.finish_cleanup(name, token)
+    late = [lambda: t.begin(req), lambda: t.plan_end(name, token), lambda: t.start_load(name, token)]
+    late += [lambda m=m: t.check_bucket(m) for m in ms]
+    late += [lambda m=m: t.bucket_spec(m) for m in ms]
+    for call in late:
+        refused_without_trace(t, call, ErrorCode.STALE_ATTEMPT)
+
+
+# The steps the shell reports back, each allowed only in the state its decision left (the
+# precondition is on the state; a removal in progress does not change it: a retried cleanup
+# marks cleaning again); in every other state the call is refused (a LoraVersionError, or an
+# AssertionError for a shell that skipped the decision) and the table stays as it was.
+_STEP_ALLOWED = {
+    "start_load": {"PREPARED_COMPLETE"},  # only after plan_end said LOAD
+    "finish_load": {"LOADING"},
+    "abandon_load": {"LOADING", "LOADING_CLEANING"},
+    "mark_cleaning": {"READY_LOCAL", "READY_LOCAL_CLEANING", "FAILED"},
+    "finish_reclaim": {"RECLAIMING"},
+}
+
+
+_STEP_LEAVES = {  # state after the step (None: unchanged), and the cleaning flag
+    "start_load": ("LOADING", False),
+    "finish_load": ("READY_LOCAL", False),
+    "abandon_load": ("LOADING", True),
+    "mark_cleaning": (None, True),
+    "finish_reclaim": ("UNLOADED", False),
+}
+
+
+def _step(t: VersionTable, req, step: str) -> None:
+    name, token = req.lora_name, req.attempt_token
+    {
+        "start_load": lambda: t.start_load(name, token),
+        "finish_load": lambda: t.finish_load(name, token, "id-new"),
+        "abandon_load": lambda: t.abandon_load(name, token),
+        "mark_cleaning": lambda: t.mark_cleaning(name, token),
+        "finish_reclaim": lambda: t.finish_reclaim(name, "r1"),
+    }[step]()
+
+
+def _table_for_step(label: str):
+    if label != "PREPARED_COMPLETE":
+        return table_in(label)
+    t, req = table_in("PREPARED")
+    s = snap(40)
+    for m in metas(req, s):
+        t.accept_bucket(m)
+    return t, req
+
+
+_STEP_ROWS = [
+    (step, label)
+    for step in _STEP_ALLOWED
+    for label in [s for s in STATES if s != "ABSENT"] + ["PREPARED_COMPLETE"]
+    # a load whose probe failed is never reported finished (fail_load follows abandon_load)
+    if not (step == "finish_load" and label == "LOADING_CLEANING")
+]
+
+
+@pytest.mark.parametrize(("step", "label"), _STEP_ROWS)
+def test_each_reported_step_is_taken_only_in_its_own_state(step, label):
+    t, req = _table_for_step(label)
+    allowed = label in _STEP_ALLOWED[step]
+    before = snapshot_of(t)
+    if allowed:
+        _step(t, req, step)
+        state, cleaning = _STEP_LEAVES[step]
+        v = t.get(req.lora_name)
+        assert (v.state.value, v.cleaning) == (state or before[0][req.lora_name].state.value, cleaning)
+        return
+    with pytest.raises((AssertionError, LoraVersionError, KeyError)):
+        _step(t, req, step)
+    assert snapshot_of(t) == before, (step, label)
+
+
+def test_an_adapter_sglang_cannot_serve_is_refused_as_such_even_when_it_is_also_too_large():
+    """The refusals of begin come in one order: what the engine can serve first (a rank the
+    engine cannot hold is INCOMPATIBLE_ADAPTER whatever its size), then the size limits."""
+    req = begin_req(snap(48, rank=16), "48")
+    tiny = VersionTable("inc-1", _limits(1, 1))
+    refused_without_trace(tiny, lambda: tiny.begin(req), ErrorCode.INCOMPATIBLE_ADAPTER)
+    fits = begin_req(snap(48), "48")
+    refused_without_trace(tiny, lambda: tiny.begin(fits), ErrorCode.PAYLOAD_TOO_LARGE)
+
+
+@pytest.mark.parametrize("label", [s for s in STATES if s != "ABSENT"])
+@pytest.mark.parametrize("in_flight", [None, -1, 0, 3])
+def test_a_status_line_reports_the_record_as_it_is_and_the_native_count_raw(label, in_flight):
+    """What the status shows is the record itself: state, attempt, reclaim id, engine-local id,
+    bucket progress, this incarnation; the native in-flight count is shown raw (below zero is
+    an anomaly to see, never clamped to zero)."""
+    t, req = table_in(label)
+    v = t.get(req.lora_name)
+    st = t.status_of(v, in_flight)
+    assert (st.lora_name, st.state, st.digest, st.attempt_token) == (
+        v.lora_name,
+        v.state,
+        v.digest,
+        v.attempt_token,
+    )
+    assert (st.reclaim_id, st.lora_id, st.incarnation) == (v.reclaim_id, v.lora_id, "inc-1")
+    assert (st.buckets_received, st.buckets_total) == (v.next_bucket, v.buckets_total)
+    assert st.in_flight == in_flight
