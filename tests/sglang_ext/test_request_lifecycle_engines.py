@@ -85,6 +85,7 @@ def test_rfc_prevalidation_drain_then_unload_once(publish, snaps, engines):
         "attempt_token": None,  # a reclaim's DRAINING names its reclaim id, a cleanup's its attempt
         "in_flight": 1,
         "incarnation": r.json()["incarnation"],
+        "unload_error": None,  # set only when the unload itself was refused after unregister
     }
     assert versions(url)[a.name]["state"] == "RECLAIMING"
     late = generate(url, PROMPT, a.name)
