@@ -51,11 +51,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 import httpx  # noqa: E402
 from publish_engine import Driver  # noqa: E402
 
+from lora_contract.protocol import Routes  # noqa: E402
 from relax_glue.snapshot import Snapshot  # noqa: E402
 from sglang_ext.devtools.fixtures import ensure_fixtures  # noqa: E402
 from sglang_ext.devtools.launcher import EngineSpec, running_engines  # noqa: E402
 from sglang_ext.hook_timing import HOOK_TIMING_ENV  # noqa: E402
-from sglang_ext.protocol import Routes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "plugin_overhead.json"
 STOCK_NAME = "bench-A"

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from lora_contract import protocol
 from lora_versions_demo.lifecycle import (
     TOOL_IDS,  # the scripted tool reply (both profiles share the tokenizer)
 )
@@ -27,7 +28,6 @@ from relax_glue.publisher import Publisher, PublishResult
 from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.sessions import Session, SessionManager
 from relax_glue.snapshot import Snapshot
-from sglang_ext import protocol as wire
 from sglang_ext.devtools.device_profile import AcceptanceFixtures, DeviceProfile
 
 ACCEPTANCE_ADMIN_KEY = "lora-versions-acceptance-admin-key"
@@ -182,7 +182,7 @@ class Cohort:
         A failed version id is spent (a replay returns the same outcome): a retry takes a new one."""
         snap = self.snapshots[adapter]
         vid = version_id or adapter
-        name = snap.lora_name(wire.DEFAULT_LORA_PREFIX, self.epoch, vid)
+        name = snap.lora_name(protocol.DEFAULT_LORA_PREFIX, self.epoch, vid)
         self.adapter_of[name] = adapter
         self.name_of[adapter] = name
         return await self.publisher.publish(snap, vid)

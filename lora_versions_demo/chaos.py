@@ -278,9 +278,9 @@ class Campaign:
     # -------------------------------------------------------------------------- turns
 
     async def turn(self, label: str) -> None:
+        from lora_contract.errors import LoraVersionError
         from relax_glue.actor import RegistryUnavailable
         from relax_glue.engine_client import OutcomeUnknown
-        from sglang_ext.errors import LoraVersionError
 
         s = self.sessions[label]
         prefix = list(self.history[label])

@@ -270,9 +270,9 @@ class Demo:
     # ------------------------------------------------------------------ the steps
 
     async def run(self) -> None:
+        from lora_contract.errors import ErrorCode, LoraVersionError
         from relax_glue.engine_client import forbidden_calls
         from relax_glue.publisher import PublishOutcome
-        from sglang_ext.errors import ErrorCode, LoraVersionError
 
         self.t0 = time.monotonic()
         a, b, c = self.names["A"], self.names["B"], self.names["C"]

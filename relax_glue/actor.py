@@ -37,11 +37,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.names import MANAGED_CAPACITY
 from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry, stamp_now
 from relax_glue.registry_ops import AsyncRegistryOps, RegistryOps
 from relax_glue.store import DurableRegistry, StoreError
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.names import MANAGED_CAPACITY
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle

@@ -360,9 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         from lora_versions_demo.lifecycle import run_demo
 
         return run_demo(args.out, args.engines, as_json=args.json)
+    from lora_contract.errors import LoraVersionError
     from relax_glue.engine_client import OutcomeUnknown
     from relax_glue.store import StoreError, StoreLockedError
-    from sglang_ext.errors import LoraVersionError
 
     try:
         if args.command == "engine":

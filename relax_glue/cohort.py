@@ -9,9 +9,9 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.actor import AsyncRegistryClient
 from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 T = TypeVar("T")
 

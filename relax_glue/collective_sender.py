@@ -1,5 +1,5 @@
 """The trainer's end of one engine's collective group (rank 0 of 2; the engine's receiver is
-rank 1). See :mod:`sglang_ext.collective_group` for the group and the frames.
+rank 1). See :mod:`lora_contract.collective_group` for the group and the frames.
 
 Used by :class:`~relax_glue.engine_client.EngineClient` when it is given one: ``begin`` then asks
 the engine to post its receives (connecting the group first if this engine incarnation has none),
@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from sglang_ext.collective_group import (
+from lora_contract.collective_group import (
     FRAME_BYTES,
     PIECE_BYTES,
     SENDER_RANK,
@@ -30,8 +30,8 @@ from sglang_ext.collective_group import (
     open_group,
     token_tag,
 )
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.transport import HEADER_PREFIX_BYTES, header_length
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.transport import HEADER_PREFIX_BYTES, header_length
 
 T = TypeVar("T")
 

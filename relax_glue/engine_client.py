@@ -38,9 +38,8 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel
 
-from relax_glue.collective_sender import CollectiveSender
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.protocol import (
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import (
     BeginRequest,
     BucketAck,
     CleanupReceipt,
@@ -62,6 +61,7 @@ from sglang_ext.protocol import (
     parse_model,
     parse_reclaim_reply,
 )
+from relax_glue.collective_sender import CollectiveSender
 
 __all__ = [
     "FORBIDDEN_PATHS",

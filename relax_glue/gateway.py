@@ -31,8 +31,8 @@ from typing import Any
 
 import httpx
 
+from lora_contract.errors import LoraVersionError
 from relax_glue.engine_client import AuditLog, ClientTimeouts, EngineAPI, EngineClient, OutcomeUnknown
-from sglang_ext.errors import LoraVersionError
 
 __all__ = [
     "GATEWAY_ID",

@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from pathlib import Path
 from typing import Any
 
+from lora_contract import protocol
+from lora_contract.errors import LoraVersionError
 from relax_glue.actor import AsyncRegistryClient
 from relax_glue.engine_client import EngineAPI, EngineClient, OutcomeUnknown
 from relax_glue.publisher import Publisher, PublishResult
@@ -29,8 +31,6 @@ from relax_glue.registry_types import SessionView, StatusView
 from relax_glue.snapshot import Snapshot
 from relax_glue.snapshot_store import SnapshotStore
 from relax_glue.store import DurableRegistry, read_registry
-from sglang_ext import protocol as wire
-from sglang_ext.errors import LoraVersionError
 
 __all__ = [
     "Progress",
@@ -207,18 +207,18 @@ class _Reporting:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def receive_bucket(self, meta: wire.ReceiveBucketMeta, payload: bytes) -> Any:
+    async def receive_bucket(self, meta: protocol.ReceiveBucketMeta, payload: bytes) -> Any:
         ack = await self.inner.receive_bucket(meta, payload)
         self.progress(f"{self.engine_id}: bucket {meta.index + 1}/{self.buckets_total} acknowledged")
         return ack
 
-    async def end(self, req: wire.EndRequest) -> Any:
+    async def end(self, req: protocol.EndRequest) -> Any:
         self.progress(f"{self.engine_id}: end (verify, load pinned, probe)")
         return await self.inner.end(req)
 
-    async def reclaim(self, req: wire.ReclaimRequest) -> Any:
+    async def reclaim(self, req: protocol.ReclaimRequest) -> Any:
         reply = await self.inner.reclaim(req)
-        if isinstance(reply, wire.DrainingReply):
+        if isinstance(reply, protocol.DrainingReply):
             self.progress(f"{self.engine_id}: {req.lora_name} draining, {reply.in_flight} in flight")
         else:
             self.progress(f"{self.engine_id}: {req.lora_name} unloaded")

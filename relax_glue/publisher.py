@@ -41,6 +41,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from lora_contract import protocol
+from lora_contract.base_identity import base_differences
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.actor import RegistryUnavailable
 from relax_glue.cohort import CohortDriver, EngineStep
 from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
@@ -59,9 +62,6 @@ from relax_glue.registry_types import (
 )
 from relax_glue.snapshot import EncodedBucket, Snapshot
 from relax_glue.snapshot_store import SnapshotStore, live_digests
-from sglang_ext import protocol as wire
-from sglang_ext.base_identity import base_differences
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 __all__ = [
     "CommitEvidence",
@@ -92,24 +92,24 @@ class ResolveAction(StrEnum):
 
 # Engine state of this attempt -> action (h11 style: a state missing here is an error). PREPARED
 # depends on whether every bucket arrived, so it is decided in resolve_action.
-_RESOLVE_BY_STATE: dict[wire.EngineVersionState, ResolveAction] = {
-    wire.EngineVersionState.READY_LOCAL: ResolveAction.READY,
-    wire.EngineVersionState.LOADING: ResolveAction.END,  # a repeated end joins the shielded load
-    wire.EngineVersionState.CLEANED: ResolveAction.DOOMED,  # tombstoned: never recreated
-    wire.EngineVersionState.FAILED: ResolveAction.DOOMED,  # only its cleanup frees it
-    wire.EngineVersionState.RECLAIMING: ResolveAction.DOOMED,
-    wire.EngineVersionState.UNLOADED: ResolveAction.DOOMED,
+_RESOLVE_BY_STATE: dict[protocol.EngineVersionState, ResolveAction] = {
+    protocol.EngineVersionState.READY_LOCAL: ResolveAction.READY,
+    protocol.EngineVersionState.LOADING: ResolveAction.END,  # a repeated end joins the shielded load
+    protocol.EngineVersionState.CLEANED: ResolveAction.DOOMED,  # tombstoned: never recreated
+    protocol.EngineVersionState.FAILED: ResolveAction.DOOMED,  # only its cleanup frees it
+    protocol.EngineVersionState.RECLAIMING: ResolveAction.DOOMED,
+    protocol.EngineVersionState.UNLOADED: ResolveAction.DOOMED,
 }
 
 
-def resolve_action(vs: wire.VersionStatus | None, attempt_token: str, digest: str) -> ResolveAction:
+def resolve_action(vs: protocol.VersionStatus | None, attempt_token: str, digest: str) -> ResolveAction:
     """The one rule of resolve() per engine (pure): ``vs`` is the engine's status of the version,
     None when it does not know the name."""
     if vs is None:
         return ResolveAction.REDRIVE
     if vs.attempt_token != attempt_token or vs.digest != digest:
         return ResolveAction.DOOMED  # another attempt owns the name there
-    if vs.state is wire.EngineVersionState.PREPARED:
+    if vs.state is protocol.EngineVersionState.PREPARED:
         complete = vs.buckets_total > 0 and vs.buckets_received == vs.buckets_total
         return ResolveAction.END if complete else ResolveAction.REDRIVE
     return _RESOLVE_BY_STATE[vs.state]
@@ -124,7 +124,7 @@ class CommitEvidence(StrEnum):
 
 
 def commit_evidence(
-    status: wire.EngineStatus | None,
+    status: protocol.EngineStatus | None,
     lora_name: str,
     attempt_token: str,
     digest: str,
@@ -143,7 +143,7 @@ def commit_evidence(
     v = next((v for v in status.versions if v.lora_name == lora_name), None)
     ready = (
         v is not None
-        and v.state is wire.EngineVersionState.READY_LOCAL
+        and v.state is protocol.EngineVersionState.READY_LOCAL
         and v.attempt_token == attempt_token
         and v.digest == digest
         and v.incarnation == status.incarnation
@@ -151,7 +151,7 @@ def commit_evidence(
     return CommitEvidence.READY if ready else CommitEvidence.NOT_READY
 
 
-def base_mismatch(statuses: Mapping[str, wire.EngineStatus]) -> LoraVersionError:
+def base_mismatch(statuses: Mapping[str, protocol.EngineStatus]) -> LoraVersionError:
     """The refusal for a cohort whose engines do not run one base model: each engine's
     fingerprint, and which parts differ from the first fingerprinted engine's."""
     first = next((s.base for s in statuses.values() if s.base is not None), None)
@@ -235,7 +235,7 @@ class Publisher(CohortDriver):
         registry: Any,
         engines: Mapping[str, EngineAPI],
         *,
-        prefix: str = wire.DEFAULT_LORA_PREFIX,
+        prefix: str = protocol.DEFAULT_LORA_PREFIX,
         reclaim_wait_s: float = 2.0,
         reclaim_poll_s: float = 0.1,
         reclaim_deadline_s: float = 60.0,
@@ -448,17 +448,17 @@ class Publisher(CohortDriver):
             self.prefix, att.key.epoch, att.key.version_id, att.token, base_fingerprint=att.base
         )
 
-        async def one(engine: str) -> wire.EngineVersionState:
+        async def one(engine: str) -> protocol.EngineVersionState:
             reply = await self.engines[engine].begin(req)
             await self._note_incarnation(engine, reply.incarnation)
-            if isinstance(reply, wire.ReadyReceipt):
+            if isinstance(reply, protocol.ReadyReceipt):
                 # This engine already holds exactly this attempt, loaded: nothing to send.
                 receipt = self._ready_receipt(att, reply.incarnation)
                 await self._record(self.registry.record_ready(engine_id=engine, receipt=receipt))
-                return wire.EngineVersionState.READY_LOCAL
+                return protocol.EngineVersionState.READY_LOCAL
             prepared = PreparedEvidence(att.key, att.token, reply.incarnation)
             await self._record(self.registry.record_prepared(engine_id=engine, receipt=prepared))
-            return wire.EngineVersionState.PREPARED
+            return protocol.EngineVersionState.PREPARED
 
         t = time.monotonic()
         ok, refused, unknown = await self._fanout(att.steps, "begin", engines, one, str)
@@ -466,7 +466,7 @@ class Publisher(CohortDriver):
         failed = await self._settle(att, "begin", refused, unknown)
         if failed is not None:
             return failed
-        return [e for e in engines if ok[e] is wire.EngineVersionState.PREPARED]
+        return [e for e in engines if ok[e] is protocol.EngineVersionState.PREPARED]
 
     async def _bucket_phase(self, att: _Attempt, engines: Sequence[str]) -> PublishResult | None:
         assert att.snapshot is not None
@@ -476,7 +476,7 @@ class Publisher(CohortDriver):
         # all of them are PREPARED (their receives are posted): the transfer of bucket i+1
         # overlaps the verification of bucket i. The acknowledgements below stay in order, one
         # bucket at a time, and take each broadcast as it is (none is sent twice). This holds
-        # the whole encoded version in memory while it is on the wire.
+        # the whole encoded version in memory while it is on the protocol.
         senders = [s for e in engines if (s := getattr(self.engines[e], "collective", None)) is not None]
         if senders:
             buckets = list(buckets)
@@ -486,7 +486,7 @@ class Publisher(CohortDriver):
         # Otherwise one payload in memory at a time; each bucket is acknowledged by every engine
         # before the next one is sent (RFC 3.2), so a failure stops the transfer everywhere.
         for bucket in buckets:
-            meta = wire.ReceiveBucketMeta(
+            meta = protocol.ReceiveBucketMeta(
                 lora_name=att.lora_name,
                 attempt_token=att.token,
                 index=bucket.spec.index,
@@ -494,7 +494,9 @@ class Publisher(CohortDriver):
             )
             payload = bucket.payload
 
-            async def one(engine: str, meta: wire.ReceiveBucketMeta = meta, payload: bytes = payload) -> Any:
+            async def one(
+                engine: str, meta: protocol.ReceiveBucketMeta = meta, payload: bytes = payload
+            ) -> Any:
                 return await self.engines[engine].receive_bucket(meta, payload)
 
             _, refused, unknown = await self._fanout(
@@ -512,7 +514,7 @@ class Publisher(CohortDriver):
         return None
 
     async def _end_phase(self, att: _Attempt, engines: Sequence[str]) -> PublishResult | None:
-        req = wire.EndRequest(lora_name=att.lora_name, attempt_token=att.token)
+        req = protocol.EndRequest(lora_name=att.lora_name, attempt_token=att.token)
 
         async def one(engine: str) -> Any:
             receipt = await self.engines[engine].end(req)
@@ -526,21 +528,21 @@ class Publisher(CohortDriver):
         att.phase_s["end"] = att.phase_s.get("end", 0.0) + time.monotonic() - t
         return await self._settle(att, "end", refused, unknown)
 
-    async def _read_statuses(self, att: _Attempt) -> dict[str, wire.EngineStatus | None]:
+    async def _read_statuses(self, att: _Attempt) -> dict[str, protocol.EngineStatus | None]:
         """Every cohort engine's status now (None: it did not answer); each incarnation seen is
         registered, so a restart drops that engine's earlier PREPARED / READY in the registry."""
 
-        async def read(engine: str) -> wire.EngineStatus:
+        async def read(engine: str) -> protocol.EngineStatus:
             status = await self.engines[engine].status()
             await self._note_incarnation(engine, status.incarnation)
             return status
 
         results = await asyncio.gather(*(read(e) for e in self._cohort), return_exceptions=True)
-        statuses: dict[str, wire.EngineStatus | None] = {}
+        statuses: dict[str, protocol.EngineStatus | None] = {}
         for engine, r in zip(self._cohort, results, strict=True):
             if isinstance(r, BaseException) and not isinstance(r, LoraVersionError | OutcomeUnknown):
                 raise r
-            if isinstance(r, wire.EngineStatus):
+            if isinstance(r, protocol.EngineStatus):
                 statuses[engine] = r
                 att.steps.append(EngineStep(engine, "status", CallOutcome.OK, detail=r.incarnation))
             else:
@@ -623,12 +625,12 @@ class Publisher(CohortDriver):
     async def _cleanup(
         self, att: _Attempt, engines: Sequence[str], error: LoraVersionError | None
     ) -> PublishResult:
-        req = wire.CleanupRequest(lora_name=att.lora_name, attempt_token=att.token)
+        req = protocol.CleanupRequest(lora_name=att.lora_name, attempt_token=att.token)
 
         async def one(engine: str) -> Any:
             receipt = await self.engines[engine].cleanup(req)
             await self._note_incarnation(engine, receipt.incarnation)
-            if isinstance(receipt, wire.DrainingReply):
+            if isinstance(receipt, protocol.DrainingReply):
                 # Unregistered there, requests still running on it: not clean yet (resolve asks again).
                 why = receipt.unload_error or f"draining {receipt.in_flight} in-flight requests"
                 raise OutcomeUnknown(engine, "cleanup", why, maybe_sent=True)

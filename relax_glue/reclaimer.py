@@ -12,12 +12,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from lora_contract import protocol
+from lora_contract.errors import LoraVersionError
 from relax_glue.cohort import CohortDriver, EngineStep
 from relax_glue.engine_client import EngineAPI
 from relax_glue.registry import may_start_reclaim
 from relax_glue.registry_types import ReclaimPhase, UnloadEvidence, VersionKey, VersionState, VersionView
-from sglang_ext import protocol as wire
-from sglang_ext.errors import LoraVersionError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +79,12 @@ class Reclaimer(CohortDriver):
             while True:
                 wait = max(0.0, min(self.reclaim_wait_s, deadline - time.monotonic()))
                 reply = await self.engines[engine].reclaim(
-                    wire.ReclaimRequest(
+                    protocol.ReclaimRequest(
                         lora_name=claim.lora_name, reclaim_id=claim.reclaim_id, timeout_s=wait
                     )
                 )
                 polls += 1
-                if isinstance(reply, wire.UnloadedReceipt):
+                if isinstance(reply, protocol.UnloadedReceipt):
                     await self._note_incarnation(engine, reply.incarnation)
                     unloaded = UnloadEvidence(claim.reclaim_id, reply.incarnation)
                     await self._record(

@@ -33,13 +33,13 @@ from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
+from lora_contract import protocol
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.cohort import CohortDriver, EngineStep
 from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
 from relax_glue.registry_types import StatusView, VersionKey, VersionState, VersionView
 from relax_glue.snapshot import Snapshot
 from relax_glue.snapshot_store import SnapshotStore
-from sglang_ext import protocol as wire
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 __all__ = [
     "Reconciler",
@@ -50,7 +50,7 @@ __all__ = [
     "wanted_versions",
 ]
 
-S = wire.EngineVersionState
+S = protocol.EngineVersionState
 
 
 class RestoreAction(StrEnum):
@@ -97,11 +97,11 @@ def wanted_versions(status: StatusView) -> tuple[VersionView, ...]:
 
 
 def restore_plan(
-    wanted: Sequence[VersionView], engine: wire.EngineStatus
-) -> list[tuple[VersionView, RestoreAction, wire.VersionStatus | None]]:
+    wanted: Sequence[VersionView], engine: protocol.EngineStatus
+) -> list[tuple[VersionView, RestoreAction, protocol.VersionStatus | None]]:
     """For each wanted version, what ``engine`` needs (pure)."""
     held = {v.lora_name: v for v in engine.versions}
-    plan: list[tuple[VersionView, RestoreAction, wire.VersionStatus | None]] = []
+    plan: list[tuple[VersionView, RestoreAction, protocol.VersionStatus | None]] = []
     for want in wanted:
         vs = held.get(want.lora_name)
         if vs is None:
@@ -238,11 +238,11 @@ class Reconciler(CohortDriver):
         client = self.engines[engine]
         token = f"rst-{uuid.uuid4().hex}"
         # The exact name the registry committed: a restore never invents another identity.
-        req = wire.parse_model(
-            wire.BeginRequest,
+        req = protocol.parse_model(
+            protocol.BeginRequest,
             {
                 "lora_name": view.lora_name,
-                "version_key": wire.VersionKey(
+                "version_key": protocol.VersionKey(
                     epoch=view.version_key.epoch, version_id=view.version_key.version_id
                 ),
                 "digest": view.digest,
@@ -256,11 +256,11 @@ class Reconciler(CohortDriver):
         try:
             reply = await client.begin(req)
             self._step(engine, "restore_begin", reply.incarnation)
-            if isinstance(reply, wire.ReadyReceipt):  # only a replay of this very attempt
+            if isinstance(reply, protocol.ReadyReceipt):  # only a replay of this very attempt
                 return RestoreOutcome.RESTORED, f"already loaded by this attempt in {reply.incarnation}"
             op = "receive_bucket"
             for bucket in snap.iter_buckets():
-                meta = wire.ReceiveBucketMeta(
+                meta = protocol.ReceiveBucketMeta(
                     lora_name=view.lora_name,
                     attempt_token=token,
                     index=bucket.spec.index,
@@ -268,7 +268,7 @@ class Reconciler(CohortDriver):
                 )
                 await client.receive_bucket(meta, bucket.payload)
             op = "end"
-            ready = await client.end(wire.EndRequest(lora_name=view.lora_name, attempt_token=token))
+            ready = await client.end(protocol.EndRequest(lora_name=view.lora_name, attempt_token=token))
             self._step(engine, "restore_end", ready.incarnation)
             await self._note_incarnation(engine, ready.incarnation)
             return RestoreOutcome.RESTORED, f"READY in {ready.incarnation}"
@@ -287,7 +287,7 @@ class Reconciler(CohortDriver):
     async def _clean(self, engine: str, lora_name: str, token: str) -> bool:
         try:
             reply = await self.engines[engine].cleanup(
-                wire.CleanupRequest(lora_name=lora_name, attempt_token=token)
+                protocol.CleanupRequest(lora_name=lora_name, attempt_token=token)
             )
         except LoraVersionError as exc:
             if exc.code is ErrorCode.NOT_ATTEMPT_OWNER:
@@ -299,7 +299,7 @@ class Reconciler(CohortDriver):
         except OutcomeUnknown as exc:
             self._step(engine, "restore_cleanup", f"not confirmed: {exc}")
             return False
-        done = not isinstance(reply, wire.DrainingReply)
+        done = not isinstance(reply, protocol.DrainingReply)
         self._step(engine, "restore_cleanup", "cleaned" if done else "draining")
         return done
 

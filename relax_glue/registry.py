@@ -30,6 +30,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.names import MANAGED_CAPACITY, NAME_PART_RE, SHA256_RE, TOKEN_RE
 from relax_glue.registry_types import (
     AbortResult,
     AttemptPhase,
@@ -60,8 +62,6 @@ from relax_glue.registry_types import (
     encode,
     evolve,
 )
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.names import MANAGED_CAPACITY, NAME_PART_RE, SHA256_RE, TOKEN_RE
 
 __all__ = [
     "MUTATING_OPS",
@@ -241,7 +241,7 @@ class LoRAVersionRegistry:
         self._results: dict[tuple[str, ...], Any] = {}  # first answers to receipts, by natural key
         self._seq = 0  # accepted transitions; the store journals a call iff this moved
         # The base model every version of the epoch is a delta on (an engine's fingerprint,
-        # sglang_ext.base_identity), fixed by the first publication for the whole epoch.
+        # lora_contract.base_identity), fixed by the first publication for the whole epoch.
         self._base: str | None = None
 
     # ================================================================ publication (RFC 3)

@@ -77,7 +77,7 @@ class ReclaimPhase(StrEnum):
 
 # ----------------------------------------------------------------------------------- evidence
 # What the registry records of an engine's reply, per engine and attempt. Distinct from the wire
-# receipts (sglang_ext.messages), which carry the engine's full answer: the registry keeps only
+# receipts (lora_contract.messages), which carry the engine's full answer: the registry keeps only
 # what its decisions need (which attempt, which incarnation), in plain dataclasses the journal
 # encodes by type name.
 

@@ -43,6 +43,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.actor import AsyncRegistryClient, RegistryUnavailable
 from relax_glue.engine_client import (
     CallOutcome,
@@ -55,7 +56,6 @@ from relax_glue.engine_client import (
 from relax_glue.gateway import GatewayClient
 from relax_glue.registry_types import Binding, SessionKey, SessionView
 from relax_glue.router import Router, StickyRoundRobinRouter
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 __all__ = ["RequestRecord", "Session", "SessionManager", "SessionPhase", "TurnOutcomeUnknown"]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.protocol import (
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import (
     BUCKET_TARGET_BYTES,
     BeginRequest,
     BucketSpec,

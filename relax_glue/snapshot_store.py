@@ -28,13 +28,13 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.names import SHA256_RE
+from lora_contract.protocol import BucketSpec
+from lora_contract.transport import plan_problem
 from relax_glue.registry import holds_slot
 from relax_glue.registry_types import StatusView
 from relax_glue.snapshot import Snapshot
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.names import SHA256_RE
-from sglang_ext.protocol import BucketSpec
-from sglang_ext.transport import plan_problem
 
 __all__ = ["SnapshotStore", "live_digests"]
 

@@ -52,11 +52,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from lora_contract.errors import LoraVersionError
+from lora_contract.names import MANAGED_CAPACITY
 from relax_glue.registry import MUTATING_OPS, LoRAVersionRegistry, stamp_now
 from relax_glue.registry_ops import RegistryOps
 from relax_glue.registry_types import dumps, loads
-from sglang_ext.errors import LoraVersionError
-from sglang_ext.names import MANAGED_CAPACITY
 
 __all__ = [
     "SCHEMA_VERSION",

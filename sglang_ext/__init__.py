@@ -1,7 +1,7 @@
 """SGLang plugin for immutable, versioned LoRA publication.
 
 Importing this package is cheap and imports nothing from SGLang: the trainer side
-(``relax_glue``) shares ``sglang_ext.errors`` and ``sglang_ext.protocol`` without an engine.
+(``relax_glue``) shares ``lora_contract.errors`` and ``lora_contract.protocol`` without an engine.
 The SGLang entry point is ``sglang_ext.plugin:register``.
 """
 

@@ -18,7 +18,7 @@ silence or trips over inside the scheduler's forward step, which kills the engin
 So ``begin`` admits only adapters for which SGLang and PEFT provably compute the same function,
 and refuses everything else with INCOMPATIBLE_ADAPTER and the reason, before any data moves. The
 config keys themselves were decided before this check, by the one table of
-``sglang_ext.identity`` (a key that changes the function unless neutral, or that PEFT 0.21.2 does
+``lora_contract.identity`` (a key that changes the function unless neutral, or that PEFT 0.21.2 does
 not have, is refused when the manifest is validated): only serving fields reach it. One
 difference is bridged instead of refused: rsLoRA (scale ``alpha / sqrt(r)``) is loaded with an
 equivalent ``lora_alpha`` when that reproduces PEFT's scale to the last bit
@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.protocol import Manifest
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import Manifest
 
 # Base architectures whose LoRA geometry is checked here: dense decoders with
 # self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj of uniform size in every layer, for which

@@ -5,7 +5,7 @@ manifest (layout, before any tensor byte is read, and before the file is even cr
 wrong bucket costs no allocation). Then the bytes are copied once, into the mapped file, and
 verified on worker threads (hashlib and torch release the GIL): each tensor's sha256 compared
 with the manifest, its values checked finite, and the bucket checksum
-(:func:`~sglang_ext.transport.bucket_checksum_of`, built from those same digests) compared with
+(:func:`~lora_contract.transport.bucket_checksum_of`, built from those same digests) compared with
 the one the sender declared. Each byte is hashed once, and what is verified is exactly the
 private copy the scheduler will load.
 
@@ -40,11 +40,9 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from sglang_ext.adapter_compat import check_tensor_values
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.identity import Manifest, content_mismatch
-from sglang_ext.staging import StagedPart, StagingArea
-from sglang_ext.transport import (
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.identity import Manifest, content_mismatch
+from lora_contract.transport import (
     HEADER_PREFIX_BYTES,
     BucketSpec,
     PayloadLayout,
@@ -54,7 +52,9 @@ from sglang_ext.transport import (
     header_length,
     parse_payload_layout,
 )
-from sglang_ext.wire import invalid
+from lora_contract.wire_models import invalid
+from sglang_ext.adapter_compat import check_tensor_values
+from sglang_ext.staging import StagedPart, StagingArea
 
 # Hash in strides of this many received bytes: small enough to track the socket closely,
 # large enough that the thread hand-offs cost nothing next to the hashing.

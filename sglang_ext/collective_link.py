@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from lora_contract.errors import ErrorCode, LoraVersionError
 from sglang_ext.collective_messages import (
     Arrived,
     Connect,
@@ -40,7 +41,6 @@ from sglang_ext.collective_messages import (
     decode,
     encode,
 )
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 COLLECTIVE_TIMEOUT_ENV = "SGLANG_LORA_VERSIONS_COLLECTIVE_TIMEOUT_S"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sglang_ext.errors import ErrorCode
+from lora_contract.errors import ErrorCode
 
 
 class MessageError(ValueError):
@@ -45,7 +45,7 @@ class Connect:
 
 @dataclass(frozen=True)
 class Expect:
-    """Receive one attempt's buckets, in order; ``tag``: :func:`~sglang_ext.collective_group.token_tag`
+    """Receive one attempt's buckets, in order; ``tag``: :func:`~lora_contract.collective_group.token_tag`
     of its attempt token."""
 
     job: str

@@ -35,8 +35,7 @@ import sys
 import time
 from typing import Any, NoReturn
 
-from sglang_ext.bucket_receiver import BACKGROUND_NICE
-from sglang_ext.collective_group import (
+from lora_contract.collective_group import (
     FRAME_BYTES,
     RECEIVER_RANK,
     Frame,
@@ -45,6 +44,8 @@ from sglang_ext.collective_group import (
     device_of,
     open_group,
 )
+from lora_contract.errors import ErrorCode
+from sglang_ext.bucket_receiver import BACKGROUND_NICE
 from sglang_ext.collective_messages import (
     Arrived,
     Connect,
@@ -57,7 +58,6 @@ from sglang_ext.collective_messages import (
     decode,
     encode,
 )
-from sglang_ext.errors import ErrorCode
 
 EXIT_FAILED = 2
 _PR_SET_PDEATHSIG = 1

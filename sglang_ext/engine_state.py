@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lora_contract.names import MANAGED_CAPACITY
+from lora_contract.protocol import BaseIdentity, EngineStatus
 from sglang_ext.metrics import NO_METRICS, Metrics
-from sglang_ext.names import MANAGED_CAPACITY
-from sglang_ext.protocol import BaseIdentity, EngineStatus
 from sglang_ext.staging import local_source_dir
 
 if TYPE_CHECKING:
@@ -106,10 +106,9 @@ class EngineState:
 
     def holds_slot(self, lora_name: str) -> bool:
         """Whether ``lora_name`` is a managed version holding an engine slot (a live version)."""
-        from sglang_ext.version_table import holds_engine_slot
 
         v = self.table.get(lora_name) if self.table is not None else None
-        return v is not None and holds_engine_slot(v.state)
+        return v is not None and v.state.holds_slot
 
     def status(self) -> EngineStatus:
         versions = ()
@@ -128,9 +127,9 @@ class EngineState:
 
 
 def engine_base(server_args: Any, tokenizer_manager: Any) -> BaseIdentity:
-    """This engine's base model identity (:mod:`sglang_ext.base_identity`): files read once, at
+    """This engine's base model identity (:mod:`lora_contract.base_identity`): files read once, at
     start, from the model's local directory (a few hundred KiB per weight file)."""
-    from sglang_ext import base_identity
+    from lora_contract import base_identity
     from sglang_ext import lora_registry_patch as upstream
 
     model_path = str(server_args.model_path)

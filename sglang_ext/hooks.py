@@ -66,8 +66,8 @@ async def refuse_managed_names_on_stock_lora_api(
     /load_lora_adapter_from_tensors and /unload_lora_adapter). A managed version is created only
     by staged publication and removed only by cleanup or reclaim; an ordinary call naming one is
     MANAGED_ADAPTER and changes nothing. Other names keep stock behaviour."""
-    from sglang_ext.errors import ErrorCode, LoraVersionError
-    from sglang_ext.protocol import is_managed_name
+    from lora_contract.errors import ErrorCode, LoraVersionError
+    from lora_contract.protocol import is_managed_name
 
     # The plugin itself never calls these methods (managed loads and unloads go through the
     # scheduler fan-out in native_lora), so there is no exception to make.

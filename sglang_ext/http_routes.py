@@ -18,12 +18,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
-from sglang_ext import hook_timing
-from sglang_ext.bucket_receiver import BucketReceiver
-from sglang_ext.engine_state import BodyLimits, EngineState, engine_state
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.plugin import log_line
-from sglang_ext.protocol import (
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import (
     BUCKET_CONTENT_TYPE,
     BeginRequest,
     CleanupRequest,
@@ -36,7 +32,11 @@ from sglang_ext.protocol import (
     Routes,
     parse_model,
 )
-from sglang_ext.wire import invalid
+from lora_contract.wire_models import invalid
+from sglang_ext import hook_timing
+from sglang_ext.bucket_receiver import BucketReceiver
+from sglang_ext.engine_state import BodyLimits, EngineState, engine_state
+from sglang_ext.plugin import log_line
 
 
 def error_response(err: LoraVersionError) -> JSONResponse:

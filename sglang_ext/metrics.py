@@ -8,7 +8,7 @@ engine: multiprocess mode has no way to remove one. So the plugin's metrics come
 
 Series labelled by version come from :class:`VersionSeries`, a collector on that same scrape
 registry (``lora_registry_patch.mount_metrics_route``) that yields them from the engine's own
-status at each scrape, for the versions that hold an engine slot (``holds_engine_slot``) and for
+status at each scrape, for the versions that hold an engine slot (``EngineVersionState.holds_slot``) and for
 no other. A version's series end with it, so a run that publishes a version per step serves
 the series of at most ``managed_capacity`` versions, never of its history:
 
@@ -39,8 +39,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from sglang_ext.protocol import EngineStatus, EngineVersionState, VersionStatus
-from sglang_ext.version_table import holds_engine_slot
+from lora_contract.protocol import EngineStatus, EngineVersionState, VersionStatus
 
 __all__ = ["NO_METRICS", "EngineView", "Metrics", "VersionMetrics", "VersionSeries"]
 
@@ -48,7 +47,7 @@ PREFIX = "sglang:lora_version_"
 # Control calls take milliseconds (begin) to minutes (a large end, a long drain).
 OP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # The states of the one-hot state gauge: those a version holding a slot can be in.
-LIVE_STATES = tuple(s for s in EngineVersionState if holds_engine_slot(s))
+LIVE_STATES = tuple(s for s in EngineVersionState if EngineVersionState(s).holds_slot)
 
 
 class EngineView(Protocol):
@@ -97,8 +96,8 @@ NO_METRICS: Metrics = _NoMetrics()
 
 def live_versions(status: EngineStatus) -> list[VersionStatus]:
     """The versions whose series are served: those holding an engine slot, the one rule of
-    ``version_table.holds_engine_slot`` (UNLOADED and CLEANED versions are history)."""
-    return [v for v in status.versions if holds_engine_slot(v.state)]
+    ``EngineVersionState.holds_slot`` (UNLOADED and CLEANED versions are history)."""
+    return [v for v in status.versions if v.state.holds_slot]
 
 
 class VersionSeries:

@@ -22,8 +22,8 @@ import contextvars
 from pathlib import Path
 from typing import Any, Protocol
 
+from lora_contract.errors import ErrorCode, LoraVersionError
 from sglang_ext import lora_registry_patch as upstream
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 # Set while the plugin's own exact-version probe generates with a managed name that is still
 # LOADING: the request guard (tokenizer_hooks.check_servable) lets exactly that call pass.

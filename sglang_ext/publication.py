@@ -20,13 +20,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from sglang_ext.adapter_compat import sglang_load_config
-from sglang_ext.bucket_receiver import BucketReceiver
-from sglang_ext.collective_group import token_tag
-from sglang_ext.collective_link import CollectiveLink, ExpectedBucket, transfer_failed
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.native_lora import NativeEdge
-from sglang_ext.protocol import (
+from lora_contract.collective_group import token_tag
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import (
     BeginRequest,
     BucketAck,
     BucketSpec,
@@ -42,6 +38,10 @@ from sglang_ext.protocol import (
     check_tensor_set,
     max_payload_bytes,
 )
+from sglang_ext.adapter_compat import sglang_load_config
+from sglang_ext.bucket_receiver import BucketReceiver
+from sglang_ext.collective_link import CollectiveLink, ExpectedBucket, transfer_failed
+from sglang_ext.native_lora import NativeEdge
 from sglang_ext.staging import StagedPart, StagingArea
 from sglang_ext.version_table import (
     BucketDecision,

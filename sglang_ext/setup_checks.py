@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from sglang_ext.names import MANAGED_CAPACITY
+from lora_contract.names import MANAGED_CAPACITY
 
 # Lets exactly one test start a managed engine with the overlap scheduler: the GPU proof that
 # reclaim never frees a slot a launched step still reads (gpu_tests/test_overlap_scheduler.py).

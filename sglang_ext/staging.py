@@ -32,8 +32,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.wire import invalid
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.wire_models import invalid
 
 STAGING_DIR_ENV = "SGLANG_LORA_VERSIONS_STAGING_DIR"
 LOCAL_SOURCE_DIR_ENV = "SGLANG_LORA_VERSIONS_LOCAL_SOURCE_DIR"

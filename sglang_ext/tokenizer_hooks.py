@@ -22,11 +22,11 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import is_managed_name
 from sglang_ext import lora_registry_patch as upstream
-from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.http_routes import error_response
 from sglang_ext.native_lora import managed_call
-from sglang_ext.protocol import is_managed_name
 
 # GenerateReqInput fields the tokenizer manager or the engine set themselves (sglang 0.5.23).
 INTERNAL_FIELDS = (

@@ -22,9 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from sglang_ext.adapter_compat import EngineLoraShape, serving_problem
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.protocol import (
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import (
     BeginRequest,
     BucketSpec,
     CleanupReceipt,
@@ -37,14 +36,9 @@ from sglang_ext.protocol import (
     VersionStatus,
     is_managed_name,
 )
+from sglang_ext.adapter_compat import EngineLoraShape, serving_problem
 
 S = EngineVersionState
-
-
-def holds_engine_slot(state: EngineVersionState) -> bool:
-    """The one rule for engine capacity: a version holds a pinned slot from begin until it is
-    physically unloaded or cleaned (a PREPARED version will pin at end, so it counts already)."""
-    return state in (S.PREPARED, S.LOADING, S.READY_LOCAL, S.FAILED, S.RECLAIMING)
 
 
 def may_unload_now(v: ManagedVersion | None, in_flight: int | None) -> bool:
@@ -207,7 +201,7 @@ class VersionTable:
     ) -> None:
         self.incarnation = incarnation
         self.limits = limits
-        # this engine's base model (sglang_ext.base_identity), checked against every begin
+        # this engine's base model (lora_contract.base_identity), checked against every begin
         self.base_fingerprint = base_fingerprint
         # SGLang stacks q/k/v and gate/up; the shell passes its normaliser so both compare alike.
         self._normalize_targets = normalize_targets
@@ -227,7 +221,7 @@ class VersionTable:
         return self.versions.get(lora_name)
 
     def slots_in_use(self) -> int:
-        return sum(1 for v in self.versions.values() if holds_engine_slot(v.state))
+        return sum(1 for v in self.versions.values() if v.state.holds_slot)
 
     def status_of(self, v: ManagedVersion, in_flight: int | None) -> VersionStatus:
         return VersionStatus(

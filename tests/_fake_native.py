@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sglang_ext.errors import ErrorCode, LoraVersionError
+from lora_contract.errors import ErrorCode, LoraVersionError
 from sglang_ext.staging import StagingArea
 
 

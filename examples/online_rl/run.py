@@ -96,7 +96,7 @@ class OnlineRL:
 
     async def publish(self, step: int) -> rp.Publication:
         """Publish W_step as version step{step}, following the policy on CAPACITY_ERROR."""
-        from sglang_ext.errors import ErrorCode
+        from lora_contract.errors import ErrorCode
 
         snapshot = self.trainer.snapshot()  # frozen now: the next update cannot change it
         t_start, refusals, attempts = self.clock(), [], 0
@@ -181,7 +181,6 @@ class OnlineRL:
     # -------------------------------------------------------------------- sampling
 
     async def sample(self) -> None:
-        from sglang_ext.version_table import holds_engine_slot
 
         t = self.clock()
         statuses = await asyncio.gather(*(c.status() for c in self.clients.values()), return_exceptions=True)
@@ -189,7 +188,7 @@ class OnlineRL:
         for eid, st in zip(self.clients, statuses, strict=True):
             if isinstance(st, BaseException):
                 continue  # a status that did not come back is not a sample
-            engines[eid] = sum(1 for v in st.versions if holds_engine_slot(v.state))
+            engines[eid] = sum(1 for v in st.versions if v.state.holds_slot)
             for v in st.versions:
                 if v.lora_id:
                     self.lora_ids[v.lora_name][eid] = v.lora_id

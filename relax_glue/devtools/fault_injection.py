@@ -11,9 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from enum import StrEnum
 from typing import Any
 
-from relax_glue.engine_client import EngineAPI, OutcomeUnknown, outcome_label
-from sglang_ext.errors import LoraVersionError
-from sglang_ext.protocol import (
+from lora_contract.errors import LoraVersionError
+from lora_contract.protocol import (
     BeginRequest,
     BucketAck,
     CleanupReceipt,
@@ -28,6 +27,7 @@ from sglang_ext.protocol import (
     UnloadedReceipt,
     VersionStatus,
 )
+from relax_glue.engine_client import EngineAPI, OutcomeUnknown, outcome_label
 
 
 class FaultKind(StrEnum):

@@ -37,8 +37,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-from sglang_ext.errors import HTTP_STATUS, ErrorCode, LoraVersionError
-from sglang_ext.protocol import (
+from lora_contract.errors import HTTP_STATUS, ErrorCode, LoraVersionError
+from lora_contract.protocol import (
     ATTEMPT_TOKEN_HEADER,
     BUCKET_CONTENT_TYPE,
     BUCKET_INDEX_HEADER,

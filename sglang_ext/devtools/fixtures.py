@@ -220,7 +220,7 @@ OTHER_BASE_SEED = MODEL_SEED + 1
 def ensure_other_base(fixtures: Fixtures) -> Path:
     """A second tiny base model of exactly the same shape, config and tokenizer as
     ``fixtures.model_dir`` but other weights: an engine on it must be told apart from the
-    cohort's (sglang_ext.base_identity) although every adapter fits it."""
+    cohort's (lora_contract.base_identity) although every adapter fits it."""
 
     def build(out: Path) -> None:
         copy_tokenizer(fixtures.model_dir, out)

@@ -13,8 +13,8 @@ import sys
 
 from _rg_helpers import ENGINES, EPOCH, random_ops
 
+from lora_contract.errors import LoraVersionError
 from relax_glue.store import DurableRegistry
-from sglang_ext.errors import LoraVersionError
 
 
 def main() -> None:

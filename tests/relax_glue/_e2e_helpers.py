@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 from _admin_key import ADMIN_KEY
 
+from lora_contract import protocol
 from relax_glue.devtools.teardown import engine_versions, live_versions, purge
 from relax_glue.engine_client import AuditEntry, AuditLog, EngineAPI, EngineClient, forbidden_calls
 from relax_glue.gateway import GatewayClient
@@ -30,9 +31,8 @@ from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.registry_types import VersionKey, VersionState
 from relax_glue.sessions import Session, SessionManager
 from relax_glue.snapshot import Snapshot
-from sglang_ext import protocol as wire
 
-PREFIX = wire.DEFAULT_LORA_PREFIX
+PREFIX = protocol.DEFAULT_LORA_PREFIX
 BUCKET_CAP = 16 * 1024  # small, so the tiny fixture adapters travel in several ordered buckets
 PROMPTS: tuple[tuple[int, ...], ...] = (
     (302, 356, 417, 494, 439),  # "The quick brown"
@@ -216,7 +216,7 @@ def lose_bucket(nth: int) -> Hook:
 
     async def hook(n: int, call: Callable[..., Awaitable[Any]], meta: Any, payload: bytes) -> Any:
         if n == nth:
-            return wire.BucketAck(index=meta.index, accepted=True)
+            return protocol.BucketAck(index=meta.index, accepted=True)
         return await call(meta, payload)
 
     return hook
@@ -225,7 +225,7 @@ def lose_bucket(nth: int) -> Hook:
 # ------------------------------------------------------------------------------ engine views
 
 
-async def engine_state(client: EngineAPI, lora_name: str) -> wire.EngineVersionState | None:
+async def engine_state(client: EngineAPI, lora_name: str) -> protocol.EngineVersionState | None:
     return {n: v.state for n, v in (await engine_versions(client)).items()}.get(lora_name)
 
 
@@ -491,7 +491,7 @@ class World:
         return VersionKey(self.epoch, vid)
 
     def note(self, snap: Any, vid: str, adapter: str) -> str:
-        name = snap.lora_name(wire.DEFAULT_LORA_PREFIX, self.epoch, vid)
+        name = snap.lora_name(protocol.DEFAULT_LORA_PREFIX, self.epoch, vid)
         self.adapter_of[name] = adapter
         self.name_of[vid] = name
         return name

@@ -31,12 +31,12 @@ import httpx
 from _fake_native import FakeNative, fake_staging
 from fastapi import FastAPI, Request
 
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import BaseIdentity, EngineVersionState, Routes
 from relax_glue.engine_client import AuditLog, ClientTimeouts, EngineClient
 from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
 from sglang_ext.engine_state import ENGINE_BUCKET_CAP_BYTES, ENGINE_VERSION_CAP_BYTES, EngineState
-from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.http_routes import install
-from sglang_ext.protocol import BaseIdentity, EngineVersionState, Routes
 from sglang_ext.publication import NameLocks, PublicationService
 from sglang_ext.reclaim import ReclaimService
 from sglang_ext.version_table import ManagedVersion, StagingLimits, VersionTable

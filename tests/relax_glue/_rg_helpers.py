@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.registry import MUTATING_OPS, LoRAVersionRegistry
 from relax_glue.registry_types import (
     CleanupEvidence,
@@ -25,7 +26,6 @@ from relax_glue.registry_types import (
     VersionKey,
     VersionState,
 )
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 EPOCH = "7"
 ENGINES = ("E0", "E1")

@@ -21,6 +21,7 @@ ray = optional_module("ray", "ray", "ray")
 
 from _rg_helpers import ENGINES, EPOCH, Publisher, async_scenario, refused, sk, vk  # noqa: E402
 
+from lora_contract.errors import ErrorCode, LoraVersionError  # noqa: E402
 from relax_glue.actor import (  # noqa: E402
     AsyncRegistryClient,
     RegistryClient,
@@ -31,7 +32,6 @@ from relax_glue.actor import (  # noqa: E402
 from relax_glue.registry import LoRAVersionRegistry  # noqa: E402
 from relax_glue.registry_types import VersionState  # noqa: E402
 from relax_glue.store import DurableRegistry, StoreError, StoreLockedError  # noqa: E402
-from sglang_ext.errors import ErrorCode, LoraVersionError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,14 +14,14 @@ import pytest
 from _fake_engine import fake_base, make_cluster, make_snapshot
 from _rg_helpers import EPOCH, new_registry, sk
 
+from lora_contract import protocol
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.publisher import CommitEvidence, Publisher, PublishOutcome, commit_evidence
 from relax_glue.reconciler import RestoreOutcome
 from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.registry_types import VersionKey, VersionState
 from relax_glue.snapshot_store import SnapshotStore
 from relax_glue.store import DurableRegistry
-from sglang_ext import protocol as wire
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 SNAP = {name: make_snapshot(seed=i) for i, name in enumerate("ABC")}
 
@@ -73,7 +73,7 @@ async def test_an_engine_restarted_on_another_base_refuses_the_begin_and_gets_no
 def test_commit_evidence_needs_the_epochs_base() -> None:
     from test_publisher import _engine_status
 
-    from sglang_ext.protocol import EngineVersionState
+    from lora_contract.protocol import EngineVersionState
 
     name, token, digest = "p@e-v-aaaaaaaaaaaa", "tok", "a" * 64
     ready = {
@@ -132,8 +132,8 @@ async def test_a_restarted_engine_on_another_base_gets_no_restore(tmp_path: Path
     assert reg.version(VersionKey(EPOCH, "A")).state is VersionState.PUBLISHED
 
 
-def _status(base_label: str | None) -> wire.EngineStatus:
-    return wire.EngineStatus(incarnation="i1", base=fake_base(base_label) if base_label else None)
+def _status(base_label: str | None) -> protocol.EngineStatus:
+    return protocol.EngineStatus(incarnation="i1", base=fake_base(base_label) if base_label else None)
 
 
 _ALL_PARTS = ["config", "tokenizer", "weights", "serving"]
@@ -174,7 +174,7 @@ def test_base_mismatch_names_only_the_parts_that_differ() -> None:
     ours = fake_base("ours")
     tokenizer_only = ours.model_copy(update={"tokenizer": fake_base("x").tokenizer, "fingerprint": "c" * 64})
     statuses = {
-        "E0": wire.EngineStatus(incarnation="i1", base=ours),
-        "E1": wire.EngineStatus(incarnation="i1", base=tokenizer_only),
+        "E0": protocol.EngineStatus(incarnation="i1", base=ours),
+        "E1": protocol.EngineStatus(incarnation="i1", base=tokenizer_only),
     }
     assert base_mismatch(statuses).details["differ"] == {"E1": ["tokenizer"]}

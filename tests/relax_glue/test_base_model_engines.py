@@ -8,9 +8,9 @@ import pytest
 from _admin_key import ADMIN_KEY
 from _e2e_helpers import aclose_all, make_clients, new_epoch, purge, snapshot_of
 
+from lora_contract.errors import ErrorCode
 from relax_glue.publisher import Publisher, PublishOutcome
 from relax_glue.registry import LoRAVersionRegistry
-from sglang_ext.errors import ErrorCode
 
 pytestmark = pytest.mark.engine
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from lora_contract.errors import ErrorCode
 from relax_glue.cli import HINTS, build_parser, main, render_publish, render_status, table
 from relax_glue.operations import parse_engines
 from sglang_ext.devtools.launcher import PLUGIN_SWITCH_ENV, gpu_launch_command
-from sglang_ext.errors import ErrorCode
 
 
 def test_every_hint_names_a_real_error_code() -> None:

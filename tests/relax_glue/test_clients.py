@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from _rg_helpers import ENGINES, EPOCH, Publisher, async_scenario, refused, sk, vk
 
+from lora_contract.errors import ErrorCode
 from relax_glue.actor import AsyncRegistryClient, RegistryClient
 from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
 from relax_glue.store import DurableRegistry
-from sglang_ext.errors import ErrorCode
 
 
 def test_clients_expose_every_registry_operation() -> None:

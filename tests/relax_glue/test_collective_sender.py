@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from lora_contract import protocol as p
+from lora_contract.collective_group import PIECE_BYTES, pieces, token_tag
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.collective_sender import CollectiveSender
-from sglang_ext import protocol as p
-from sglang_ext.collective_group import PIECE_BYTES, pieces, token_tag
 from sglang_ext.collective_link import CollectiveLink, ExpectedBucket, LinkState
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
 

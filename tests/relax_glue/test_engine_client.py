@@ -17,6 +17,8 @@ import httpx
 import pytest
 from _fake_engine import FakeEngine, make_snapshot
 
+from lora_contract import protocol as p
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.devtools.fault_injection import FaultInjectingClient, FaultKind
 from relax_glue.engine_client import (
     FORBIDDEN_PATHS,
@@ -28,8 +30,6 @@ from relax_glue.engine_client import (
     classify_outcome,
     forbidden_calls,
 )
-from sglang_ext import protocol as p
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 SNAP = make_snapshot(seed=1)
 LORA = SNAP.lora_name("relax_policy_lora", "7", "A")

@@ -12,12 +12,12 @@ import pytest
 from _fake_engine import make_cluster, make_snapshot
 from _rg_helpers import ENGINES, EPOCH, Publisher, new_registry, refused, sk, vk
 
+from lora_contract.errors import ErrorCode
 from relax_glue.publisher import Publisher as EnginePublisher
 from relax_glue.publisher import PublishOutcome
 from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.registry_types import AttemptPhase, ReclaimPhase, VersionState
 from relax_glue.store import DurableRegistry
-from sglang_ext.errors import ErrorCode
 
 
 def test_an_aborted_attempt_waiting_only_for_the_lost_engine_frees_its_slot() -> None:

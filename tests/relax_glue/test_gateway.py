@@ -16,6 +16,7 @@ import pytest
 from _fake_engine import Cluster, make_cluster, make_snapshot
 from _rg_helpers import EPOCH, new_registry
 
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.engine_client import EngineClient, OutcomeUnknown
 from relax_glue.gateway import (
     GATEWAY_ID,
@@ -27,7 +28,6 @@ from relax_glue.gateway import (
 from relax_glue.publisher import Publisher
 from relax_glue.router import StickyRoundRobinRouter
 from relax_glue.sessions import SessionManager
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 BODY = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
 

@@ -17,12 +17,12 @@ import pytest
 from _fake_engine import make_cluster, make_snapshot
 from _rg_helpers import ENGINES, EPOCH, Publisher, new_registry, refused, sk, vk
 
+from lora_contract.errors import ErrorCode
 from relax_glue.actor import AsyncRegistryClient
 from relax_glue.publisher import Publisher as EnginePublisher
 from relax_glue.registry_types import SessionState, VersionState
 from relax_glue.sessions import SessionManager, SessionPhase
 from relax_glue.store import DurableRegistry
-from sglang_ext.errors import ErrorCode
 
 T0 = 1_000_000.0
 

@@ -21,11 +21,11 @@ from _admin_key import ADMIN_KEY
 from _e2e_helpers import PROMPTS, TOOL_IDS, aclose_all, greedy, make_clients, new_epoch, purge, snapshot_of
 from _optional import optional_module
 
+from lora_contract import protocol
 from relax_glue.actor import AsyncRegistryClient, start_registry_actor
 from relax_glue.publisher import Publisher, PublishOutcome
 from relax_glue.registry_types import SessionState, VersionKey, VersionState
 from relax_glue.sessions import SessionManager
-from sglang_ext import protocol as wire
 
 pytestmark = pytest.mark.engine
 
@@ -164,7 +164,7 @@ async def test_a_sigkilled_worker_releases_its_refs_after_the_ttl_and_capacity_r
         reclaimed_s = time.monotonic() - t_kill
         for c in clients.values():
             states = {v.lora_name: v.state for v in (await c.status()).versions}
-            assert states[name_a] is wire.EngineVersionState.UNLOADED
+            assert states[name_a] is protocol.EngineVersionState.UNLOADED
         assert (await pub.publish(snaps["C"], "C")).outcome is PublishOutcome.PUBLISHED
         print(
             f"\n[lease] TTL {TTL_S:.1f}s, reaper every {REAPER_S}s: refs released {released_s:.1f}s "

@@ -46,17 +46,17 @@ from _e2e_helpers import (
 )
 from _optional import optional_module
 
+from lora_contract import protocol
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.publisher import PublishOutcome
 from relax_glue.registry_types import AttemptPhase, VersionState
 from relax_glue.sessions import Session
-from sglang_ext import protocol as wire
 from sglang_ext.devtools.engine_log import await_unload_lines, unload_lines
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 pytestmark = pytest.mark.engine
 
-S = wire.EngineVersionState
+S = protocol.EngineVersionState
 
 
 @pytest.fixture(scope="module")

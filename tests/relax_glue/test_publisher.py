@@ -19,14 +19,14 @@ import pytest
 from _fake_engine import Cluster, make_cluster, make_snapshot
 from _rg_helpers import EPOCH, new_registry, refused, sk
 
+from lora_contract import protocol
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import EngineVersionState
 from relax_glue.actor import AsyncRegistryClient, RegistryClient
 from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.publisher import Publisher, PublishOutcome, PublishResult
 from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
 from relax_glue.registry_types import AttemptPhase, ReclaimPhase, VersionKey, VersionState
-from sglang_ext import protocol as wire
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.protocol import EngineVersionState
 
 SNAP = {name: make_snapshot(seed=i) for i, name in enumerate("ABCD")}
 
@@ -513,16 +513,16 @@ async def test_no_commit_while_an_engine_cannot_answer_after_its_ready(world: Wo
     assert world.fakes["E1"].ops("begin") == ["begin"]  # learnt from its status, nothing re-sent
 
 
-def _engine_status(incarnation: str, *versions: dict) -> wire.EngineStatus:
+def _engine_status(incarnation: str, *versions: dict) -> protocol.EngineStatus:
     """An engine's status as an engine writes it: every version in its current incarnation."""
     import time as _time
 
-    return wire.EngineStatus(
+    return protocol.EngineStatus(
         incarnation=incarnation,
         versions=tuple(
-            wire.VersionStatus(
+            protocol.VersionStatus(
                 **{
-                    "version_key": wire.VersionKey(epoch="e", version_id="v"),
+                    "version_key": protocol.VersionKey(epoch="e", version_id="v"),
                     "incarnation": incarnation,
                     "created_at": _time.time(),
                     "updated_at": _time.time(),
@@ -662,8 +662,8 @@ def test_resolve_has_one_action_for_every_engine_state():
     """The resolve table covers every engine state (a missing entry would be a KeyError)."""
     import time as _time
 
+    from lora_contract.protocol import EngineVersionState, VersionKey, VersionStatus
     from relax_glue.publisher import ResolveAction, resolve_action
-    from sglang_ext.protocol import EngineVersionState, VersionKey, VersionStatus
 
     token, digest = "tok-1", "a" * 64
 
@@ -703,18 +703,18 @@ def test_resolve_has_one_action_for_every_engine_state():
     )
 
 
-def _version_status(state: EngineVersionState, **kw: Any) -> wire.VersionStatus:
+def _version_status(state: EngineVersionState, **kw: Any) -> protocol.VersionStatus:
     fields = dict(
         lora_name="p@e-v-aaaaaaaaaaaa",
         state=state,
-        version_key=wire.VersionKey(epoch="e", version_id="v"),
+        version_key=protocol.VersionKey(epoch="e", version_id="v"),
         digest="a" * 64,
         attempt_token="tok-1",
         incarnation="inc",
         created_at=0.0,
         updated_at=0.0,
     )
-    return wire.VersionStatus(**{**fields, **kw})
+    return protocol.VersionStatus(**{**fields, **kw})
 
 
 @pytest.mark.parametrize(
@@ -799,7 +799,7 @@ async def test_no_commit_when_an_engine_answers_not_ready_in_the_same_incarnatio
         (att,) = [v for v in world.status().versions if v.state is VersionState.LOADING]
         token.append(att.attempt_token)
         await world.cluster.clients["E1"].cleanup(
-            wire.CleanupRequest(lora_name=att.lora_name, attempt_token=att.attempt_token)
+            protocol.CleanupRequest(lora_name=att.lora_name, attempt_token=att.attempt_token)
         )
 
     e1.before_send("status", 2, clean_e1)  # read 1 is the epoch's base; read 2 the pre-commit one

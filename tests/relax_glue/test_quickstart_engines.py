@@ -22,9 +22,9 @@ from _admin_key import ADMIN_KEY
 from _e2e_helpers import PROMPTS, TOOL_IDS, aclose_all, begins_for, failed_generations, purge
 from _quickstart import a_training_step, peft_model, run_quickstart
 
+from lora_contract import protocol
 from relax_glue.publisher import PublishOutcome
 from relax_glue.registry_types import SessionState, VersionKey, VersionState
-from sglang_ext import protocol as wire
 
 pytestmark = pytest.mark.engine
 
@@ -172,7 +172,7 @@ async def test_the_quickstart_survives_a_worker_killed_mid_episode_and_an_engine
         assert all(0 < len(e) <= 32 for e in episodes), episodes
         on_eq = {v.lora_name: v for v in (await eq_client.status()).versions}
         restored = on_eq[step1_name]
-        assert restored.state is wire.EngineVersionState.READY_LOCAL
+        assert restored.state is protocol.EngineVersionState.READY_LOCAL
         assert restored.attempt_token.startswith("rst-")  # staged by the reconciler, from the store
         refused = [e for e in failed_generations([eq_client.audit]) if "UNKNOWN_VERSION" in e.outcome]
         assert refused, "no episode met the lost version on the restarted engine"

@@ -18,16 +18,16 @@ import pytest
 from _fake_engine import Cluster, make_cluster, make_snapshot
 from _rg_helpers import EPOCH, new_registry, sk
 
+from lora_contract import protocol
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.publisher import Publisher, PublishOutcome
 from relax_glue.reconciler import RestoreAction, RestoreOutcome, restore_plan, wanted_versions
 from relax_glue.registry_types import VersionKey, VersionState
 from relax_glue.sessions import SessionManager
 from relax_glue.snapshot_store import SnapshotStore
-from sglang_ext import protocol as wire
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
-S = wire.EngineVersionState
+S = protocol.EngineVersionState
 SNAP = {name: make_snapshot(seed=i) for i, name in enumerate("ABC")}
 PREFIX = "relax_policy_lora"
 
@@ -82,9 +82,9 @@ async def _two_live_versions(w: World) -> Any:
 # ---------------------------------------------------------------------------------- pure rule
 
 
-def _status(*versions: tuple[str, S, str | None]) -> wire.EngineStatus:
+def _status(*versions: tuple[str, S, str | None]) -> protocol.EngineStatus:
     vs = [
-        wire.VersionStatus(
+        protocol.VersionStatus(
             lora_name=name_of(vid),
             state=state,
             digest=digest or SNAP[vid].digest,
@@ -95,7 +95,7 @@ def _status(*versions: tuple[str, S, str | None]) -> wire.EngineStatus:
         )
         for vid, state, digest in versions
     ]
-    return wire.EngineStatus(incarnation="E1-i2", versions=tuple(vs))
+    return protocol.EngineStatus(incarnation="E1-i2", versions=tuple(vs))
 
 
 async def test_restore_plan_answers_every_engine_state(world: World) -> None:

@@ -12,13 +12,13 @@ import pytest
 from _admin_key import ADMIN_KEY
 from _e2e_helpers import PROMPTS, aclose_all, greedy, make_clients, new_epoch, purge, snapshot_of
 
+from lora_contract import protocol
 from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.publisher import Publisher, PublishOutcome
 from relax_glue.reconciler import RestoreOutcome
 from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.sessions import SessionManager
 from relax_glue.snapshot_store import SnapshotStore
-from sglang_ext import protocol as wire
 from sglang_ext.devtools.engine_log import unload_lines
 
 pytestmark = pytest.mark.engine
@@ -42,7 +42,7 @@ async def test_a_stale_status_and_a_lost_begin_reply_leave_the_committed_version
         prompt = list(PROMPTS[0])
         first = await session.generate({"input_ids": prompt, "sampling_params": greedy(6)})
         held = await clients["E1"].version_status(published.lora_name)
-        assert held.state is wire.EngineVersionState.READY_LOCAL and held.lora_id
+        assert held.state is protocol.EngineVersionState.READY_LOCAL and held.lora_id
 
         faulty = FaultInjectingClient(clients["E1"])
         faulty.stale_reply("status", 1, stale).drop_reply("begin", 1)
@@ -56,7 +56,7 @@ async def test_a_stale_status_and_a_lost_begin_reply_leave_the_committed_version
         after = await clients["E1"].version_status(published.lora_name)
         assert unload_lines(e1.log_path, held.lora_id) == 0
         assert (after.state, after.attempt_token, after.lora_id) == (
-            wire.EngineVersionState.READY_LOCAL,
+            protocol.EngineVersionState.READY_LOCAL,
             held.attempt_token,
             held.lora_id,
         )

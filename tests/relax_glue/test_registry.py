@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from _rg_helpers import EPOCH, Publisher, digest, lora_name, new_registry, refused, sk, vk
 
+from lora_contract.errors import HTTP_STATUS, ErrorCode, LoraVersionError
 from relax_glue.registry import _TRANSITIONS, LoRAVersionRegistry, holds_slot, may_start_reclaim
 from relax_glue.registry_types import (
     AttemptPhase,
@@ -22,7 +23,6 @@ from relax_glue.registry_types import (
     dumps,
     loads,
 )
-from sglang_ext.errors import HTTP_STATUS, ErrorCode, LoraVersionError
 
 # ------------------------------------------------------------------------------ predicates
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from _rg_helpers import Publisher, digest, lora_name, new_registry, refused, sk, vk
 
+from lora_contract.errors import ErrorCode
 from relax_glue.registry_types import (
     CleanupEvidence,
     PreparedEvidence,
@@ -17,7 +18,6 @@ from relax_glue.registry_types import (
     UnloadEvidence,
     VersionState,
 )
-from sglang_ext.errors import ErrorCode
 
 
 def _state(reg, vid: str) -> VersionState:

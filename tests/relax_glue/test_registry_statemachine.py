@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.registry_types import (
     AttemptPhase,
@@ -45,7 +46,6 @@ from relax_glue.registry_types import (
     VersionState,
 )
 from relax_glue.store import DurableRegistry
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 VIDS = st.sampled_from(["A", "B", "C", "D", "E"])
 ENGINE = st.sampled_from(ENGINES)

@@ -18,6 +18,8 @@ import pytest
 from _fake_engine import Cluster, make_cluster, make_snapshot
 from _rg_helpers import EPOCH, new_registry
 
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import EngineVersionState
 from relax_glue.actor import AsyncRegistryClient
 from relax_glue.devtools.fault_injection import FaultInjectingClient
 from relax_glue.engine_client import OutcomeUnknown
@@ -26,8 +28,6 @@ from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
 from relax_glue.registry_types import SessionState, VersionKey
 from relax_glue.router import StickyRoundRobinRouter
 from relax_glue.sessions import Session, SessionManager, SessionPhase, TurnOutcomeUnknown
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.protocol import EngineVersionState
 
 SNAP = {name: make_snapshot(seed=i) for i, name in enumerate("AB")}
 BODY = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}

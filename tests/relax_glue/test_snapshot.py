@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from lora_contract import protocol as p
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.snapshot import Snapshot
-from sglang_ext import protocol as p
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 CONFIG: dict[str, Any] = {
     "peft_type": "LORA",

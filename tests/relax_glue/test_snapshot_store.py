@@ -10,8 +10,8 @@ from _fake_engine import make_snapshot
 from _rg_helpers import Publisher as RegistryDriver
 from _rg_helpers import new_registry, sk
 
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.snapshot_store import SnapshotStore, live_digests
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 
 def test_a_snapshot_reads_back_with_its_digest_tensors_and_bucket_plan(tmp_path: Path) -> None:

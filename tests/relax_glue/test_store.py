@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from _rg_helpers import ENGINES, EPOCH, Publisher, refused, sk, vk
 
+from lora_contract.errors import ErrorCode
 from relax_glue.registry_types import UnloadEvidence
 from relax_glue.store import (
     DurableRegistry,
@@ -20,7 +21,6 @@ from relax_glue.store import (
     StoreLockedError,
     StoreMismatchError,
 )
-from sglang_ext.errors import ErrorCode
 
 ROOT = Path(__file__).resolve().parents[2]
 

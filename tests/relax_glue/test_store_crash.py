@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 from _rg_helpers import ENGINES, EPOCH, random_ops
 
+from lora_contract.errors import LoraVersionError
 from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.store import DurableRegistry, StoreLockedError
-from sglang_ext.errors import LoraVersionError
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

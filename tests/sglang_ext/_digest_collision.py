@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from lora_contract.identity import canonical_manifest_bytes, manifest_from_tensors
+from lora_contract.names import DIGEST_PREFIX_LEN
 from relax_glue.snapshot import Snapshot
-from sglang_ext.identity import canonical_manifest_bytes, manifest_from_tensors
-from sglang_ext.names import DIGEST_PREFIX_LEN
 
 VALUE_BYTES = 6  # 48 bits = the 12 hex characters of DIGEST_PREFIX_LEN
 ITEMSIZE = 4  # float32: byte 0 of each little-endian element is its lowest mantissa byte
@@ -102,8 +102,8 @@ def find_pair(config: Mapping, tensors: Mapping[str, torch.Tensor], count: int =
 
 
 if __name__ == "__main__":
+    from lora_contract.protocol import read_peft_dir
     from sglang_ext.devtools.fixtures import ensure_fixtures
-    from sglang_ext.protocol import read_peft_dir
 
     cfg, base = read_peft_dir(Path(ensure_fixtures().adapter_dir("A")))
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 25

@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 from _admin_key import ADMIN_KEY
 
+from lora_contract.protocol import BeginRequest, ReceiveBucketMeta, Routes
 from relax_glue.snapshot import Snapshot
 from sglang_ext.devtools.engine_log import await_unload_lines, unload_lines
-from sglang_ext.protocol import BeginRequest, ReceiveBucketMeta, Routes
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 EPOCH = "t1"

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _admin_key import ADMIN_KEY
 from _engine_helpers import Staged, snapshot_of
 
-from sglang_ext.collective_group import Frame, broadcast, host_store, open_group, token_tag
-from sglang_ext.protocol import ReceiveBucketMeta, Routes
-from sglang_ext.transport import HEADER_PREFIX_BYTES, header_length
+from lora_contract.collective_group import Frame, broadcast, host_store, open_group, token_tag
+from lora_contract.protocol import ReceiveBucketMeta, Routes
+from lora_contract.transport import HEADER_PREFIX_BYTES, header_length
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 

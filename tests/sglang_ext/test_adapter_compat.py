@@ -10,6 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.identity import DTYPE_ITEMSIZE
+from lora_contract.protocol import manifest_from_tensors
 from sglang_ext.adapter_compat import (
     EngineLoraShape,
     ModelGeometry,
@@ -17,9 +20,6 @@ from sglang_ext.adapter_compat import (
     serving_problem,
     sglang_load_config,
 )
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.identity import DTYPE_ITEMSIZE
-from sglang_ext.protocol import manifest_from_tensors
 
 GEOMETRY = ModelGeometry(
     "Qwen3ForCausalLM", num_layers=2, hidden_size=16, intermediate_size=32, q_size=16, kv_size=8
@@ -392,8 +392,8 @@ def test_module_selection_agrees_with_peft(config):
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
 
+    from lora_contract.protocol import normalise_serving_config
     from sglang_ext.adapter_compat import _peft_selects
-    from sglang_ext.protocol import normalise_serving_config
 
     ours = normalise_serving_config({"r": 4, "lora_alpha": 8, **config})
     peft_config = LoraConfig(r=4, lora_alpha=8, **config)

@@ -1,4 +1,4 @@
-"""The base model's fingerprint (sglang_ext.base_identity), from files on disk: each part sees
+"""The base model's fingerprint (lora_contract.base_identity), from files on disk: each part sees
 what it names and nothing else, and the engine's begin refuses another base."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sglang_ext import base_identity as bi
-from sglang_ext.errors import ErrorCode
-from sglang_ext.messages import BaseIdentity
+from lora_contract import base_identity as bi
+from lora_contract.errors import ErrorCode
+from lora_contract.messages import BaseIdentity
 
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "_name_or_path": "/here"}
 

@@ -17,16 +17,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load, save
 
-from sglang_ext import protocol as p
+from lora_contract import protocol as p
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.transport import TensorSpan, parse_payload_layout
 from sglang_ext.bucket_receiver import (
     HASH_STRIDE_BYTES,
     HASH_WHILE_RECEIVING_ENV,
     BucketReceiver,
     split_groups,
 )
-from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.staging import StagingArea, open_local_source
-from sglang_ext.transport import TensorSpan, parse_payload_layout
 
 CONFIG: dict[str, Any] = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 KEY = ("lv:p:e:v:0123456789abcdef", "a" * 32)

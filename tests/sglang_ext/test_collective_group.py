@@ -7,8 +7,8 @@ import struct
 import pytest
 import torch
 
-from sglang_ext import protocol as p
-from sglang_ext.collective_group import (
+from lora_contract import protocol as p
+from lora_contract.collective_group import (
     _FRAME,
     FRAME_BYTES,
     FRAME_MAGIC,
@@ -18,8 +18,8 @@ from sglang_ext.collective_group import (
     pieces,
     token_tag,
 )
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.transport import HEADER_PREFIX_BYTES, parse_payload_layout
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.transport import HEADER_PREFIX_BYTES, parse_payload_layout
 
 
 def test_frame_round_trip_and_refusals() -> None:

@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from relax_glue.collective_sender import CollectiveSender
-from sglang_ext.collective_group import (
+from lora_contract.collective_group import (
     PIECE_BYTES,
     Frame,
     broadcast,
@@ -27,8 +26,9 @@ from sglang_ext.collective_group import (
     open_group,
     token_tag,
 )
+from lora_contract.errors import ErrorCode, LoraVersionError
+from relax_glue.collective_sender import CollectiveSender
 from sglang_ext.collective_link import SETTLE_STALL_S, CollectiveLink, ExpectedBucket, LinkState
-from sglang_ext.errors import ErrorCode, LoraVersionError
 
 TAG = token_tag("attempt-1")
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext.collective_group import token_tag
+from lora_contract.collective_group import token_tag
+from lora_contract.errors import ErrorCode
 from sglang_ext.collective_messages import (
     Arrived,
     Connect,
@@ -22,7 +23,6 @@ from sglang_ext.collective_messages import (
     decode,
     encode,
 )
-from sglang_ext.errors import ErrorCode
 
 MESSAGES: list[Message] = [
     Connect(init_method="tcp://127.0.0.1:29500", group_id="g1", timeout_s=30.0, backend="gloo"),

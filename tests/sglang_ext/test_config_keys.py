@@ -1,4 +1,4 @@
-"""Every key of a PEFT adapter config, classified once (``sglang_ext/identity.py``): a key that can
+"""Every key of a PEFT adapter config, classified once (``lora_contract/identity.py``): a key that can
 change what the adapter computes and is not served exactly is refused with INCOMPATIBLE_ADAPTER
 naming it, on the trainer side (snapshot) and at an engine's ``begin``; only keys proven to be
 bookkeeping are dropped. PEFT is the oracle: real PEFT models on a tiny Qwen3 base show that the
@@ -23,13 +23,13 @@ from _fake_native import FakeNative, fake_staging
 from fastapi import FastAPI
 from safetensors.torch import save_file
 
+from lora_contract import protocol as p
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.identity import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE
 from relax_glue.snapshot import Snapshot
-from sglang_ext import protocol as p
 from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
 from sglang_ext.engine_state import EngineState
-from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.http_routes import install
-from sglang_ext.identity import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE
 from sglang_ext.publication import NameLocks, PublicationService
 from sglang_ext.reclaim import ReclaimService
 from sglang_ext.version_table import StagingLimits, VersionTable
@@ -294,7 +294,7 @@ BOOKKEEPING_EXAMPLES: dict[str, Any] = {
 
 @pytest.mark.parametrize("key", sorted(BOOKKEEPING_EXAMPLES))
 def test_every_bookkeeping_key_leaves_the_digest_unchanged(plain, key):
-    from sglang_ext.identity import BOOKKEEPING_CONFIG_FIELDS
+    from lora_contract.identity import BOOKKEEPING_CONFIG_FIELDS
 
     assert key in BOOKKEEPING_CONFIG_FIELDS
     digest = p.manifest_digest(p.manifest_from_tensors(MINIMAL, plain))
@@ -345,7 +345,7 @@ def test_the_neutral_values_are_pefts_defaults_and_are_dropped_from_the_digest(p
     the one of the bare serving config, so existing adapters keep their digests."""
     from peft import LoraConfig
 
-    from sglang_ext.identity import NEUTRAL_ONLY_CONFIG_FIELDS
+    from lora_contract.identity import NEUTRAL_ONLY_CONFIG_FIELDS
 
     defaults = {f.name: _peft_default(f) for f in dataclasses.fields(LoraConfig)}
     digest = p.manifest_digest(p.manifest_from_tensors(MINIMAL, plain))
@@ -361,7 +361,7 @@ def test_the_table_classifies_every_field_of_the_installed_lora_config():
     """A PEFT upgrade that adds a LoraConfig field fails here until the field is classified."""
     from peft import LoraConfig
 
-    from sglang_ext.identity import (
+    from lora_contract.identity import (
         BOOKKEEPING_CONFIG_FIELDS,
         NEUTRAL_ONLY_CONFIG_FIELDS,
         SERVING_CONFIG_FIELDS,

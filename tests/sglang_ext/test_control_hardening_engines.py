@@ -28,9 +28,9 @@ from _engine_helpers import (
     visible_state,
 )
 
+from lora_contract.protocol import Routes
 from relax_glue.snapshot import Snapshot
 from sglang_ext.devtools import reference
-from sglang_ext.protocol import Routes
 
 pytestmark = pytest.mark.engine
 

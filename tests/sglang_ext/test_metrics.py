@@ -12,13 +12,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import EngineStatus, EngineVersionState, VersionStatus
 from sglang_ext import hooks
 from sglang_ext import lora_registry_patch as upstream
 from sglang_ext.engine_state import engine_state
-from sglang_ext.errors import ErrorCode, LoraVersionError
 from sglang_ext.metrics import LIVE_STATES, NO_METRICS, VersionMetrics
-from sglang_ext.protocol import EngineStatus, EngineVersionState, VersionStatus
-from sglang_ext.version_table import holds_engine_slot
 
 S = EngineVersionState
 NAME = "relax_policy_lora@e-v1-0123456789ab"
@@ -44,7 +43,7 @@ class FakeEngine:
 
     def holds_slot(self, lora_name: str) -> bool:
         v = self.versions.get(lora_name)
-        return v is not None and holds_engine_slot(v.state)
+        return v is not None and v.state.holds_slot
 
 
 @pytest.fixture()
@@ -76,7 +75,7 @@ def versions_named(registry: CollectorRegistry) -> dict[str, int]:
 
 
 def test_the_live_states_are_exactly_the_slot_holding_ones() -> None:
-    assert set(LIVE_STATES) == {s for s in EngineVersionState if holds_engine_slot(s)}
+    assert set(LIVE_STATES) == {s for s in EngineVersionState if EngineVersionState(s).holds_slot}
     assert S.UNLOADED not in LIVE_STATES and S.CLEANED not in LIVE_STATES
 
 

@@ -14,9 +14,8 @@ import pytest
 from _engine_helpers import Published, error_code, generate, snapshot_of, versions, wait_in_flight
 from prometheus_client.parser import text_string_to_metric_families
 
+from lora_contract.protocol import EngineVersionState
 from sglang_ext.devtools.launcher import EngineSpec, running_engines
-from sglang_ext.protocol import EngineVersionState
-from sglang_ext.version_table import holds_engine_slot
 
 pytestmark = pytest.mark.engine
 
@@ -138,7 +137,11 @@ def sglang_own_series(samples: Samples) -> set[tuple[str, frozenset[tuple[str, s
 
 
 def live_versions(url: str) -> set[str]:
-    return {name for name, v in versions(url).items() if holds_engine_slot(EngineVersionState(v["state"]))}
+    return {
+        name
+        for name, v in versions(url).items()
+        if EngineVersionState(EngineVersionState(v["state"])).holds_slot
+    }
 
 
 def test_version_series_end_with_their_version_over_many_publications(metrics_engine, fixtures):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_ext.errors import ErrorCode, LoraVersionError
+from lora_contract.errors import ErrorCode, LoraVersionError
 from sglang_ext.native_lora import NativeLora
 
 NAME = "p@e-v-aaaaaaaaaaaa"

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 from safetensors.torch import save, save_file
 
-from sglang_ext import protocol as p
-from sglang_ext.errors import ErrorCode, LoraVersionError
+from lora_contract import protocol as p
+from lora_contract.errors import ErrorCode, LoraVersionError
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_CONFIG: dict[str, Any] = {
@@ -751,7 +751,7 @@ def test_errors_carry_details_and_survive_json() -> None:
 
 def test_protocol_import_is_light() -> None:
     code = (
-        "import sys, sglang_ext.protocol, sglang_ext.errors; "
+        "import sys, lora_contract.protocol, lora_contract.errors; "
         "heavy = [m for m in ('torch', 'safetensors', 'sglang', 'numpy') if m in sys.modules]; "
         "assert not heavy, heavy"
     )

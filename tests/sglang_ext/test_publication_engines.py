@@ -32,7 +32,7 @@ from _engine_helpers import (
     visible_state,
 )
 
-from sglang_ext.protocol import Routes, read_peft_dir
+from lora_contract.protocol import Routes, read_peft_dir
 
 pytestmark = pytest.mark.engine
 
@@ -134,7 +134,7 @@ def test_out_of_order_and_corrupted_buckets_change_nothing(engines, snaps, clean
     r = s.send_bucket(buckets[0], payload=bytes(corrupted))
     assert r.status_code == 422 and error_code(r) == "CHECKSUM_MISMATCH"
     # a self-consistent payload (its own sha256) whose tensors differ from the manifest
-    from sglang_ext.protocol import bucket_checksum, encode_bucket
+    from lora_contract.protocol import bucket_checksum, encode_bucket
 
     wrong = {n: t.clone() + 1 for n, t in snaps["A"].tensors.items()}
     payload = encode_bucket(wrong, buckets[0].spec)
@@ -435,8 +435,8 @@ def test_a_bucket_handed_over_as_a_local_file_serves_exactly_like_a_body(
 
     from _local_source import local_source_dir
 
+    from lora_contract.protocol import EndRequest, ReceiveBucketMeta
     from relax_glue.engine_client import EngineClient
-    from sglang_ext.protocol import EndRequest, ReceiveBucketMeta
 
     e0, e1 = engines
     src = local_source_dir(run_dir)

@@ -13,10 +13,16 @@ import pytest
 import torch
 from _fake_native import FakeNative, fake_staging
 
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import (
+    CleanupRequest,
+    DrainingReply,
+    EndRequest,
+    ReceiveBucketMeta,
+    ReclaimRequest,
+)
 from relax_glue.snapshot import Snapshot
 from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.protocol import CleanupRequest, DrainingReply, EndRequest, ReceiveBucketMeta, ReclaimRequest
 from sglang_ext.publication import NameLocks, PublicationService
 from sglang_ext.reclaim import ReclaimService
 from sglang_ext.version_table import StagingLimits, VersionTable
@@ -800,7 +806,7 @@ async def test_a_body_that_declares_more_than_its_bucket_can_hold_is_refused_at_
     chunk, before anything more is read or buffered."""
     import struct
 
-    from sglang_ext.transport import max_payload_bytes
+    from lora_contract.transport import max_payload_bytes
 
     req, buckets = await _begun(shell, 76)
     b = buckets[0]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext.errors import ErrorCode, LoraVersionError
+from lora_contract.errors import ErrorCode, LoraVersionError
 from sglang_ext.staging import StagingArea, sweep_dead_owners
 
 KEY = ("lv:p:e:v:0123456789abcdef", "a" * 32)

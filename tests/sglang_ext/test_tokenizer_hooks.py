@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from sglang.srt.sampling.sampling_params import MAX_STOP_REGEX_COUNT, MAX_STOP_REGEX_LEN
 
+from lora_contract.errors import HTTP_STATUS, ErrorCode, LoraVersionError
 from sglang_ext import lora_registry_patch as upstream
-from sglang_ext.errors import HTTP_STATUS, ErrorCode, LoraVersionError
 from sglang_ext.native_lora import managed_call
 from sglang_ext.tokenizer_hooks import (
     INTERNAL_FIELDS,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from test_version_table import LIMITS, begin_req, refused_without_trace, snap
 
-from sglang_ext.errors import ErrorCode
+from lora_contract.errors import ErrorCode
 from sglang_ext.version_table import VersionTable
 
 

@@ -8,18 +8,17 @@ import uuid
 import pytest
 import torch
 
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import EngineVersionState as S
+from lora_contract.protocol import ReceiveBucketMeta
 from relax_glue.snapshot import Snapshot
 from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.protocol import EngineVersionState as S
-from sglang_ext.protocol import ReceiveBucketMeta
 from sglang_ext.version_table import (
     BucketDecision,
     CleanupDecision,
     EndDecision,
     StagingLimits,
     VersionTable,
-    holds_engine_slot,
 )
 
 GEOMETRY = ModelGeometry(
@@ -119,13 +118,13 @@ def test_capacity_is_one_predicate_and_refuses_before_any_change(table):
     table.begin(begin_req(snap(2), "2"))  # PREPARED holds a slot too
     assert table.slots_in_use() == 2
     refused_without_trace(table, lambda: table.begin(begin_req(snap(3), "3")), ErrorCode.CAPACITY_ERROR)
-    assert [s for s in ("PREPARED", "LOADING", "READY_LOCAL", "RECLAIMING") if holds_engine_slot(s)] == [
+    assert [s for s in ("PREPARED", "LOADING", "READY_LOCAL", "RECLAIMING") if S(s).holds_slot] == [
         "PREPARED",
         "LOADING",
         "READY_LOCAL",
         "RECLAIMING",
     ]
-    assert not holds_engine_slot("CLEANED") and not holds_engine_slot("UNLOADED")
+    assert not S("CLEANED").holds_slot and not S("UNLOADED").holds_slot
 
 
 def test_incompatible_rank_and_same_name_other_digest(table):
@@ -494,7 +493,7 @@ def test_fail_load_changes_only_a_loading_version_of_its_own_attempt(label, left
     if leftover is None:  # nothing stays loaded: end may be retried
         assert v.state == "PREPARED" and t.plan_end(req.lora_name, req.attempt_token) is EndDecision.LOAD
     else:  # still pinned in SGLang: FAILED, holding its slot, remembered by its id
-        assert v.state == "FAILED" and v.lora_id == leftover and holds_engine_slot(v.state)
+        assert v.state == "FAILED" and v.lora_id == leftover and S(v.state).holds_slot
 
 
 def test_check_bucket_answers_every_index_at_every_point_of_the_reception(table):
@@ -782,13 +781,13 @@ def test_slots_and_pins_follow_the_state_alone(label):
     t, req = table_in(label)
     v = t.get(req.lora_name)
     state = label.removesuffix("_CLEANING")
-    assert holds_engine_slot(v.state) == (state in _SLOT)
+    assert S(v.state).holds_slot == (state in _SLOT)
     assert t.slots_in_use() == (1 if state in _SLOT else 0)
     assert t.status_of(v, 0).pinned == (state in _PINNED)
 
 
-def test_holds_engine_slot_answers_every_engine_state():
-    assert {s.value for s in S if holds_engine_slot(s)} == _SLOT
+def test_holds_slot_answers_every_engine_state():
+    assert {s.value for s in S if S(s).holds_slot} == _SLOT
 
 
 @pytest.mark.parametrize("label", ["PREPARED", "PREPARED_COMPLETE", "READY_LOCAL", "FAILED"])

@@ -12,7 +12,7 @@ What travels, per bucket, in plan order (each a broadcast from rank 0):
 1. a frame of exactly :data:`FRAME_BYTES`: magic, the bucket index, its tensor byte count, a
    tag of the attempt token, and the piece size the sender cuts the bytes into;
 2. exactly that many bytes: the bucket's tensors in the canonical layout
-   (:func:`sglang_ext.transport.bucket_header` describes them; the receiver writes them after
+   (:func:`lora_contract.transport.bucket_header` describes them; the receiver writes them after
    that header, so the file is the very payload the HTTP transport would have carried), one
    broadcast per piece (:func:`pieces`). Pieces are what lets the receiver say how far a bucket
    got while it lands (a single broadcast says nothing until its last byte): the engine waits
@@ -32,8 +32,8 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-from sglang_ext.errors import ErrorCode
-from sglang_ext.wire import invalid
+from lora_contract.errors import ErrorCode
+from lora_contract.wire_models import invalid
 
 FRAME_MAGIC = b"LVCB"
 FRAME_VERSION = 2  # 2: the piece size travels in the frame

@@ -5,7 +5,7 @@ read from. Identity, in short::
     manifest  = {schema_version, config: normalised PEFT serving config,
                  tensors: [{name, dtype, shape, nbytes, sha256}, ...] sorted by name}
     digest    = sha256(canonical_manifest_bytes(manifest)).hexdigest()
-    lora_name = f"{prefix}@{epoch}-{version_id}-{digest[:12]}"   (sglang_ext.names)
+    lora_name = f"{prefix}@{epoch}-{version_id}-{digest[:12]}"   (lora_contract.names)
 
 At import time this touches only stdlib and pydantic; ``torch`` and ``safetensors`` are imported
 inside the few functions that handle tensors.
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.wire import NonNegInt, Sha256Hex, WireModel, invalid, mismatch, to_version_error
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.wire_models import NonNegInt, Sha256Hex, WireModel, invalid, mismatch, to_version_error
 
 if TYPE_CHECKING:
     import torch
@@ -200,7 +200,7 @@ def _check_config_keys(config: Mapping[str, Any]) -> None:
         if rule is None:
             raise _incompatible(
                 f"config key {key!r} is not a field of PEFT {PEFT_VERSION_CLASSIFIED}'s LoraConfig: it "
-                "may change what the adapter computes, so it is refused (sglang_ext/identity.py lists "
+                "may change what the adapter computes, so it is refused (lora_contract/identity.py lists "
                 "every key that is served or ignored)",
                 key=key,
             )

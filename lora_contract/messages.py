@@ -9,9 +9,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
 
-from sglang_ext.identity import Manifest, manifest_digest
-from sglang_ext.names import DIGEST_PREFIX_LEN, parse_lora_name
-from sglang_ext.transport import (
+from lora_contract.identity import Manifest, manifest_digest
+from lora_contract.names import DIGEST_PREFIX_LEN, parse_lora_name
+from lora_contract.transport import (
     ATTEMPT_TOKEN_HEADER,
     BUCKET_CONTENT_TYPE,
     BUCKET_INDEX_HEADER,
@@ -23,7 +23,7 @@ from sglang_ext.transport import (
     BucketSpec,
     plan_problem,
 )
-from sglang_ext.wire import (
+from lora_contract.wire_models import (
     LoraName,
     NamePart,
     NonNegInt,
@@ -269,6 +269,24 @@ class EngineVersionState(StrEnum):
     UNLOADED = "UNLOADED"  # physically unloaded (tombstone)
     CLEANED = "CLEANED"  # attempt cleaned up (tombstone: late calls are STALE_ATTEMPT)
 
+    @property
+    def holds_slot(self) -> bool:
+        """The one rule for engine capacity: a version holds a pinned slot from begin until it is
+        physically unloaded or cleaned (a PREPARED version will pin at end, so it counts already).
+        The engine's table and the trainer's registry both count slots by it."""
+        return self in _SLOT_HOLDING
+
+
+_SLOT_HOLDING = frozenset(
+    {
+        EngineVersionState.PREPARED,
+        EngineVersionState.LOADING,
+        EngineVersionState.READY_LOCAL,
+        EngineVersionState.FAILED,
+        EngineVersionState.RECLAIMING,
+    }
+)
+
 
 class VersionStatus(WireModel):
     lora_name: LoraName
@@ -288,7 +306,7 @@ class VersionStatus(WireModel):
 
 
 class BaseIdentity(WireModel):
-    """The base model an engine applies adapters to (:mod:`sglang_ext.base_identity`): one
+    """The base model an engine applies adapters to (:mod:`lora_contract.base_identity`): one
     fingerprint over four separately hashed parts, so a mismatch can say which part differs."""
 
     fingerprint: Sha256Hex

@@ -1,12 +1,12 @@
 """The wire protocol shared by the engine plugin and the trainer side, in three parts:
 
-- :mod:`sglang_ext.identity`: the normalised serving config, the canonical manifest and its digest
+- :mod:`lora_contract.identity`: the normalised serving config, the canonical manifest and its digest
   (what a LoRA version *is*), read from a PEFT directory;
-- :mod:`sglang_ext.transport`: the bucket plan and the bucket payloads (how its tensors travel);
-- :mod:`sglang_ext.messages`: the engine control requests, receipts, replies and status;
+- :mod:`lora_contract.transport`: the bucket plan and the bucket payloads (how its tensors travel);
+- :mod:`lora_contract.messages`: the engine control requests, receipts, replies and status;
 
-on top of the dependency-free name rules (:mod:`sglang_ext.names`) and the pydantic base
-(:mod:`sglang_ext.wire`). This module re-exports all of it as the one import for users of the
+on top of the dependency-free name rules (:mod:`lora_contract.names`) and the pydantic base
+(:mod:`lora_contract.wire_models`). This module re-exports all of it as the one import for users of the
 contract; each name is defined in exactly one of those modules.
 
 Import discipline: imported by ``relax_glue`` (no engine) and by the plugin inside every SGLang
@@ -15,7 +15,7 @@ process, so at import time it touches only stdlib and pydantic.
 
 from __future__ import annotations
 
-from sglang_ext.identity import (
+from lora_contract.identity import (
     DTYPE_ITEMSIZE,
     MANIFEST_SCHEMA_VERSION,
     SERVING_CONFIG_FIELDS,
@@ -30,7 +30,7 @@ from sglang_ext.identity import (
     read_peft_dir,
     tensor_entry,
 )
-from sglang_ext.messages import (
+from lora_contract.messages import (
     DEFAULT_LORA_PREFIX,
     BaseIdentity,
     BeginReply,
@@ -58,14 +58,14 @@ from sglang_ext.messages import (
     parse_cleanup_reply,
     parse_reclaim_reply,
 )
-from sglang_ext.names import (
+from lora_contract.names import (
     DIGEST_PREFIX_LEN,
     ParsedLoraName,
     is_managed_name,
     make_lora_name,
     parse_lora_name,
 )
-from sglang_ext.transport import (
+from lora_contract.transport import (
     ATTEMPT_TOKEN_HEADER,
     BUCKET_CONTENT_TYPE,
     BUCKET_INDEX_HEADER,
@@ -85,7 +85,7 @@ from sglang_ext.transport import (
     max_payload_bytes,
     plan_buckets,
 )
-from sglang_ext.wire import (
+from lora_contract.wire_models import (
     parse_model,
 )
 

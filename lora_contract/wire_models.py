@@ -1,5 +1,5 @@
 """The base of the wire models shared by the plugin and the trainer side: one frozen pydantic
-base, the constrained string types (from the name rules in :mod:`sglang_ext.names`), and parsing
+base, the constrained string types (from the name rules in :mod:`lora_contract.names`), and parsing
 that turns every validation failure into a typed :class:`LoraVersionError`."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Annotated, Any, TypeVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from pydantic_core import PydanticCustomError
 
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.names import NAME_PART, SHA256, TOKEN, parse_lora_name
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.names import NAME_PART, SHA256, TOKEN, parse_lora_name
 
 Sha256Hex = Annotated[str, StringConstraints(pattern=rf"^{SHA256}$")]
 NamePart = Annotated[str, StringConstraints(pattern=rf"^{NAME_PART}$")]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from sglang_ext.errors import ErrorCode, LoraVersionError
+from lora_contract.errors import ErrorCode, LoraVersionError
 
 # At most two managed versions hold capacity (RFC): the registry's slots and each engine's pins.
 MANAGED_CAPACITY = 2

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sglang_ext.messages import BaseIdentity
+from lora_contract.messages import BaseIdentity
 
 SAMPLES_PER_FILE = 16
 SAMPLE_BYTES = 4096

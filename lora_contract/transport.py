@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from sglang_ext.errors import ErrorCode, LoraVersionError
-from sglang_ext.identity import (
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.identity import (
     DTYPE_ITEMSIZE,
     Manifest,
     TensorEntry,
     check_entry_layout,
     check_tensor_against_manifest,
 )
-from sglang_ext.wire import NonNegInt, WireModel, invalid
+from lora_contract.wire_models import NonNegInt, WireModel, invalid
 
 if TYPE_CHECKING:
     import torch
