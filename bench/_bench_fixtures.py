@@ -1,7 +1,7 @@
 """Generated fixtures for ``bench/publish_engine.py``: a larger random Qwen3 base and a PEFT adapter
 of a few tens of MB that matches it.
 
-Same discipline as ``sglang_ext.devtools.fixtures``: fixed seeds, cached under
+Same discipline as ``lora_versions_dev.fixtures``: fixed seeds, cached under
 ``.fixtures/bench-<key>/`` where the key hashes this file, the tiny fixtures' key (the tokenizer is
 copied from there) and the library versions; built in a temporary directory and renamed into place,
 so an interrupted generation is never used. Weights are never committed (``.fixtures/`` is ignored).
@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_ext.devtools import fixtures as tiny
+from lora_versions_dev import fixtures as tiny
 
 MODEL_SEED = 4321
 ADAPTER_SEED = 8765

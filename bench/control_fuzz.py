@@ -1,6 +1,6 @@
 """The long run of the control-endpoint fuzzer against a real CPU engine of its own.
 
-The same fuzzer as the test suite's short seeded run (``sglang_ext/devtools/control_fuzz.py``):
+The same fuzzer as the test suite's short seeded run (``lora_versions_dev/control_fuzz.py``):
 valid publications of the fixture adapters and of crafted-but-valid ones (rsLoRA, q/v only, one
 layer only) interleaved with malformed, out-of-order, cross-version, oversized, cut-short,
 concurrent and crafted-invalid requests (each rejected for one reason SGLang 0.5.23 would
@@ -26,14 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sglang_ext.devtools.control_fuzz import (  # noqa: E402
+from lora_versions_dev.control_fuzz import (  # noqa: E402
     ControlFuzzer,
     attach_reference_tokens,
     crafted_adapters,
     fuzz_engine_spec,
 )
-from sglang_ext.devtools.fixtures import ensure_fixtures  # noqa: E402
-from sglang_ext.devtools.launcher import running_engines  # noqa: E402
+from lora_versions_dev.fixtures import ensure_fixtures  # noqa: E402
+from lora_versions_dev.launcher import running_engines  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "control_fuzz.json"
 ADMIN_KEY = "lora-versions-bench-admin-key"

@@ -48,13 +48,13 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from lora_contract import protocol as wire  # noqa: E402
+from lora_versions_dev.fixtures import ensure_fixtures  # noqa: E402
+from lora_versions_dev.launcher import EngineSpec, running_engines  # noqa: E402
 from relax_glue.engine_client import EngineClient, forbidden_calls  # noqa: E402
 from relax_glue.publisher import Publisher, PublishOutcome  # noqa: E402
 from relax_glue.registry import LoRAVersionRegistry  # noqa: E402
 from relax_glue.sessions import SessionManager  # noqa: E402
 from relax_glue.snapshot import Snapshot  # noqa: E402
-from sglang_ext.devtools.fixtures import ensure_fixtures  # noqa: E402
-from sglang_ext.devtools.launcher import EngineSpec, running_engines  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "publication_e2e.json"
 EPOCH = "bench"

@@ -69,11 +69,11 @@ import httpx  # noqa: E402
 from _bench_fixtures import LARGE_CONFIG, ensure_bench_fixtures, ensure_sized_adapters, rank_for_mib  # noqa: E402
 
 from lora_contract.protocol import BeginRequest, PreparedReceipt, ReceiveBucketMeta, Routes  # noqa: E402
+from lora_versions_dev.fixtures import ensure_fixtures  # noqa: E402
+from lora_versions_dev.launcher import EngineSpec, running_engines  # noqa: E402
 from relax_glue.collective_sender import CollectiveSender  # noqa: E402
 from relax_glue.engine_client import ClientTimeouts, EngineClient  # noqa: E402
 from relax_glue.snapshot import EncodedBucket, Snapshot  # noqa: E402
-from sglang_ext.devtools.fixtures import ensure_fixtures  # noqa: E402
-from sglang_ext.devtools.launcher import EngineSpec, running_engines  # noqa: E402
 from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV, default_staging_base  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "publish_engine.json"

@@ -44,8 +44,8 @@ from _bench_fixtures import ensure_bench_fixtures, ensure_sized_adapters, rank_f
 from decode_gap import Streams, Window, _now, abba, plugin_stalls, run_windows, summarize_pairs  # noqa: E402
 from publish_engine import Driver, _engine_phases, _lora_flags, _reset_peak, _status_mib  # noqa: E402
 
+from lora_versions_dev.launcher import EngineSpec, running_engines  # noqa: E402
 from relax_glue.snapshot import Snapshot  # noqa: E402
-from sglang_ext.devtools.launcher import EngineSpec, running_engines  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "transport_gap.json"
 

@@ -22,13 +22,13 @@ from lora_contract import protocol
 from lora_versions_demo.lifecycle import (
     TOOL_IDS,  # the scripted tool reply (both profiles share the tokenizer)
 )
-from relax_glue.devtools.teardown import live_versions, purge
+from lora_versions_dev.device_profile import AcceptanceFixtures, DeviceProfile
+from lora_versions_dev.teardown import live_versions, purge
 from relax_glue.engine_client import EngineAPI, EngineClient, forbidden_calls
 from relax_glue.publisher import Publisher, PublishResult
 from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.sessions import Session, SessionManager
 from relax_glue.snapshot import Snapshot
-from sglang_ext.devtools.device_profile import AcceptanceFixtures, DeviceProfile
 
 ACCEPTANCE_ADMIN_KEY = "lora-versions-acceptance-admin-key"
 COHORT = ("E0", "E1")

@@ -2,7 +2,7 @@
 baselines, started once per test session; the report written when the session ends.
 
 The same file runs on CPU (CI, the tiny fixtures) and on a CUDA host (the bf16 Qwen3-0.6B-shaped
-model, triton LoRA, CUDA graphs); see ``sglang_ext.devtools.device_profile``.
+model, triton LoRA, CUDA graphs); see ``lora_versions_dev.device_profile``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from _acceptance import ACCEPTANCE_ADMIN_KEY, Report
 
-from sglang_ext.devtools.device_profile import (
+from lora_versions_dev.device_profile import (
     AcceptanceFixtures,
     DeviceProfile,
     detect_profile,
@@ -67,7 +67,7 @@ def deployment(
     """E0/E1: managed (plugin on, admin key). base_A / base_B: clean baselines, plugin off, each
     started with only its adapter through the stock ``--lora-paths`` load; base_A is also the
     plain-LoRA engine the online run's throughput is compared with."""
-    from sglang_ext.devtools.launcher import running_engines
+    from lora_versions_dev.launcher import running_engines
 
     fx = acceptance_fixtures
     names = ["E0", "E1", "base_A", "base_B"]

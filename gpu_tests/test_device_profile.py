@@ -10,8 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry, serving_problem
-from sglang_ext.devtools.device_profile import (
+from lora_versions_dev.device_profile import (
     GPU_ADAPTER_RANK,
     QWEN3_06B_SHAPE,
     cpu_profile,
@@ -19,7 +18,8 @@ from sglang_ext.devtools.device_profile import (
     detect_profile,
     ensure_gpu_fixtures,
 )
-from sglang_ext.devtools.launcher import PLUGIN_SWITCH_ENV, build_command, build_env
+from lora_versions_dev.launcher import PLUGIN_SWITCH_ENV, build_command, build_env
+from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry, serving_problem
 
 
 def flag(cmd: list[str], name: str) -> str | None:

@@ -28,9 +28,9 @@ import pytest
 from _acceptance import ACCEPTANCE_ADMIN_KEY, TOOL_IDS, Cohort, greedy, prompt
 from engine_wrappers.step_fence_probe import probe_lines
 
+from lora_versions_dev.engine_log import fence_records, unload_lines
 from relax_glue.publisher import PublishOutcome
 from relax_glue.sessions import Session
-from sglang_ext.devtools.engine_log import fence_records, unload_lines
 from sglang_ext.setup_checks import OVERLAP_PROOF_ENV
 
 pytestmark = pytest.mark.engine
@@ -50,7 +50,7 @@ async def test_reclaim_under_a_running_overlap_batch_never_frees_a_slot_a_launch
             f"needs CUDA (this run: {profile.device}): SGLang has no overlap scheduler on CPU, so only "
             "a GPU can show or rule out the deferred-free hazard; the plugin refuses overlap meanwhile"
         )
-    from sglang_ext.devtools.launcher import running_engines
+    from lora_versions_dev.launcher import running_engines
 
     spec = profile.engine_spec(
         "E_overlap",

@@ -35,10 +35,10 @@ from _acceptance import (
 from engine_wrappers.step_fence_probe import probe_lines
 
 from lora_contract.errors import ErrorCode, LoraVersionError
-from relax_glue.devtools.fault_injection import FaultInjectingClient
+from lora_versions_dev.engine_log import fence_records, unload_lines
+from lora_versions_dev.fault_injection import FaultInjectingClient
 from relax_glue.publisher import PublishOutcome
 from relax_glue.sessions import Session
-from sglang_ext.devtools.engine_log import fence_records, unload_lines
 
 pytestmark = pytest.mark.engine
 

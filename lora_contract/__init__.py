@@ -5,5 +5,5 @@ collective group's rules.
 
 Both sides import this package; it imports neither of them, nor SGLang (torch and safetensors
 only inside the functions that hash or decode tensors), so a trainer installs and runs it
-without an engine (``tests/contract/test_contract_imports.py``).
+without an engine (``tests/contract_tests/test_contract_imports.py``).
 """

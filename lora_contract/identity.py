@@ -78,7 +78,7 @@ SERVING_CONFIG_FIELDS: tuple[str, ...] = (*_REQUIRED_FIELDS, *_OPTIONAL_DEFAULTS
 
 # The one table of every other key an adapter config may carry: each field of PEFT 0.21.2's
 # LoraConfig (peft/tuners/lora/config.py, with the PeftConfig fields of peft/config.py), classified
-# from the PEFT source that reads it. tests/sglang_ext/test_config_keys.py fails when the installed
+# from the PEFT source that reads it. tests/contract_tests/test_config_keys.py fails when the installed
 # LoraConfig has a field that is not classified here. A key that is in no list (a field of a later
 # PEFT, a typo) is refused: it may change what the adapter computes, and nothing here knows how.
 PEFT_VERSION_CLASSIFIED = "0.21.2"

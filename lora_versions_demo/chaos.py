@@ -8,7 +8,7 @@ the reconciler. Faults are injected into the real components:
 
 * ``kill_begin`` / ``kill_buckets`` / ``kill_end`` / ``kill_before_commit``: SIGKILL of one
   engine's whole process group right before the publisher's Nth call of that phase reaches it
-  (:class:`~relax_glue.devtools.fault_injection.FaultInjectingClient` hook), then the engine is
+  (:class:`~lora_versions_dev.fault_injection.FaultInjectingClient` hook), then the engine is
   started again on the same port (a new incarnation that holds nothing);
 * ``kill_reclaim_drain``: SIGKILL of an engine while its reclaim answers DRAINING (a request
   admitted before the reclaim keeps the version in flight);
@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_versions_demo.lifecycle import PROMPTS, TOOL_IDS
-from sglang_ext.devtools.engine_log import UNLOAD_LOG_LINE
+from lora_versions_dev.engine_log import UNLOAD_LOG_LINE
 
 FAULT_KINDS = (
     "kill_begin",
@@ -142,7 +142,7 @@ class Campaign:
     # ------------------------------------------------------------------------ engines
 
     def _spec(self, name: str, port: int | None) -> Any:
-        from sglang_ext.devtools.launcher import EngineSpec
+        from lora_versions_dev.launcher import EngineSpec
 
         log = self.out / f"{name}.{len(self.incarnation_logs[name])}.log"
         self.incarnation_logs[name].append(log)
@@ -155,22 +155,22 @@ class Campaign:
         )
 
     def start_engines(self) -> None:
-        from sglang_ext.devtools.fixtures import ensure_fixtures
-        from sglang_ext.devtools.launcher import start_engines
+        from lora_versions_dev.fixtures import ensure_fixtures
+        from lora_versions_dev.launcher import start_engines
 
         self.fx = ensure_fixtures()
         for e in start_engines([self._spec(n, None) for n in COHORT]):
             self.engines[e.name] = e
 
     def stop_engines(self) -> None:
-        from sglang_ext.devtools.launcher import stop_engine
+        from lora_versions_dev.launcher import stop_engine
 
         for e in self.engines.values():
             stop_engine(e)
 
     async def kill_engine(self, name: str) -> None:
         """SIGKILL the engine's whole process group now, start it again in the background."""
-        from sglang_ext.devtools.launcher import spawn_engine, stop_engine
+        from lora_versions_dev.launcher import spawn_engine, stop_engine
 
         old = self.engines[name]
         with contextlib.suppress(ProcessLookupError):
@@ -195,8 +195,8 @@ class Campaign:
     async def setup(self) -> None:
         import ray
 
+        from lora_versions_dev.fault_injection import FaultInjectingClient
         from relax_glue.actor import AsyncRegistryClient, start_registry_actor
-        from relax_glue.devtools.fault_injection import FaultInjectingClient
         from relax_glue.engine_client import EngineClient
         from relax_glue.sessions import SessionManager
         from relax_glue.snapshot import Snapshot
@@ -525,7 +525,7 @@ class Campaign:
     # ---------------------------------------------------------------------- invariants
 
     async def check(self) -> dict[str, Any]:
-        from sglang_ext.devtools.reference import greedy_tokens
+        from lora_versions_dev.reference import greedy_tokens
 
         counts: dict[str, Any] = {}
         # 1. commit evidence

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from lora_versions_demo.local_cohort import local_cohort, run_reporting
+from lora_versions_dev.engine_log import await_unload_lines
 from relax_glue.cli import table
-from sglang_ext.devtools.engine_log import await_unload_lines
 
 PROMPTS: tuple[tuple[int, ...], ...] = (
     (302, 356, 417, 494, 439),  # "The quick brown" in the fixture tokenizer
@@ -580,7 +580,7 @@ class Demo:
     def check_references(self) -> None:
         from transformers.utils import logging as hf_logging
 
-        from sglang_ext.devtools import reference
+        from lora_versions_dev import reference
 
         hf_logging.disable_progress_bar()
 

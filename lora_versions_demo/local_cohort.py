@@ -22,7 +22,7 @@ def cohort_of(n: int) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class LocalCohort:
-    fixtures: Any  # sglang_ext.devtools.fixtures.Fixtures
+    fixtures: Any  # lora_versions_dev.fixtures.Fixtures
     admin_key: str
     engines: Sequence[Any]  # launcher Engines, in cohort order
     gateway_url: str
@@ -37,10 +37,10 @@ class LocalCohort:
 def local_cohort(out_dir: Path, n_engines: int, tag: str) -> Iterator[LocalCohort]:
     """Fixtures, ``n_engines`` CPU engines in parallel and smg in front of them; everything is
     stopped on the way out (also on Ctrl-C or SIGTERM unwinding)."""
-    from relax_glue.devtools.gateway_process import running_gateway
+    from lora_versions_dev.fixtures import ensure_fixtures
+    from lora_versions_dev.gateway_process import running_gateway
+    from lora_versions_dev.launcher import EngineSpec, running_engines
     from relax_glue.gateway import SMG_VERSION
-    from sglang_ext.devtools.fixtures import ensure_fixtures
-    from sglang_ext.devtools.launcher import EngineSpec, running_engines
 
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"[{tag}] preparing fixtures (tiny Qwen3 + BPE tokenizer + adapters; cached)")

@@ -1,17 +1,16 @@
 """``lora-versions``: the operator's command line.
 
-    lora-versions demo                                  the lifecycle demo on local CPU engines
     lora-versions status   [--registry R] --engine E0=URL ...   registry and every engine
     lora-versions sessions --registry R                 the registry's sessions
     lora-versions publish DIR --version-id V --registry R --engine ...   publish a PEFT adapter dir
     lora-versions reclaim  --registry R --engine ...    reclaim every retired, unreferenced version
     lora-versions resolve  --registry R --engine ...    settle a publication with an unknown outcome
-    lora-versions engine   [--gpu]                      start a CPU dev engine, or print the GPU line
 
 ``--registry`` is ``sqlite:PATH`` (the durable registry database) or ``ray:EPOCH[@ADDRESS]`` (the
 epoch's registry actor). Every command takes ``--json``. Errors print the typed code and a
 one-line hint; the exit code is 0 on success, 1 when the operation was refused or did not
-complete, 2 for a usage error.
+complete, 2 for a usage error. (The demo and dev engines are ``lora-versions-dev``:
+``lora_versions_dev.cli``.)
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import asyncio
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,7 +49,7 @@ STORE_LOCKED_HINT = (
 )
 
 
-class _Output:
+class Output:
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
 
@@ -152,7 +150,7 @@ async def _with_cohort(args: argparse.Namespace, run: Callable[[Any], Any]) -> A
         await aclose_all(clients.values())
 
 
-async def cmd_status(args: argparse.Namespace, out: _Output) -> int:
+async def cmd_status(args: argparse.Namespace, out: Output) -> int:
     from relax_glue.operations import cohort_status, open_registry
 
     async def run(clients: Any) -> dict[str, Any]:
@@ -166,7 +164,7 @@ async def cmd_status(args: argparse.Namespace, out: _Output) -> int:
     return 0 if all(e["reachable"] for e in rec["engines"].values()) else 1
 
 
-async def cmd_sessions(args: argparse.Namespace, out: _Output) -> int:
+async def cmd_sessions(args: argparse.Namespace, out: Output) -> int:
     from relax_glue.operations import open_registry, session_rows
 
     async with open_registry(args.registry, writable=False) as reg:
@@ -183,7 +181,7 @@ def _writable(args: argparse.Namespace) -> Any:
     )
 
 
-async def cmd_publish(args: argparse.Namespace, out: _Output) -> int:
+async def cmd_publish(args: argparse.Namespace, out: Output) -> int:
     from relax_glue.operations import publish_dir
 
     async def run(clients: Any) -> dict[str, Any]:
@@ -203,7 +201,7 @@ async def cmd_publish(args: argparse.Namespace, out: _Output) -> int:
     return 0 if rec["ok"] else 1
 
 
-async def cmd_reclaim(args: argparse.Namespace, out: _Output) -> int:
+async def cmd_reclaim(args: argparse.Namespace, out: Output) -> int:
     from relax_glue.operations import reclaim_ready
 
     async def run(clients: Any) -> list[dict[str, Any]]:
@@ -215,7 +213,7 @@ async def cmd_reclaim(args: argparse.Namespace, out: _Output) -> int:
     return 0 if all(r["done"] for r in rows) else 1
 
 
-async def cmd_resolve(args: argparse.Namespace, out: _Output) -> int:
+async def cmd_resolve(args: argparse.Namespace, out: Output) -> int:
     from relax_glue.operations import resolve_pending
 
     async def run(clients: Any) -> dict[str, Any] | None:
@@ -232,46 +230,6 @@ async def cmd_resolve(args: argparse.Namespace, out: _Output) -> int:
     rec = await _with_cohort(args, run)
     out.result(rec, render_publish)
     return 0 if rec is None or rec["ok"] else 1
-
-
-def cmd_engine(args: argparse.Namespace, out: _Output) -> int:
-    from sglang_ext.devtools.launcher import (
-        PLUGIN_SWITCH_ENV,
-        EngineSpec,
-        free_port,
-        gpu_launch_command,
-        start_engine,
-    )
-
-    if args.gpu:
-        model = args.model or "<model dir or hub id>"
-        argv = gpu_launch_command(model, port=args.port or 30000, max_lora_rank=args.max_lora_rank)
-        record = {"env": {PLUGIN_SWITCH_ENV: "1"}, "argv": argv}
-        out.result(record, lambda r: f"{PLUGIN_SWITCH_ENV}=1 " + " ".join(r["argv"]))
-        return 0
-    from sglang_ext.devtools.fixtures import ensure_fixtures
-
-    model = Path(args.model) if args.model else ensure_fixtures().model_dir
-    log = Path(args.log or f".runs/engine/{time.strftime('%Y%m%d-%H%M%S')}.log")
-    extra = ["--admin-api-key", args.admin_key] if args.admin_key else []
-    if args.enable_metrics:
-        extra.append("--enable-metrics")
-    spec = EngineSpec(
-        name="engine", model_path=model, log_path=log, extra_args=extra, port=args.port or free_port()
-    )
-    out.progress(f"starting a CPU development engine (plugin on) on port {spec.port}; log {log}")
-    engine = start_engine(spec)
-    out.result(
-        {"url": engine.url, "pid": engine.proc.pid, "log": str(log)}, lambda r: f"engine ready at {r['url']}"
-    )
-    try:
-        while engine.alive():
-            time.sleep(1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        engine.stop()
-    return 0
 
 
 # ------------------------------------------------------------------------------ the parser
@@ -301,15 +259,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lora-versions", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", parents=[common], help="the lifecycle demo on local CPU engines")
-    demo.add_argument(
-        "--out",
-        type=Path,
-        default=Path(".runs") / "demo" / time.strftime("%Y%m%d-%H%M%S"),
-        help="where engine logs and demo.json go",
-    )
-    demo.add_argument("--engines", type=int, default=2, help="engines in the cohort (default 2)")
-
     status = sub.add_parser("status", parents=[common, cohort], help="registry and every engine")
     status.add_argument("--registry", default=None, help="sqlite:PATH or ray:EPOCH[@ADDRESS] (optional)")
 
@@ -333,18 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     resolve.add_argument("--adapter-dir", type=Path, default=None, help="the pending version's adapter dir")
 
-    engine = sub.add_parser("engine", parents=[common], help="start a CPU dev engine, or print the GPU line")
-    engine.add_argument("--gpu", action="store_true", help="print the GPU launch command instead")
-    engine.add_argument("--model", default=None, help="model dir (CPU default: the built-in tiny Qwen3)")
-    engine.add_argument("--port", type=int, default=None)
-    engine.add_argument("--max-lora-rank", type=int, default=64)
-    engine.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV))
-    engine.add_argument("--enable-metrics", action="store_true", help="serve /metrics (with the plugin's)")
-    engine.add_argument("--log", default=None)
     return parser
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace, _Output], Any]] = {
+COMMANDS: dict[str, Callable[[argparse.Namespace, Output], Any]] = {
     "status": cmd_status,
     "sessions": cmd_sessions,
     "publish": cmd_publish,
@@ -355,18 +296,12 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, _Output], Any]] = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    out = _Output(getattr(args, "json", False))
-    if args.command == "demo":
-        from lora_versions_demo.lifecycle import run_demo
-
-        return run_demo(args.out, args.engines, as_json=args.json)
+    out = Output(getattr(args, "json", False))
     from lora_contract.errors import LoraVersionError
     from relax_glue.engine_client import OutcomeUnknown
     from relax_glue.store import StoreError, StoreLockedError
 
     try:
-        if args.command == "engine":
-            return cmd_engine(args, out)
         return asyncio.run(COMMANDS[args.command](args, out))
     except LoraVersionError as err:
         out.error(err.code.value, err.message, HINTS.get(err.code.value))

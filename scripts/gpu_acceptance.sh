@@ -18,12 +18,12 @@ if [ "${1:-}" = "--dry-run" ]; then
   shift
   tests=(gpu_tests/test_device_profile.py)
 fi
-device=$(.venv/bin/python -c "from sglang_ext.devtools.device_profile import detect_profile; print(detect_profile().device)")
+device=$(.venv/bin/python -c "from lora_versions_dev.device_profile import detect_profile; print(detect_profile().device)")
 out=${ACCEPTANCE_REPORT_DIR:-.runs/acceptance/$device-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
 echo "gpu_acceptance: device=$device, report and engine logs in $out"
 .venv/bin/python - <<'PY'
-from sglang_ext.devtools.device_profile import detect_profile, ensure_acceptance_fixtures, ensure_gpu_fixtures
+from lora_versions_dev.device_profile import detect_profile, ensure_acceptance_fixtures, ensure_gpu_fixtures
 
 profile = detect_profile()
 print("gpu_acceptance:", profile.banner())

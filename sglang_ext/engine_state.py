@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from lora_contract.names import MANAGED_CAPACITY
 from lora_contract.protocol import BaseIdentity, EngineStatus
 from sglang_ext.metrics import NO_METRICS, Metrics
+from sglang_ext.plugin_log import log_line
 from sglang_ext.staging import local_source_dir
 
 if TYPE_CHECKING:
@@ -76,7 +77,6 @@ class EngineState:
         from sglang_ext import lora_registry_patch as upstream
         from sglang_ext.collective_link import CollectiveLink
         from sglang_ext.native_lora import NativeLora
-        from sglang_ext.plugin import log_line
         from sglang_ext.publication import NameLocks, PublicationService
         from sglang_ext.reclaim import ReclaimService
         from sglang_ext.staging import StagingArea

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from sglang_ext import lora_registry_patch as upstream
+from sglang_ext.plugin_log import refuse_to_start
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +20,6 @@ logger = logging.getLogger(__name__)
 def refuse_unsupported_setup(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE ServerArgs.check_server_args: called by Engine._launch_subprocesses in the main
     process after ``resolve_once()``, so the view below holds the resolved values."""
-    from sglang_ext.plugin import refuse_to_start
     from sglang_ext.setup_checks import overlap_proof_active, setup_problems
 
     verify_hooks_applied(upstream.MAIN_PROCESS_TARGETS)
@@ -40,7 +40,6 @@ def mount_lora_versions_routes(server_args: Any, tokenizer_manager: Any, *args: 
     FastAPI app exists and uvicorn has not started, so routes added here are served (and covered
     by SGLang's auth middleware, which it adds later in that same function)."""
     from sglang_ext.http_routes import mount
-    from sglang_ext.plugin import refuse_to_start
 
     problems = upstream.tokenizer_manager_problems(tokenizer_manager)
     if problems:
@@ -82,7 +81,6 @@ async def refuse_managed_names_on_stock_lora_api(
 
 
 def verify_hooks_applied(targets: tuple[str, ...]) -> None:
-    from sglang_ext.plugin import refuse_to_start
 
     missing = upstream.unapplied_hooks(targets)
     if missing:

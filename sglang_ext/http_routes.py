@@ -36,7 +36,7 @@ from lora_contract.wire_models import invalid
 from sglang_ext import hook_timing
 from sglang_ext.bucket_receiver import BucketReceiver
 from sglang_ext.engine_state import BodyLimits, EngineState, engine_state
-from sglang_ext.plugin import log_line
+from sglang_ext.plugin_log import log_line
 
 
 def error_response(err: LoraVersionError) -> JSONResponse:

@@ -3,9 +3,10 @@
 Every upstream symbol the plugin imports, every private or instance attribute it reads, every
 upstream message it matches, and every hook target it patches is named here, behind a small
 accessor. No other module of the plugin imports ``sglang.*`` (``plugin.py``, which must stay
-import-light, and ``devtools/`` excepted). :func:`surface_problems` resolves all of it, and the
-plugin refuses to start naming whatever is missing, so moving the pin is a diff of this file that
-fails closed instead of a hunt through the package that fails open.
+import-light, excepted; the development tools that start engines live in ``lora_versions_dev``).
+:func:`surface_problems` resolves all of it, and the plugin refuses to start naming whatever is
+missing, so moving the pin is a diff of this file that fails closed instead of a hunt through the
+package that fails open.
 
 Nothing from SGLang is imported at module import time: the plugin loads this module in every
 SGLang process, and the trainer side never does.

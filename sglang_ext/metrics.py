@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from lora_contract.protocol import EngineStatus, EngineVersionState, VersionStatus
+from sglang_ext.plugin_log import log_line
 
 __all__ = ["NO_METRICS", "EngineView", "Metrics", "VersionMetrics", "VersionSeries"]
 
@@ -128,7 +129,6 @@ class VersionSeries:
         try:
             live = live_versions(self._engine.status())
         except Exception as exc:  # a scrape must never fail on the plugin's series: SGLang's are on it
-            from sglang_ext.plugin import log_line
 
             log_line(f"per-version metrics not collected: {type(exc).__name__}: {exc}")
             return iter(())

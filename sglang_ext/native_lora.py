@@ -37,7 +37,7 @@ PROBE_INPUT_IDS = [1]
 class NativeEdge(Protocol):
     """What the publication and reclaim services need from SGLang's LoRA machinery. The engine
     implements it with :class:`NativeLora`; the trainer-side tests with an in-memory fake, so they
-    run the real services (tests/relax_glue/_fake_engine.py)."""
+    run the real services (tests/trainer_tests/_fake_engine.py)."""
 
     def lora_id_of(self, lora_name: str) -> str | None:
         """The id SGLang's registry resolves ``lora_name`` to now (None: not registered)."""

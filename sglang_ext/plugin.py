@@ -16,9 +16,9 @@ import multiprocessing
 import os
 import sys
 from importlib.metadata import version as dist_version
-from typing import NoReturn
 
 from sglang_ext import PINNED_SGLANG_VERSION
+from sglang_ext.plugin_log import log_line, refuse_to_start
 
 SWITCH_ENV = "SGLANG_LORA_VERSIONS"
 
@@ -27,12 +27,6 @@ logger = logging.getLogger("sglang_ext")
 
 def is_enabled() -> bool:
     return os.environ.get(SWITCH_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def log_line(message: str) -> None:
-    """One line in the engine log. stderr rather than ``logging``: SGLang configures its logging
-    only after load_plugins, and stderr lands in the engine log in every process."""
-    print(f"[lora-versions] {message}", file=sys.stderr, flush=True)
 
 
 def process_role() -> str:
@@ -48,27 +42,6 @@ def process_role() -> str:
             return role
         frame = frame.f_back
     return "subprocess"
-
-
-REFUSED_EXIT_CODE = 3
-
-
-def refuse_to_start(message: str) -> NoReturn:
-    """Stop the engine at start with a clear message and a non-zero exit code.
-
-    Called only before SGLang has spawned any child process (plugin load, argument checks), so
-    there is nothing to clean up, or in the scheduler process before it reports ready (the step
-    fence's start check): SGLang's main process then sees the scheduler die during initialization
-    (it reports this exit code) and ends the engine itself.
-
-    ``os._exit`` rather than ``SystemExit``: SGLang's plugin loader would log and swallow an
-    ordinary exception, and a SystemExit was seen to linger for minutes in interpreter shutdown
-    (atexit work of modules imported by then) before the process ended.
-    """
-    log_line(f"REFUSED TO START: {message}")
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(REFUSED_EXIT_CODE)
 
 
 def check_sglang_version() -> None:

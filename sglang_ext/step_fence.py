@@ -26,9 +26,10 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_ext import lora_registry_patch as upstream
+from sglang_ext.plugin_log import log_line, refuse_to_start
 from sglang_ext.version_table import LaunchedBatch, step_fence_passed
 
-LOG_MARKER = "step fence"  # one scheduler log line per unload (sglang_ext.devtools.engine_log reads it)
+LOG_MARKER = "step fence"  # one scheduler log line per unload (lora_versions_dev.engine_log reads it)
 
 
 def fence_view(steps: list[upstream.LaunchedStep]) -> list[LaunchedBatch]:
@@ -48,7 +49,6 @@ def complete_the_step_before_unload(
     for the launched steps that read ``recv_req.lora_id`` to complete, then unload; refuse
     (changing nothing) when a step's completion cannot be known, or when what the fence reads is
     missing (never read as "no launched step"). One log line per unload."""
-    from sglang_ext.plugin import log_line
 
     try:
         lora_id = upstream.unload_lora_id(recv_req)
@@ -77,7 +77,6 @@ def complete_the_step_before_unload(
 def refuse_unreadable(exc: upstream.SchedulerUnreadable, recv_req: Any) -> Any:
     """After the start check (refuse_a_scheduler_the_fence_cannot_read) this is a step object or
     request that changed shape at run time: refused like an unknown completion."""
-    from sglang_ext.plugin import log_line
 
     shown_id = getattr(recv_req, "lora_id", "?")  # for the log line only (already refused)
     log_line(f"{LOG_MARKER} lora_id={shown_id} unreadable={exc.attribute} fence_passed=False")
@@ -96,7 +95,6 @@ def refuse_a_scheduler_the_fence_cannot_read(result: Any, self: Any, *args: Any,
     ready only after it returns): the attributes the fence reads on the live scheduler exist only
     from here on, so here is the first place to check them. A problem refuses to start: this
     process exits with the plugin's code and the engine never becomes healthy."""
-    from sglang_ext.plugin import refuse_to_start
 
     problems = scheduler_start_problems(self)
     if problems:

@@ -143,7 +143,7 @@ def refuse_what_normalisation_lets_through(self: Any, obj: Any, *args: Any, **kw
     samples and per-prompt lists are settled), before any request state exists and before anything
     is acquired. Stock 0.5.23 normalisation lets each of these through, and a later step fails
     with something that is not a ValueError (an untyped 500) or acquires what nothing releases
-    (tests/sglang_ext/test_control_hardening_engines.py)."""
+    (tests/plugin_tests/test_control_hardening_engines.py)."""
     for field in PER_PROMPT_LISTS:
         check_one_entry_per_prompt(obj, field)
     check_rid_names_one_request(obj)
@@ -214,7 +214,7 @@ def refuse_inputs_that_crash_the_scheduler(
     """BEFORE TokenizerManager._validate_one_request(obj, input_ids): runs once per (sub-)request
     after tokenisation, on every route (/generate, OpenAI, Engine API) and before anything is
     sent to the scheduler. Stock 0.5.23 forwards these inputs, and the scheduler process dies on
-    each of them (seen on CPU; tests/sglang_ext/test_control_hardening_engines.py), which takes the
+    each of them (seen on CPU; tests/plugin_tests/test_control_hardening_engines.py), which takes the
     whole engine and every session on it down:
 
     - an empty prompt (``text: ""``, or ``[]`` inside a batch; stock refuses only a top-level

@@ -12,7 +12,7 @@ import pytest
 from _admin_key import ADMIN_KEY
 from _local_source import local_source_dir
 
-from sglang_ext.devtools.fixtures import Fixtures, ensure_fixtures
+from lora_versions_dev.fixtures import Fixtures, ensure_fixtures
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / ".runs" / "tests"
@@ -33,7 +33,7 @@ def run_dir() -> Path:
 @pytest.fixture(scope="session")
 def engine_farm(fixtures: Fixtures, run_dir: Path) -> Iterator[dict]:
     """E0 and E1 with the plugin on, and ``stock`` with it off, started together in parallel."""
-    from sglang_ext.devtools.launcher import EngineSpec, running_engines
+    from lora_versions_dev.launcher import EngineSpec, running_engines
     from sglang_ext.engine_state import BODY_IDLE_TIMEOUT_ENV
     from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV
 
@@ -41,7 +41,7 @@ def engine_farm(fixtures: Fixtures, run_dir: Path) -> Iterator[dict]:
     admin = ["--admin-api-key", ADMIN_KEY]
     # A short body deadline so the stalled-upload test sees it fire (production default: 30 s).
     # One local source directory for both: two engines on one host, as a co-located trainer
-    # would hand them buckets (tests/sglang_ext/test_publication_engines.py).
+    # would hand them buckets (tests/plugin_tests/test_publication_engines.py).
     env = {BODY_IDLE_TIMEOUT_ENV: "5", LOCAL_SOURCE_DIR_ENV: str(local_source_dir(run_dir))}
     specs = [
         EngineSpec(
@@ -73,11 +73,11 @@ def stock_engine(engine_farm: dict):
 @pytest.fixture(scope="module")
 def other_base_engine(fixtures: Fixtures, run_dir: Path):
     """A plugin engine whose base model has the cohort's shape, config and tokenizer but other
-    weights (tests/relax_glue/test_base_model_engines.py). Module-scoped, not in the farm: the
+    weights (tests/trainer_tests/test_base_model_engines.py). Module-scoped, not in the farm: the
     farm lives the whole session, and a fourth resident engine leaves the acceptance suite's own
     four (gpu_tests/) too little memory to start on a 24 GiB host."""
-    from sglang_ext.devtools.fixtures import ensure_other_base
-    from sglang_ext.devtools.launcher import EngineSpec, running_engines
+    from lora_versions_dev.fixtures import ensure_other_base
+    from lora_versions_dev.launcher import EngineSpec, running_engines
 
     spec = EngineSpec(
         name="EB",

@@ -34,8 +34,8 @@ from examples.online_rl.rollout import Episode, RolloutPool
 from examples.online_rl.task import QUESTIONS, Task, build_task
 from examples.online_rl.trainer import Sample, Trainer
 from lora_versions_demo.local_cohort import local_cohort, run_reporting
+from lora_versions_dev.engine_log import await_unload_lines
 from relax_glue.cli import table
-from sglang_ext.devtools.engine_log import await_unload_lines
 
 EPOCH = "onlinerl"
 COLLECT_TIMEOUT_S = 300.0  # no episode for this long: the rollouts are stuck, stop the run

@@ -82,7 +82,7 @@ def _mean_max(xs: list[float]) -> tuple[float | None, float | None]:
 def lora_config(rank: int) -> Any:
     from peft import LoraConfig
 
-    from sglang_ext.devtools.fixtures import TARGET_MODULES
+    from lora_versions_dev.fixtures import TARGET_MODULES
 
     return LoraConfig(
         r=rank,

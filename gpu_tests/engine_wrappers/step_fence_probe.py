@@ -22,8 +22,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from lora_versions_dev.engine_log import log_records
 from sglang_ext import lora_registry_patch as upstream
-from sglang_ext.devtools.engine_log import log_records
 from sglang_ext.step_fence import fence_view
 from sglang_ext.version_table import LaunchedBatch, step_fence_passed
 

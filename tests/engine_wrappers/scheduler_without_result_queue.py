@@ -7,7 +7,7 @@ that took the missing attribute for an empty queue would see no launched step an
 unload through; the plugin must refuse to start instead, naming the attribute.
 
 The scheduler runs in a process started with ``spawn``: :func:`run_scheduler_process_without_result_queue`
-is handed to ``launch_server`` (``sglang_ext.devtools.scheduler_wrapper``) and removes it there.
+is handed to ``launch_server`` (``lora_versions_dev.scheduler_wrapper``) and removes it there.
 """
 
 from __future__ import annotations

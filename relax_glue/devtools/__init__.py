@@ -1,1 +1,0 @@
-"""Tools for tests and benches of the trainer side (fault injection around the real client)."""

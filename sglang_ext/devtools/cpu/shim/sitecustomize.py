@@ -1,9 +1,0 @@
-# CPU development mode bootstrap for SGLang engine processes (see sglang_ext/devtools/cpu).
-# This directory is put on PYTHONPATH only by the project's engine launcher, and the hook below
-# does nothing unless SGLANG_EXT_CPU_DEV=1. It runs in every (spawned) engine process.
-import os
-
-if os.environ.get("SGLANG_EXT_CPU_DEV") == "1":
-    from sglang_ext.devtools.cpu import activate
-
-    activate()

@@ -1,0 +1,66 @@
+"""The CPU development mode: explicit switch, loud, refuses on a GPU, placeholders fail loudly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lora_versions_dev import cpu
+
+
+def run_py(code: str, *, switch: bool) -> subprocess.CompletedProcess[str]:
+    env = cpu.engine_env()
+    if not switch:
+        env.pop(cpu.SWITCH_ENV)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_stand_in_refuses_to_import_without_the_switch():
+    res = run_py("import sgl_kernel", switch=False)
+    assert res.returncode != 0
+    assert "only importable with SGLANG_EXT_CPU_DEV=1" in res.stderr
+    assert "CPU DEVELOPMENT MODE ACTIVE" not in res.stderr
+
+
+def test_stand_in_placeholders_import_but_raise_when_called():
+    code = (
+        "from sgl_kernel import assign_req_to_token_pool_cpu as f\n"
+        "from sgl_kernel.scalar_type import scalar_types\n"
+        "x = scalar_types.uint4b8\n"
+        "try:\n    f(1)\nexcept RuntimeError as e:\n    print('RAISED', e)\n"
+        "try:\n    x()\nexcept RuntimeError as e:\n    print('RAISED', e)\n"
+    )
+    res = run_py(code, switch=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("RAISED sgl_kernel stand-in:") == 2
+    assert "assign_req_to_token_pool_cpu was called" in res.stdout
+    assert "CPU DEVELOPMENT MODE ACTIVE" in res.stderr
+
+
+def test_pin_memory_is_neutralised_only_with_the_switch():
+    code = (
+        "import torch\n"
+        "t = torch.empty(4, pin_memory=True)\n"
+        "print(t.pin_memory() is t, t.is_pinned(), torch.zeros(2, pin_memory=True).sum().item())\n"
+    )
+    res = run_py(code, switch=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["True", "False", "0.0"]
+    off = run_py(code, switch=False)
+    assert off.returncode != 0  # stock torch on a GPU-less machine cannot pin memory
+
+
+def test_activate_refuses_when_a_gpu_is_visible(monkeypatch):
+    monkeypatch.setenv(cpu.SWITCH_ENV, "1")
+    monkeypatch.setattr(cpu, "gpu_visible", lambda: True)
+    monkeypatch.setattr(cpu, "neutralise_pin_memory", lambda: pytest.fail("must not patch torch"))
+    with pytest.raises(cpu.CpuDevModeRefused, match="a GPU is visible"):
+        cpu.activate()
+
+
+def test_activate_is_inert_without_the_switch(monkeypatch):
+    monkeypatch.delenv(cpu.SWITCH_ENV, raising=False)
+    monkeypatch.setattr(cpu, "neutralise_pin_memory", lambda: pytest.fail("must not patch torch"))
+    cpu.activate()
