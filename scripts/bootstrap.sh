@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 VENV=.venv
 STAMP="$VENV/.lora-versions-bootstrap"
-EXTRAS="test,ray,gateway"
+EXTRAS="engine,trainer,test,ray,gateway"
 
 find_python() {
   for candidate in "${PYTHON:-}" python3.11 python3 python; do
