@@ -12,6 +12,7 @@ import atexit
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from sglang_ext.native_lora import NativeEdge
     from sglang_ext.publication import PublicationService
     from sglang_ext.reclaim import ReclaimService
+    from sglang_ext.staging import StagingArea
     from sglang_ext.version_table import StagingLimits, VersionTable
 
 MAX_VERSION_BYTES_ENV = "SGLANG_LORA_VERSIONS_MAX_VERSION_BYTES"
@@ -77,8 +79,6 @@ class EngineState:
         from sglang_ext import lora_registry_patch as upstream
         from sglang_ext.collective_link import CollectiveLink
         from sglang_ext.native_lora import NativeLora
-        from sglang_ext.publication import NameLocks, PublicationService
-        from sglang_ext.reclaim import ReclaimService
         from sglang_ext.staging import StagingArea
         from sglang_ext.version_table import VersionTable
 
@@ -95,14 +95,11 @@ class EngineState:
             normalize_targets=upstream.normalized_target_modules,
             base_fingerprint=self.base.fingerprint,
         )
-        locks = NameLocks()
         staging = StagingArea()
         atexit.register(staging.close)  # SIGKILL skips it: the next engine sweeps what is left
-        self.collective = CollectiveLink(log=log_line)
-        self.publication = PublicationService(
-            self.table, self.native, staging, locks, log=log_line, collective=self.collective
+        assemble_engine(
+            self, self.table, self.native, staging, log=log_line, collective=CollectiveLink(log=log_line)
         )
-        self.reclaim = ReclaimService(self.table, self.native, locks, metrics=self.metrics)
 
     def holds_slot(self, lora_name: str) -> bool:
         """Whether ``lora_name`` is a managed version holding an engine slot (a live version)."""
@@ -124,6 +121,29 @@ class EngineState:
             managed_capacity=self.table.limits.managed_capacity if self.table else MANAGED_CAPACITY,
             server_time=time.time(),
         )
+
+
+def assemble_engine(
+    state: EngineState,
+    table: VersionTable,
+    native: NativeEdge,
+    staging: StagingArea,
+    *,
+    log: Callable[[str], None] | None = None,
+    collective: CollectiveLink | None = None,
+) -> EngineState:
+    """The one place the engine's services are wired, used by the engine (:meth:`EngineState.attach`),
+    the trainer side's fake engine and the shell tests alike: publication and reclaim over one
+    table, one native edge and ONE lock set (a reclaim and a cleanup of one name must serialise on
+    the very same lock; two sets would let them run at once, with no error)."""
+    from sglang_ext.publication import NameLocks, PublicationService
+    from sglang_ext.reclaim import ReclaimService
+
+    locks = NameLocks()
+    state.table, state.native, state.collective = table, native, collective
+    state.publication = PublicationService(table, native, staging, locks, log=log, collective=collective)
+    state.reclaim = ReclaimService(table, native, locks, metrics=state.metrics)
+    return state
 
 
 def engine_base(server_args: Any, tokenizer_manager: Any) -> BaseIdentity:

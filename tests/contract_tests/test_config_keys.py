@@ -28,10 +28,8 @@ from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.identity import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE
 from relax_glue.snapshot import Snapshot
 from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
-from sglang_ext.engine_state import EngineState
+from sglang_ext.engine_state import EngineState, assemble_engine
 from sglang_ext.http_routes import install
-from sglang_ext.publication import NameLocks, PublicationService
-from sglang_ext.reclaim import ReclaimService
 from sglang_ext.version_table import StagingLimits, VersionTable
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -394,11 +392,8 @@ def _engine_app() -> tuple[httpx.AsyncClient, VersionTable]:
         max_bucket_bytes=10**8,
     )
     state = EngineState(incarnation=f"inc-{uuid.uuid4().hex[:12]}")
-    state.native = native = FakeNative()
-    state.table = table = VersionTable(state.incarnation, limits)
-    locks = NameLocks()
-    state.publication = PublicationService(table, native, fake_staging(), locks)
-    state.reclaim = ReclaimService(table, native, locks)
+    table = VersionTable(state.incarnation, limits)
+    assemble_engine(state, table, FakeNative(), fake_staging())
     app = FastAPI()
     install(app, state)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")

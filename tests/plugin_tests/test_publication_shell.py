@@ -23,6 +23,7 @@ from lora_contract.protocol import (
 )
 from relax_glue.snapshot import Snapshot
 from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
+from sglang_ext.engine_state import EngineState, assemble_engine
 from sglang_ext.publication import NameLocks, PublicationService
 from sglang_ext.reclaim import ReclaimService
 from sglang_ext.version_table import StagingLimits, VersionTable
@@ -42,9 +43,10 @@ class Shell:
         )
         self.table = VersionTable("inc", limits)
         self.native = FakeNative()
-        self.locks = locks = NameLocks()
-        self.publication = PublicationService(self.table, self.native, fake_staging(), locks)
-        self.reclaim_service = ReclaimService(self.table, self.native, locks)
+        state = assemble_engine(EngineState(incarnation="inc"), self.table, self.native, fake_staging())
+        assert state.publication is not None and state.reclaim is not None
+        self.publication, self.reclaim_service = state.publication, state.reclaim
+        self.locks = state.publication._locks  # the one set both services share
         self.begin_req: dict = {}  # name -> its begin request
         self.snapshots: dict = {}  # seed -> its snapshot
 
@@ -476,7 +478,6 @@ async def test_a_name_lock_serialises_every_holder_and_waiter_and_is_gone_after(
     """Holder, waiter, and a caller arriving while the waiter holds: never two inside at once
     (the lock must not be dropped while anyone still holds or waits for it); other names run
     alongside; the lock of a name exists only while someone holds or waits for it."""
-    from sglang_ext.publication import NameLocks
 
     locks = NameLocks()
     inside: list[str] = []
@@ -514,7 +515,6 @@ async def test_a_name_lock_serialises_every_holder_and_waiter_and_is_gone_after(
 
 
 async def test_a_cancelled_waiter_leaves_no_lock_behind():
-    from sglang_ext.publication import NameLocks
 
     locks = NameLocks()
     release = asyncio.Event()
@@ -886,3 +886,25 @@ async def test_a_duplicate_bucket_is_acknowledged_without_reading_its_body(shell
     ack = await shell.publication.receive_bucket(meta, counted)
     assert ack.duplicate and ack.accepted and reads == []
     assert staged_files(shell) == before
+
+
+def test_one_function_wires_the_engine_with_one_lock_set():
+    """``assemble_engine`` is the only place the shipped code builds the services (the engine, the
+    fake engine and these tests all call it), and both services hold the very same lock set."""
+    import ast
+    from pathlib import Path
+
+    import sglang_ext
+
+    builders = {"PublicationService", "ReclaimService", "NameLocks"}
+    built_in: list[tuple[str, str]] = []
+    for path in Path(sglang_ext.__file__).parent.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for call in ast.walk(fn):
+                    if isinstance(call, ast.Call) and getattr(call.func, "id", None) in builders:
+                        built_in.append((path.name, fn.name))
+    assert set(built_in) == {("engine_state.py", "assemble_engine")}, built_in
+    sh = Shell()
+    assert sh.publication._locks is sh.reclaim_service._locks

@@ -35,10 +35,13 @@ from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.protocol import BaseIdentity, EngineVersionState, Routes
 from relax_glue.engine_client import AuditLog, ClientTimeouts, EngineClient
 from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
-from sglang_ext.engine_state import ENGINE_BUCKET_CAP_BYTES, ENGINE_VERSION_CAP_BYTES, EngineState
+from sglang_ext.engine_state import (
+    ENGINE_BUCKET_CAP_BYTES,
+    ENGINE_VERSION_CAP_BYTES,
+    EngineState,
+    assemble_engine,
+)
 from sglang_ext.http_routes import install
-from sglang_ext.publication import NameLocks, PublicationService
-from sglang_ext.reclaim import ReclaimService
 from sglang_ext.version_table import ManagedVersion, StagingLimits, VersionTable
 
 
@@ -116,13 +119,9 @@ class FakeEngine:
             max_bucket_bytes=ENGINE_BUCKET_CAP_BYTES,
         )
         state = EngineState(incarnation=f"{self.engine_id}-{uuid.uuid4().hex[:12]}", base=self.base)
-        state.native = self.native = FakeNative(self.unloads)
-        state.table = self.table = VersionTable(
-            state.incarnation, limits, base_fingerprint=self.base.fingerprint
-        )
-        locks = NameLocks()
-        state.publication = PublicationService(self.table, self.native, fake_staging(), locks)
-        state.reclaim = ReclaimService(self.table, self.native, locks)
+        self.native = FakeNative(self.unloads)
+        self.table = VersionTable(state.incarnation, limits, base_fingerprint=self.base.fingerprint)
+        assemble_engine(state, self.table, self.native, fake_staging())
         app = FastAPI()
         install(app, state)
         app.add_api_route("/generate", self._generate_route, methods=["POST"])
