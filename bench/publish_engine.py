@@ -71,6 +71,7 @@ from _bench_fixtures import LARGE_CONFIG, ensure_bench_fixtures, ensure_sized_ad
 from lora_contract.protocol import BeginRequest, PreparedReceipt, ReceiveBucketMeta, Routes  # noqa: E402
 from lora_versions_dev.fixtures import ensure_fixtures  # noqa: E402
 from lora_versions_dev.launcher import EngineSpec, running_engines  # noqa: E402
+from relax_glue.bucket_transport import CollectiveTransport  # noqa: E402
 from relax_glue.collective_sender import CollectiveSender  # noqa: E402
 from relax_glue.engine_client import ClientTimeouts, EngineClient  # noqa: E402
 from relax_glue.snapshot import EncodedBucket, Snapshot  # noqa: E402
@@ -247,7 +248,8 @@ class Driver:
         # The client's pools belong to this event loop (the sender and its group outlive it).
         # Built before the clock: a client's two pools cost ~50 ms (SSL contexts) that a
         # publisher pays once, not per publication.
-        async with EngineClient("bench", self.url, timeouts=CLIENT_TIMEOUTS, collective=sender) as client:
+        transport = CollectiveTransport(sender) if sender is not None else None
+        async with EngineClient("bench", self.url, timeouts=CLIENT_TIMEOUTS, transport=transport) as client:
             t0 = time.perf_counter()
             receipt = await client.begin(begin)
             if not isinstance(receipt, PreparedReceipt):

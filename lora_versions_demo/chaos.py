@@ -206,13 +206,13 @@ class Campaign:
         self.actor = start_registry_actor(self.epoch, COHORT, db_path=self.out / f"{self.epoch}.db")
         self.registry = AsyncRegistryClient.for_actor(self.actor, retries=3, retry_delay_s=0.2)
         self._record_registry(self.registry)
-        from relax_glue.collective_sender import CollectiveSender
+        from relax_glue.bucket_transport import CollectiveTransport
 
-        def sender() -> CollectiveSender | None:
-            return CollectiveSender() if self.cfg.transport == "collective" else None
+        def transport() -> CollectiveTransport | None:
+            return CollectiveTransport() if self.cfg.transport == "collective" else None
 
         self.clients = {
-            n: EngineClient(n, e.url, admin_key=self.admin_key, collective=sender())
+            n: EngineClient(n, e.url, admin_key=self.admin_key, transport=transport())
             for n, e in self.engines.items()
         }
         self.wrapped = {n: FaultInjectingClient(c) for n, c in self.clients.items()}
@@ -697,6 +697,8 @@ class _StatusRecorder:
 def run_campaign(cfg: ChaosConfig) -> dict[str, Any]:
     """Start the engines, run the campaign, stop everything; returns the report (also written
     to ``<out_dir>/chaos.json``)."""
+    from relax_glue.bucket_transport import CollectiveTransport
+
     camp = Campaign(cfg)
     t0 = time.monotonic()
     camp.start_engines()
@@ -726,9 +728,9 @@ def run_campaign(cfg: ChaosConfig) -> dict[str, Any]:
             "transport": cfg.transport,
             # groups the trainer connected per engine (collective: one per engine incarnation used)
             "collective_connects": {
-                n: c.collective.connects
+                n: c.transport.sender.connects
                 for n, c in getattr(camp, "clients", {}).items()
-                if c.collective is not None
+                if isinstance(c.transport, CollectiveTransport)
             },
         }
     )

@@ -20,25 +20,21 @@ abort-all endpoint was ever called). :class:`FaultInjectingClient` wraps a real 
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import functools
 import itertools
 import json
-import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from enum import StrEnum
-from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel
 
-from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.errors import LoraVersionError
 from lora_contract.protocol import (
     BeginRequest,
     BucketAck,
@@ -61,7 +57,7 @@ from lora_contract.protocol import (
     parse_model,
     parse_reclaim_reply,
 )
-from relax_glue.collective_sender import CollectiveSender
+from relax_glue.bucket_transport import BodyTransport, BucketTransport, CollectiveTransport
 
 __all__ = [
     "FORBIDDEN_PATHS",
@@ -327,6 +323,9 @@ class EngineAPI(Protocol):
     fault-injecting wrapper, or a test double)."""
 
     engine_id: str
+    # how bucket bytes reach this engine (relax_glue.bucket_transport); the publisher asks it
+    # whether buckets go ahead of their acknowledgements
+    transport: BucketTransport
 
     async def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt: ...
     async def receive_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck: ...
@@ -358,17 +357,6 @@ def generation_aborted(reply: Mapping[str, Any]) -> bool:
     return isinstance(finish, Mapping) and finish.get("type") == "abort"
 
 
-def _write_new_file(path: Path, payload: bytes) -> None:
-    """Write ``payload`` as a new file (never over an existing one), readable by the engine."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-
-
 def _json_object(body: bytes) -> dict[str, Any]:
     data = json.loads(body)
     if not isinstance(data, dict):
@@ -388,10 +376,9 @@ class EngineClient:
     ``ADMIN_OPTIONAL`` endpoints), ``api_key`` on generation (and on control calls when there is
     no admin key).
 
-    ``local_source_dir``: for an engine on this host whose ``SGLANG_LORA_VERSIONS_LOCAL_SOURCE_DIR``
-    is that same directory. Each bucket is then written there as a file and named in the request
-    instead of sent as its body; the engine copies and verifies it exactly as a body, and the file
-    is removed once the call returned, whatever its outcome.
+    ``transport``: how bucket bytes reach the engine (:mod:`relax_glue.bucket_transport`: the
+    call's body by default, a file in a directory the engine on this host reads, or the engine's
+    collective group); the protocol around each bucket is the same whatever carries it.
     """
 
     def __init__(
@@ -406,12 +393,10 @@ class EngineClient:
         audit: AuditLog | None = None,
         control_transport: httpx.AsyncBaseTransport | None = None,
         generation_transport: httpx.AsyncBaseTransport | None = None,
-        local_source_dir: Path | None = None,
-        collective: CollectiveSender | None = None,
+        transport: BucketTransport | None = None,
     ) -> None:
         self.engine_id = engine_id
-        self.collective = collective
-        self.local_source_dir = Path(local_source_dir) if local_source_dir is not None else None
+        self.transport = transport or BodyTransport()
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts or ClientTimeouts()
         self.limits = limits or PoolLimits()
@@ -579,19 +564,7 @@ class EngineClient:
         )
 
     async def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
-        if self.collective is None:
-            return await self._begin(req)
-        req = req.model_copy(update={"transport": "collective"})
-        if not self.collective.connected:
-            await self.collective.connect(self.collective_connect)
-        try:
-            return await self._begin(req)
-        except LoraVersionError as err:
-            if err.code is not ErrorCode.TRANSPORT_UNAVAILABLE:
-                raise
-        # The engine has no usable group (it restarted, or a transfer broke it): a new one, once.
-        await self.collective.connect(self.collective_connect)
-        return await self._begin(req)
+        return await self.transport.begin(req, self._begin, self.collective_connect)
 
     async def _begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
         same = ("lora_name", "attempt_token", "digest")
@@ -599,7 +572,7 @@ class EngineClient:
 
     async def collective_connect(self, group_id: str, init_method: str, backend: str) -> str:
         """Have the engine join the collective group ``group_id``; its incarnation."""
-        assert self.collective is not None
+        assert isinstance(self.transport, CollectiveTransport)
         req = CollectiveConnectRequest(group_id=group_id, init_method=init_method, backend=backend)
         reply = await self._post_json(
             "collective_connect",
@@ -608,30 +581,12 @@ class EngineClient:
             functools.partial(parse_model, CollectiveConnectReply),
             ("group_id",),
             # the engine starts its receiver and waits for the rendezvous, both bounded there
-            self.collective.timeout_s + 90.0,
+            self.transport.sender.timeout_s + 90.0,
         )
         return reply.incarnation
 
     async def receive_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
-        if self.collective is not None:
-            # The bytes go over the group (once per attempt and bucket: a retried
-            # acknowledgement after a lost reply does not send them again) while this call asks
-            # for the acknowledgement, answered once the engine verified them; the engine's
-            # refusal ends a broadcast its receiver will never take (see send_acknowledged).
-            ack_meta = meta.model_copy(update={"collective": True})
-            return await self.collective.send_acknowledged(
-                meta.attempt_token, meta.index, payload, lambda: self._send_bucket(ack_meta, b"")
-            )
-        if self.local_source_dir is None:
-            return await self._send_bucket(meta, payload)
-        source = (
-            self.local_source_dir / f"{meta.attempt_token}-{meta.index}-{uuid.uuid4().hex[:12]}.safetensors"
-        )
-        await asyncio.to_thread(_write_new_file, source, payload)
-        try:
-            return await self._send_bucket(meta.model_copy(update={"source": source.name}), b"")
-        finally:
-            source.unlink(missing_ok=True)
+        return await self.transport.send(meta, payload, self._send_bucket)
 
     async def _send_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
         def parse(body: bytes) -> BucketAck:

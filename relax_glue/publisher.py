@@ -472,17 +472,17 @@ class Publisher(CohortDriver):
         assert att.snapshot is not None
         t = time.monotonic()
         buckets: Iterable[EncodedBucket] = att.snapshot.iter_buckets()
-        # Engines reached over a collective group get every bucket broadcast at once, now that
-        # all of them are PREPARED (their receives are posted): the transfer of bucket i+1
-        # overlaps the verification of bucket i. The acknowledgements below stay in order, one
+        # Engines whose transport sends ahead (a collective group) get every bucket handed over
+        # at once, now that all of them are PREPARED (their receives are posted): the transfer of
+        # bucket i+1 overlaps the verification of bucket i. The acknowledgements below stay in order, one
         # bucket at a time, and take each broadcast as it is (none is sent twice). This holds
         # the whole encoded version in memory while it is on the protocol.
-        senders = [s for e in engines if (s := getattr(self.engines[e], "collective", None)) is not None]
-        if senders:
+        ahead = [tr for e in engines if (tr := self.engines[e].transport).sends_ahead]
+        if ahead:
             buckets = list(buckets)
-            for sender in senders:
+            for transport in ahead:
                 for bucket in buckets:
-                    sender.send_soon(att.token, bucket.spec.index, bucket.payload)
+                    transport.send_ahead(att.token, bucket.spec.index, bucket.payload)
         # Otherwise one payload in memory at a time; each bucket is acknowledged by every engine
         # before the next one is sent (RFC 3.2), so a failure stops the transfer everywhere.
         for bucket in buckets:

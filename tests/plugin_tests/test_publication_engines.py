@@ -433,9 +433,9 @@ def test_a_bucket_handed_over_as_a_local_file_serves_exactly_like_a_body(
     import os
     from pathlib import Path
 
-    from _local_source import local_source_dir
-
     from lora_contract.protocol import EndRequest, ReceiveBucketMeta
+    from lora_versions_dev.farm import local_source_dir
+    from relax_glue.bucket_transport import LocalFileTransport
     from relax_glue.engine_client import EngineClient
 
     e0, e1 = engines
@@ -449,7 +449,7 @@ def test_a_bucket_handed_over_as_a_local_file_serves_exactly_like_a_body(
 
     async def send_local() -> dict:
         async with EngineClient(
-            "E0", e0.url, admin_key=ADMIN["Authorization"].split()[1], local_source_dir=src
+            "E0", e0.url, admin_key=ADMIN["Authorization"].split()[1], transport=LocalFileTransport(src)
         ) as client:
             for b in local.buckets():
                 meta = ReceiveBucketMeta(

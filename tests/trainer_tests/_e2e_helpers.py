@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _admin_key import ADMIN_KEY
 
 from lora_contract import protocol
+from lora_versions_dev.farm import ADMIN_KEY
 from lora_versions_dev.teardown import engine_versions, live_versions, purge
 from relax_glue.engine_client import AuditEntry, AuditLog, EngineAPI, EngineClient, forbidden_calls
 from relax_glue.gateway import GatewayClient
@@ -87,7 +87,7 @@ def make_clients(
 ) -> dict:
     """One REAL EngineClient per engine (``engine.url``), keyed by engine id; with
     ``transport="collective"`` each has its own collective group (this process is the trainer)."""
-    from relax_glue.collective_sender import CollectiveSender
+    from relax_glue.bucket_transport import CollectiveTransport
 
     ids = list(names) if names is not None else [e.name for e in engines]
     return {
@@ -95,7 +95,7 @@ def make_clients(
             i,
             e.url,
             admin_key=admin_key,
-            collective=CollectiveSender() if transport == "collective" else None,
+            transport=CollectiveTransport() if transport == "collective" else None,
         )
         for i, e in zip(ids, engines, strict=True)
     }
