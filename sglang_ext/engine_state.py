@@ -136,12 +136,17 @@ def assemble_engine(
     the trainer side's fake engine and the shell tests alike: publication and reclaim over one
     table, one native edge and ONE lock set (a reclaim and a cleanup of one name must serialise on
     the very same lock; two sets would let them run at once, with no error)."""
+    from sglang_ext.collective_receive import CollectiveReceive
     from sglang_ext.publication import NameLocks, PublicationService
     from sglang_ext.reclaim import ReclaimService
 
     locks = NameLocks()
     state.table, state.native, state.collective = table, native, collective
-    state.publication = PublicationService(table, native, staging, locks, log=log, collective=collective)
+    # the transports whose bytes come out of band, each beside its own link
+    out_of_band = (
+        [CollectiveReceive(collective, staging, table.limits.max_bucket_bytes)] if collective else []
+    )
+    state.publication = PublicationService(table, native, staging, locks, log=log, out_of_band=out_of_band)
     state.reclaim = ReclaimService(table, native, locks, metrics=state.metrics)
     return state
 

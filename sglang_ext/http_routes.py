@@ -207,7 +207,7 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
 
         async def acknowledge_collective(cap: int, receiver: BucketReceiver) -> None:
             await read_body(request, 0, state.body_limits, what)  # the bytes came over the group
-            await service.collective_filler(meta)(cap, receiver)
+            await service.out_of_band_filler("collective", meta)(cap, receiver)
 
         if meta.collective:
             fill = acknowledge_collective

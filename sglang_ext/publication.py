@@ -14,35 +14,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from lora_contract.collective_group import token_tag
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.protocol import (
     BeginRequest,
     BucketAck,
-    BucketSpec,
     CleanupReceipt,
     CleanupRequest,
     DrainingReply,
     EndRequest,
-    Manifest,
     PreparedReceipt,
     ReadyReceipt,
     ReceiveBucketMeta,
-    bucket_header,
     check_tensor_set,
-    max_payload_bytes,
 )
 from sglang_ext.adapter_compat import sglang_load_config
 from sglang_ext.bucket_receiver import BucketReceiver
-from sglang_ext.collective_link import CollectiveLink, ExpectedBucket, transfer_failed
+from sglang_ext.bucket_sources import AttemptKey, BucketFiller, OutOfBandReceive, bucket_cap
 from sglang_ext.native_lora import NativeEdge
-from sglang_ext.staging import StagedPart, StagingArea
+from sglang_ext.staging import StagingArea
 from sglang_ext.version_table import (
     BucketDecision,
     CleanupDecision,
@@ -121,57 +115,6 @@ async def remove_version(
     return None
 
 
-# safetensors header slack on top of the tensor bytes a bucket may carry
-_HEADER_SLACK = 64 * 1024
-
-
-# A version's attempt: the stash and the running load belong to exactly this (name, token) pair.
-# The table binds a token to one name for good (ATTEMPT_MISMATCH), and keying by both keeps even
-# a table bug from letting one attempt's tensors reach another version.
-AttemptKey = tuple[str, str]
-
-# Fills a bucket receiver with at most the given number of bytes: from the request body, chunk by
-# chunk as it arrives (with the HTTP shell's deadlines and its handling of a client that goes
-# away), or from a file in the engine's local source directory. The receiver raises to stop.
-BucketFiller = Callable[[int, BucketReceiver], Awaitable[None]]
-
-
-_BACKGROUND: set[asyncio.Future[None]] = set()
-
-
-def _in_background(job: Awaitable[None]) -> None:
-    """Run ``job`` to its end without a caller (a reference is kept until then)."""
-    task = asyncio.ensure_future(job)
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
-
-
-@dataclass
-class CollectiveStash:
-    """One attempt's buckets on their way over the collective group: a staged part per bucket not
-    yet acknowledged, its header written and its receive posted (the receiver writes the tensor
-    bytes after the header). A part leaves the stash when an acknowledgement takes it."""
-
-    job: str
-    parts: dict[int, StagedPart] = field(default_factory=dict)
-    # bucket index -> its verification, started the moment the bucket arrived whole
-    verifying: dict[int, asyncio.Task[BucketReceiver]] = field(default_factory=dict)
-
-    def discard(self, keep: Callable[[int], bool] = lambda _index: False) -> None:
-        for index in [i for i in self.parts if not keep(i)]:
-            StagingArea.discard_part(self.parts.pop(index))
-
-    def release(self) -> None:
-        """Everything goes: parts not arrived, verifications running or done and never taken."""
-        self.discard()
-        for task in self.verifying.values():
-            if not task.done():
-                task.cancel()  # its receiver abandons its part on the way out
-            elif not task.cancelled() and task.exception() is None:
-                _in_background(task.result().abandon())
-        self.verifying.clear()
-
-
 @dataclass
 class PhaseTimes:
     """Engine-side time of one attempt, by phase (milliseconds)."""
@@ -197,17 +140,14 @@ class PublicationService:
         staging: StagingArea,
         locks: NameLocks,
         log: Callable[[str], None] | None = None,
-        collective: CollectiveLink | None = None,
+        out_of_band: Sequence[OutOfBandReceive] = (),
     ) -> None:
         self.table = table
         self.native = native
         self.staging = staging
-        self.collective = collective
-        # (name, attempt token) -> its buckets on their way over the collective group
-        self._stashes: dict[AttemptKey, CollectiveStash] = {}
-        self._jobs = itertools.count()
-        if collective is not None:
-            collective.on_break(self._group_broke)
+        # transport name -> the receive of the buckets that transport carries out of band
+        # (bucket_sources: the collective group); bodies and local files need none
+        self.out_of_band: dict[str, OutOfBandReceive] = {r.transport: r for r in out_of_band}
         # Required, never defaulted: reclaim must serialise on the very same locks (a private set
         # here would let a reclaim and a cleanup of one name run at once, with no error).
         self._locks = locks
@@ -229,107 +169,37 @@ class PublicationService:
                 # hold is refused with nothing reserved. (A retried begin of the current attempt
                 # is answered from the table, whatever the room.)
                 self.staging.check_room(req.manifest.total_bytes, f"version {req.lora_name}")
-            over_group = req.transport == "collective" and key not in self._stashes
-            if over_group:
-                self._group().check_idle()  # before the table changes
+            receive = self._out_of_band(req.transport)
+            prepare = receive is not None and not receive.receiving(key)
+            if prepare:
+                receive.check_ready()  # before the table changes
             receipt = self.table.begin(req)
             if isinstance(receipt, PreparedReceipt):
                 self.staging.attempt_dir(key)
                 self._phases.setdefault(key, PhaseTimes())
-                if over_group:
-                    self._post_receives(key)
+                if prepare:
+                    v = self.table.get(req.lora_name)
+                    assert v is not None
+                    receive.prepare(key, v)
             return receipt
 
-    def _group(self) -> CollectiveLink:
-        if self.collective is None:
-            raise LoraVersionError(ErrorCode.TRANSPORT_UNAVAILABLE, "this engine has no collective transport")
-        return self.collective
-
-    def _post_receives(self, key: AttemptKey) -> None:
-        """Stage a part for every bucket not accepted yet, write its header, and post its receive
-        on the group: the engine is ready for the broadcast before it answers PREPARED."""
-        v = self.table.get(key[0])
-        assert v is not None and v.manifest is not None
-        stash = CollectiveStash(job=f"job-{next(self._jobs)}")
-        expected: list[ExpectedBucket] = []
-        link = self._group()
-        try:
-            for spec in v.plan[v.next_bucket :]:
-                header = bucket_header(v.manifest, spec)
-                # Sparse: the receiver process allocates the pages as the bytes land (a full
-                # filesystem ends it, not this process); the header is written with a call
-                # that fails with an error, never through the mapping.
-                part = self.staging.new_part(len(header) + spec.total_bytes, reserve=False)
-                stash.parts[spec.index] = part
-                with open(part.path, "r+b") as f:
-                    f.write(header)
-                expected.append(ExpectedBucket(spec.index, spec.total_bytes, part.path, len(header)))
-            link.expect(stash.job, token_tag(key[1]), expected)
-        except BaseException:
-            stash.discard()
-            raise
-        for spec in v.plan[v.next_bucket :]:
-            stash.verifying[spec.index] = asyncio.ensure_future(
-                self._verify_on_arrival(stash, v.manifest, spec)
+    def _out_of_band(self, transport: str) -> OutOfBandReceive | None:
+        """The receive a begin's transport needs: none for HTTP (bodies, local files)."""
+        if transport == "http":
+            return None
+        receive = self.out_of_band.get(transport)
+        if receive is None:
+            raise LoraVersionError(
+                ErrorCode.TRANSPORT_UNAVAILABLE, f"this engine has no {transport} transport"
             )
-        self._stashes[key] = stash
+        return receive
 
-    async def _verify_on_arrival(
-        self, stash: CollectiveStash, manifest: Manifest, spec: BucketSpec
-    ) -> BucketReceiver:
-        """Verify a bucket the moment the receiver reports it whole, while the next ones are
-        still on the wire; the acknowledgement then only compares the checksum. No deadline
-        here: the acknowledgement's wait has one, and the receiver's receives have theirs."""
-        await self._group().arrived_whole(stash.job, spec.index)
-        part = stash.parts.pop(spec.index, None)
-        if part is None:
-            raise transfer_failed(f"bucket {spec.index} was dropped")
-        receiver = BucketReceiver(self.staging, manifest, spec, "", self._bucket_cap(manifest, spec))
-        try:
-            await receiver.adopt(part)
-        except BaseException:
-            await receiver.abandon()
-            raise
-        return receiver
+    def out_of_band_filler(self, transport: str, meta: ReceiveBucketMeta) -> BucketFiller:
+        """The filler of an acknowledgement whose bytes came over ``transport``."""
+        receive = self._out_of_band(transport)
+        assert receive is not None, "HTTP buckets are filled from their own request"
+        return receive.filler(meta)
 
-    def collective_filler(self, meta: ReceiveBucketMeta) -> BucketFiller:
-        """The filler of an acknowledgement: the bucket's part, once the receiver reported it
-        whole (at most the plugin's deadline), verified like any other bucket."""
-        key = (meta.lora_name, meta.attempt_token)
-
-        async def fill(_cap: int, receiver: BucketReceiver) -> None:
-            stash = self._stashes.get(key)
-            if stash is None:
-                raise transfer_failed(
-                    f"bucket {meta.index}: this attempt is not being received over the collective group"
-                )
-            verified = stash.verifying.pop(meta.index, None)
-            if verified is None:
-                raise transfer_failed(f"bucket {meta.index} was taken by an earlier acknowledgement")
-            try:
-                await self._group().arrival(stash.job, meta.index)  # at most the deadline
-                receiver.take_verified(await asyncio.shield(verified))
-            except BaseException:
-                if not verified.done():
-                    verified.cancel()
-                raise
-
-        return fill
-
-    def _group_broke(self, _reason: str) -> None:
-        """Every transfer on the group is over: the parts still waiting for their bytes go now,
-        not at cleanup. Buckets that arrived whole stay: they are acknowledged (and verified)
-        as usual."""
-        link = self._group()
-        for stash in self._stashes.values():
-            stash.discard(keep=lambda index, job=stash.job: link.arrived(job, index))
-
-    def _drop_stash(self, key: AttemptKey) -> None:
-        stash = self._stashes.pop(key, None)
-        if stash is not None:
-            stash.release()
-            if self.collective is not None:
-                self.collective.drop(stash.job)  # receives still pending go with the receiver
 
     # ----------------------------------------------------------------------------- buckets
 
@@ -345,7 +215,7 @@ class PublicationService:
         # The body is read and verified without the name lock: a slow or stalled upload must not
         # block cleanup, end or begin of its version (the reader has a deadline of its own), and
         # the hashing runs on worker threads so generation keeps its event loop.
-        cap = self._bucket_cap(manifest, spec)
+        cap = bucket_cap(manifest, spec, self.table.limits.max_bucket_bytes)
         receiver = BucketReceiver(self.staging, manifest, spec, meta.sha256, cap)
         key = (meta.lora_name, meta.attempt_token)
         try:
@@ -371,9 +241,6 @@ class PublicationService:
                 return BucketAck(index=meta.index, accepted=True)
         finally:
             await receiver.abandon()  # a no-op once committed
-
-    def _bucket_cap(self, manifest: Manifest, spec: BucketSpec) -> int:
-        return min(max_payload_bytes(manifest, spec), self.table.limits.max_bucket_bytes) + _HEADER_SLACK
 
     # ----------------------------------------------------------------------------- end
 
@@ -443,7 +310,8 @@ class PublicationService:
             del self._loads[key]
 
     def _forget(self, key: AttemptKey) -> None:
-        self._drop_stash(key)
+        for receive in self.out_of_band.values():
+            receive.forget(key)
         self.staging.remove(key)
         self._phases.pop(key, None)
 
@@ -478,9 +346,8 @@ class PublicationService:
                                 unload_error=pending.unload_error,
                                 incarnation=self.table.incarnation,
                             )
-                    stash = self._stashes.get(key)
-                    if stash is not None and self.collective is not None:
-                        await self.collective.settle(stash.job)  # bytes still landing, not a dead sender
+                    for receive in self.out_of_band.values():
+                        await receive.settle(key)  # bytes still landing, not a dead sender
                     self._forget(key)
                     self._loads.pop(key, None)
                     return self.table.finish_cleanup(req.lora_name, req.attempt_token)

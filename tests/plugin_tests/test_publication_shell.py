@@ -370,7 +370,6 @@ async def test_the_shells_per_version_state_is_bounded_by_live_versions(shell):
             "locks": len(shell.locks._locks),
             "loads": len(pub._loads),
             "phases": len(pub._phases),
-            "stashes": len(pub._stashes),
             "drains": len(shell.reclaim_service._drain_started),
         }
         assert left == dict.fromkeys(left, 0), (i, left)
