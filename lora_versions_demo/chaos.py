@@ -468,7 +468,9 @@ class Campaign:
         try:
             with contextlib.suppress(RegistryUnavailable):
                 res = await self.pub.reclaim_ready()
-                fault.detail += " " + ",".join(f"{r.version_key.version_id}:{r.engines}" for r in res)
+                fault.detail += " " + ",".join(
+                    f"{r.version_key.version_id}:{ {e: str(o) for e, o in r.engines.items()} }" for r in res
+                )
         finally:
             w.disarm()  # a kill whose call never came must not fire in a later reclaim by surprise
         if long_req is not None:

@@ -480,7 +480,7 @@ class Demo:
         unload_counts = {}
         for eid in self.cohort:
             unload_counts[eid] = await await_unload_lines(self.engines[eid].log_path, lora_ids[eid])
-            r = results[0].engines.get(eid, "-") if results else "-"
+            r = str(results[0].engines.get(eid, "-")) if results else "-"
             rows.append([eid, r, lora_ids[eid], unload_counts[eid]])
         self.show(["engine", "reclaim", "engine-local lora_id", "unload log lines"], rows, "reclaim")
         self.check(

@@ -252,7 +252,7 @@ def reclaim_record(res: ReclaimResult) -> dict[str, Any]:
         "lora_name": res.lora_name,
         "done": res.done,
         "registry_state": res.registry_state.value if res.registry_state else None,
-        "engines": dict(res.engines),
+        "engines": {e: str(outcome) for e, outcome in res.engines.items()},
         "error": None if res.error is None else {"code": res.error.code.value, "message": res.error.message},
     }
 

@@ -10,14 +10,46 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
 
 from lora_contract import protocol
-from lora_contract.errors import LoraVersionError
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.cohort import CohortDriver, EngineStep
 from relax_glue.engine_client import EngineAPI
 from relax_glue.registry import may_start_reclaim
 from relax_glue.registry_types import ReclaimPhase, UnloadEvidence, VersionKey, VersionState, VersionView
+
+
+class EngineReclaimState(StrEnum):
+    UNLOADED = "UNLOADED"  # the registry holds this engine's UNLOADED receipt
+    DRAINING = "DRAINING"  # unregistered there, requests still in flight when the deadline came
+    UNKNOWN = "UNKNOWN"  # the call's outcome is unknown (marked in the registry, slot kept)
+    REFUSED = "REFUSED"  # the engine (or the registry, for its receipt) refused, with a code
+    PENDING = "PENDING"  # not reached in this run
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineReclaim:
+    """How one engine's part of a reclaim run ended."""
+
+    state: EngineReclaimState
+    in_flight: int | None = None  # DRAINING: SGLang's native count at the last call
+    code: ErrorCode | None = None  # REFUSED
+    calls: int = 0  # reclaim calls this run made to the engine
+
+    def __str__(self) -> str:
+        if self.state is EngineReclaimState.DRAINING:
+            return f"DRAINING:{self.in_flight}"
+        if self.state is EngineReclaimState.REFUSED:
+            return f"REFUSED:{self.code.value if self.code else '?'}"
+        return self.state.value
+
+    def step_detail(self) -> str:
+        """The engine step's line: with the number of calls an unload took."""
+        if self.state is EngineReclaimState.UNLOADED:
+            return f"UNLOADED after {self.calls} call(s)"
+        return str(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +58,7 @@ class ReclaimResult:
     lora_name: str
     reclaim_id: str | None
     registry_state: VersionState | None
-    engines: Mapping[str, str]  # engine -> "UNLOADED" | "DRAINING:<in_flight>" | "UNKNOWN" | "REFUSED:<CODE>"
+    engines: Mapping[str, EngineReclaim]  # every cohort engine (empty: the claim was refused)
     error: LoraVersionError | None = None  # the registry refused the claim
     steps: tuple[EngineStep, ...] = ()
     duration_s: float = 0.0
@@ -74,7 +106,7 @@ class Reclaimer(CohortDriver):
         todo = [e for e in self._cohort if phases.get(e) is not ReclaimPhase.UNLOADED]
         steps: list[EngineStep] = []
 
-        async def one(engine: str) -> str:
+        async def one(engine: str) -> EngineReclaim:
             polls = 0
             while True:
                 wait = max(0.0, min(self.reclaim_wait_s, deadline - time.monotonic()))
@@ -92,29 +124,29 @@ class Reclaimer(CohortDriver):
                             version_key=view.version_key, engine_id=engine, receipt=unloaded
                         )
                     )
-                    return f"UNLOADED after {polls} call(s)"
+                    return EngineReclaim(EngineReclaimState.UNLOADED, calls=polls)
                 # DRAINING: the name is unregistered, in-flight requests are finishing. Known
                 # state, not an unknown one: keep polling until the deadline, then report it.
                 # An unload SGLang refused (unload_error) is the same: started, retried next call.
                 if time.monotonic() + self.reclaim_poll_s >= deadline:
-                    return f"DRAINING:{reply.in_flight}"
+                    return EngineReclaim(EngineReclaimState.DRAINING, reply.in_flight, calls=polls)
                 await asyncio.sleep(self.reclaim_poll_s)
 
-        _, refused, unknown = await self._fanout(steps, "reclaim", todo, one, str)
+        ok, refused, unknown = await self._fanout(steps, "reclaim", todo, one, EngineReclaim.step_detail)
         for engine, u in unknown.items():
             await self._mark_unknown(engine, claim.reclaim_id, "reclaim", u.cause)
         after = await self.registry.version(version_key=view.version_key)
-        engines: dict[str, str] = {}
+        engines: dict[str, EngineReclaim] = {}
         for e in self._cohort:
+            calls = ok[e].calls if e in ok else 0
             if after is not None and after.reclaim_phases.get(e) is ReclaimPhase.UNLOADED:
-                engines[e] = "UNLOADED"
+                engines[e] = EngineReclaim(EngineReclaimState.UNLOADED, calls=calls)
             elif e in unknown:
-                engines[e] = "UNKNOWN"
+                engines[e] = EngineReclaim(EngineReclaimState.UNKNOWN)
             elif e in refused:
-                engines[e] = f"REFUSED:{refused[e].code.value}"
+                engines[e] = EngineReclaim(EngineReclaimState.REFUSED, code=refused[e].code)
             else:
-                last = next((s for s in reversed(steps) if s.engine_id == e), None)
-                engines[e] = last.detail if last is not None else "PENDING"
+                engines[e] = ok.get(e, EngineReclaim(EngineReclaimState.PENDING))
         return ReclaimResult(
             view.version_key,
             claim.lora_name,

@@ -161,7 +161,7 @@ class OnlineRL:
                     r.lora_name,
                     trigger,
                     r.done,
-                    dict(r.engines),
+                    {e: str(o) for e, o in r.engines.items()},
                     round(t, 3),
                     round(self.clock(), 3),
                 )

@@ -15,6 +15,7 @@ from _rg_helpers import ENGINES, EPOCH, Publisher, new_registry, refused, sk, vk
 from lora_contract.errors import ErrorCode
 from relax_glue.publisher import Publisher as EnginePublisher
 from relax_glue.publisher import PublishOutcome
+from relax_glue.reclaimer import EngineReclaimState
 from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.registry_types import AttemptPhase, ReclaimPhase, VersionState
 from relax_glue.store import DurableRegistry
@@ -124,7 +125,8 @@ async def test_the_publisher_finishes_a_stuck_reclaim_and_publishes_without_the_
         for op in ("reclaim", "begin", "status"):
             e1.fail(op, nth=n, timeout=True)
     (stuck,) = await pub.reclaim_ready()
-    assert stuck.registry_state is VersionState.RECLAIMING and stuck.engines["E1"] == "UNKNOWN"
+    assert stuck.registry_state is VersionState.RECLAIMING
+    assert stuck.engines["E1"].state is EngineReclaimState.UNKNOWN
     blocked = await pub.publish(snaps["C"], "C")
     assert blocked.outcome is PublishOutcome.REFUSED and blocked.error.code is ErrorCode.OUTCOME_UNKNOWN
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _admin_key import ADMIN_KEY
 from _e2e_helpers import (
     COHORT,
     PROMPTS,
@@ -49,6 +48,7 @@ from _optional import optional_module
 from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_versions_dev.engine_log import await_unload_lines, unload_lines
+from lora_versions_dev.farm import ADMIN_KEY
 from lora_versions_dev.fault_injection import FaultInjectingClient
 from relax_glue.publisher import PublishOutcome
 from relax_glue.registry_types import AttemptPhase, VersionState
@@ -673,7 +673,8 @@ async def test_a_cohort_of_three_engines_publishes_serves_and_reclaims(
             await s.close()
         done = await w.pub.reclaim_ready()
         assert [r.version_key for r in done if r.done] == [w.key("A")]
-        assert set(done[0].engines) == set(cohort) and set(done[0].engines.values()) == {"UNLOADED"}
+        assert set(done[0].engines) == set(cohort)
+        assert {o.state.value for o in done[0].engines.values()} == {"UNLOADED"}
         views = {eid: await engine_versions(c, w.marker) for eid, c in w.clients.items()}
         assert all(v[w.name_of["A"]].state is S.UNLOADED for v in views.values())
 

@@ -25,10 +25,16 @@ from lora_contract.protocol import EngineVersionState
 from lora_versions_dev.fault_injection import FaultInjectingClient
 from relax_glue.actor import AsyncRegistryClient, RegistryClient
 from relax_glue.publisher import Publisher, PublishOutcome, PublishResult
+from relax_glue.reclaimer import EngineReclaim, EngineReclaimState, ReclaimResult
 from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
 from relax_glue.registry_types import AttemptPhase, ReclaimPhase, VersionKey, VersionState
 
 SNAP = {name: make_snapshot(seed=i) for i, name in enumerate("ABCD")}
+
+
+def rendered(result: ReclaimResult) -> dict[str, str]:
+    """A reclaim result's per-engine outcomes as the CLI prints them."""
+    return {e: str(outcome) for e, outcome in result.engines.items()}
 
 
 def vk(vid: str) -> VersionKey:
@@ -240,7 +246,7 @@ async def test_capacity_refusal_before_any_begin_then_reclaim_frees_the_slot(wor
     assert await world.pub.reclaim_ready() == ()  # A still has a session ref
     world.reg.close_and_release(sk("S_a"))
     (res,) = await world.pub.reclaim_ready()
-    assert res.done and res.version_key == vk("A") and res.engines == {"E0": "UNLOADED", "E1": "UNLOADED"}
+    assert res.done and res.version_key == vk("A") and rendered(res) == {"E0": "UNLOADED", "E1": "UNLOADED"}
     assert all(f.unloads[name_of("A")] == 1 for f in world.fakes.values())
     assert world.status().slots_used == 1
 
@@ -592,7 +598,10 @@ async def test_reclaim_polls_through_draining_and_unloads_once(world: World) -> 
 
     (first,) = await world.pub.reclaim_ready(deadline_s=0.15)
     assert not first.done and first.registry_state is VersionState.RECLAIMING
-    assert first.engines == {"E0": "DRAINING:1", "E1": "UNLOADED"}
+    assert first.engines["E0"] == EngineReclaim(
+        EngineReclaimState.DRAINING, in_flight=1, calls=first.engines["E0"].calls
+    )
+    assert first.engines["E1"].state is EngineReclaimState.UNLOADED
     assert len(e0.ops("reclaim")) >= 1 and e0.state_of(name_of("A")) is EngineVersionState.RECLAIMING
     assert world.version("A").reclaim_phases == {"E0": ReclaimPhase.PENDING, "E1": ReclaimPhase.UNLOADED}
     assert world.status().slots_used == 2  # RECLAIMING still holds the slot
@@ -608,7 +617,7 @@ async def test_reclaim_polls_through_draining_and_unloads_once(world: World) -> 
     calls_before = len(e0.ops("reclaim"))
     (second,) = await world.pub.reclaim_ready()
     await releaser
-    assert second.done and second.engines == {"E0": "UNLOADED", "E1": "UNLOADED"}
+    assert second.done and rendered(second) == {"E0": "UNLOADED", "E1": "UNLOADED"}
     assert len(e0.ops("reclaim")) - calls_before > 1  # polled through DRAINING, bounded wait per call
     assert (await running)["meta_info"]["finish_reason"]["type"] == "length"  # never cut short
     assert e0.unloads[name_of("A")] == 1 and world.fakes["E1"].unloads[name_of("A")] == 1
@@ -621,7 +630,8 @@ async def test_unknown_reclaim_outcome_keeps_the_slot_and_the_next_run_resolves(
     await world.publish("A")
     await world.publish("B")
     (first,) = await world.pub.reclaim_ready()
-    assert first.engines == {"E0": "UNLOADED", "E1": "UNKNOWN"} and not first.done
+    assert rendered(first) == {"E0": "UNLOADED", "E1": "UNKNOWN"} and not first.done
+    assert first.engines["E1"] == EngineReclaim(EngineReclaimState.UNKNOWN)
     assert world.version("A").reclaim_phases["E1"] is ReclaimPhase.UNKNOWN
     c = await world.publish("C")
     assert c.outcome is PublishOutcome.REFUSED and c.error.code is ErrorCode.OUTCOME_UNKNOWN
@@ -781,7 +791,7 @@ async def test_a_cohort_of_three_commits_only_when_all_three_are_ready_and_recla
         assert (await w.publish(vid)).outcome is PublishOutcome.PUBLISHED
     assert w.version("B").attempt_phases == dict.fromkeys(THREE, AttemptPhase.READY)
     (done,) = await w.pub.reclaim_ready()  # B retired with no session refs
-    assert done.done and done.engines == dict.fromkeys(THREE, "UNLOADED")
+    assert done.done and rendered(done) == dict.fromkeys(THREE, "UNLOADED")
     assert w.version("B").reclaim_phases == dict.fromkeys(THREE, ReclaimPhase.UNLOADED)
     assert set(w.engine_states("B").values()) == {EngineVersionState.UNLOADED}
     assert w.cluster.audit.forbidden() == []
