@@ -65,6 +65,7 @@ import httpx  # noqa: E402
 from _bench_fixtures import ensure_bench_fixtures, ensure_sized_adapters  # noqa: E402
 from publish_engine import Driver, _engine_phases, _lora_flags  # noqa: E402
 
+from lora_versions_dev.farm import PROMPT  # noqa: E402
 from lora_versions_dev.fixtures import ensure_fixtures  # noqa: E402
 from lora_versions_dev.launcher import EngineSpec, running_engines  # noqa: E402
 from relax_glue.snapshot import Snapshot  # noqa: E402
@@ -72,7 +73,6 @@ from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV, default_staging_base  # noq
 
 RESULTS = ROOT / "bench" / "results" / "decode_gap.json"
 FIXED_NAME = "policy"
-PROMPT = [302, 356, 417, 494, 439]
 
 
 def _now() -> float:

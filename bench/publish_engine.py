@@ -69,6 +69,7 @@ import httpx  # noqa: E402
 from _bench_fixtures import LARGE_CONFIG, ensure_bench_fixtures, ensure_sized_adapters, rank_for_mib  # noqa: E402
 
 from lora_contract.protocol import BeginRequest, PreparedReceipt, ReceiveBucketMeta, Routes  # noqa: E402
+from lora_versions_dev.farm import PROMPT  # noqa: E402
 from lora_versions_dev.fixtures import ensure_fixtures  # noqa: E402
 from lora_versions_dev.launcher import EngineSpec, running_engines  # noqa: E402
 from relax_glue.bucket_transport import CollectiveTransport  # noqa: E402
@@ -81,7 +82,6 @@ RESULTS = ROOT / "bench" / "results" / "publish_engine.json"
 PREFIX = "bench_lora"
 EPOCH = "b1"
 MiB = 1024 * 1024
-PROMPT = [302, 356, 417, 494, 439]
 HTTP_TIMEOUT = 300.0
 CLIENT_TIMEOUTS = ClientTimeouts(
     begin=HTTP_TIMEOUT, bucket=HTTP_TIMEOUT, end=HTTP_TIMEOUT, cleanup=HTTP_TIMEOUT

@@ -23,6 +23,7 @@ from lora_versions_demo.lifecycle import (
     TOOL_IDS,  # the scripted tool reply (both profiles share the tokenizer)
 )
 from lora_versions_dev.device_profile import AcceptanceFixtures, DeviceProfile
+from lora_versions_dev.farm import ADMIN_KEY
 from lora_versions_dev.teardown import live_versions, purge
 from relax_glue.engine_client import EngineAPI, EngineClient, forbidden_calls
 from relax_glue.publisher import Publisher, PublishResult
@@ -30,7 +31,8 @@ from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.sessions import Session, SessionManager
 from relax_glue.snapshot import Snapshot
 
-ACCEPTANCE_ADMIN_KEY = "lora-versions-acceptance-admin-key"
+# The shared farm's key: on CPU the acceptance suite runs on the farm (gpu_tests/conftest.py).
+ACCEPTANCE_ADMIN_KEY = ADMIN_KEY
 COHORT = ("E0", "E1")
 # Relax's published figures for its No.7 online run on an RTX 6000 Ada: the anchor of RFC 7.3.
 RELAX_ANCHOR = {"throughput_ratio": 0.98, "max_gap_s": 0.05, "hardware": "RTX 6000 Ada"}

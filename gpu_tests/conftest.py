@@ -7,6 +7,7 @@ model, triton LoRA, CUDA graphs); see ``lora_versions_dev.device_profile``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -62,11 +63,27 @@ def report(profile: DeviceProfile, report_dir: Path) -> Iterator[Report]:
 
 @pytest.fixture(scope="session")
 def deployment(
-    profile: DeviceProfile, acceptance_fixtures: AcceptanceFixtures, report_dir: Path
+    request: pytest.FixtureRequest,
+    profile: DeviceProfile,
+    acceptance_fixtures: AcceptanceFixtures,
+    report_dir: Path,
 ) -> Iterator[dict]:
-    """E0/E1: managed (plugin on, admin key). base_A / base_B: clean baselines, plugin off, each
-    started with only its adapter through the stock ``--lora-paths`` load; base_A is also the
-    plain-LoRA engine the online run's throughput is compared with."""
+    """E0/E1: managed (plugin on, admin key; E1 through the step-fence probe). base_A / base_B:
+    clean baselines, plugin off, their adapter loaded at start through the stock ``--lora-paths``;
+    base_A is also the plain-LoRA engine the online run's throughput is compared with.
+
+    On CPU these are the session's shared farm (the repository's conftest.py: the same tiny
+    fixtures, one stock engine holding both baselines), so the suite starts no engine of its
+    own; whatever earlier tests left on E0/E1 is removed first, through the engines' protocol.
+    On a CUDA host the profile's four engines are started here."""
+    if profile.device == "cpu":
+        farm = request.getfixturevalue("engine_farm")
+        managed = {n: farm[n] for n in ("E0", "E1")}
+        left = asyncio.run(_purge_everything(managed))
+        assert left == {}, f"earlier tests left versions the farm could not remove: {left}"
+        yield {**managed, "base_A": farm["stock"], "base_B": farm["stock"]}
+        return
+
     from lora_versions_dev.launcher import running_engines
 
     fx = acceptance_fixtures
@@ -87,6 +104,18 @@ def deployment(
     ]
     with running_engines(specs) as engines:
         yield {e.name: e for e in engines}
+
+
+async def _purge_everything(engines: dict) -> dict[str, list[str]]:
+    from lora_versions_dev.teardown import purge
+    from relax_glue.engine_client import EngineClient
+
+    clients = {n: EngineClient(n, e.url, admin_key=ACCEPTANCE_ADMIN_KEY) for n, e in engines.items()}
+    try:
+        return await purge(clients, marker="")
+    finally:
+        for c in clients.values():
+            await c.aclose()
 
 
 @pytest.fixture(autouse=True)

@@ -59,8 +59,8 @@ from lora_contract.protocol import (
     plan_buckets,
     read_peft_dir,
 )
+from lora_versions_dev.farm import PROMPT
 
-PROMPT = [302, 356, 417, 494, 439]
 MAX_NEW = 6
 EPOCH = "fz"
 PREFIX = "fuzz"

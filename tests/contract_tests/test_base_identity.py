@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import save_file
 
 from lora_contract import base_identity as bi
-from lora_contract.errors import ErrorCode
 from lora_contract.messages import BaseIdentity
 
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "_name_or_path": "/here"}
@@ -88,21 +87,6 @@ def test_a_model_without_local_files_is_named_not_guessed(tmp_path: Path) -> Non
     one = bi.weights_identity(None, "org/model@rev1")
     assert one == bi.weights_identity(tmp_path / "missing", "org/model@rev1")
     assert one != bi.weights_identity(None, "org/model@rev2")
-
-
-def test_begin_with_another_base_is_refused_before_anything_changes() -> None:
-    """The engine's own check: the epoch's fingerprint in begin, another base here."""
-    from test_version_table import LIMITS, begin_req, refused_without_trace, snap
-
-    from sglang_ext.version_table import VersionTable
-
-    table = VersionTable("inc", LIMITS, base_fingerprint="a" * 64)
-    other = begin_req(snap(1)).model_copy(update={"base_fingerprint": "b" * 64})
-    refused_without_trace(table, lambda: table.begin(other), ErrorCode.BASE_MISMATCH)
-    same = begin_req(snap(2)).model_copy(update={"base_fingerprint": "a" * 64})
-    assert table.begin(same).state == "PREPARED"
-    unchecked = begin_req(snap(3), "3")  # no expectation (a hand-built body): not compared
-    assert table.begin(unchecked).state == "PREPARED"
 
 
 @pytest.mark.parametrize("part", ["fingerprint", "config", "tokenizer", "weights", "serving"])

@@ -11,10 +11,10 @@ import uuid
 from pathlib import Path
 
 import httpx
-from _admin_key import ADMIN_KEY
 
 from lora_contract.protocol import BeginRequest, ReceiveBucketMeta, Routes
 from lora_versions_dev.engine_log import await_unload_lines, unload_lines
+from lora_versions_dev.farm import ADMIN_KEY
 from relax_glue.snapshot import Snapshot
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -28,12 +28,12 @@ import relax_glue.snapshot  # noqa: F401  (run as a script: this file is the tra
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _admin_key import ADMIN_KEY
 from _engine_helpers import Staged, snapshot_of
 
 from lora_contract.collective_group import Frame, broadcast, host_store, open_group, token_tag
 from lora_contract.protocol import ReceiveBucketMeta, Routes
 from lora_contract.transport import HEADER_PREFIX_BYTES, header_length
+from lora_versions_dev.farm import ADMIN_KEY
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 

@@ -33,9 +33,10 @@ from _engine_helpers import (
 )
 from _group_trainer import GroupTrainer, tensor_bytes
 
+from lora_versions_dev.farm import PROMPT
+
 pytestmark = pytest.mark.engine
 
-PROMPT = [302, 356, 417, 494, 439]
 HERE = Path(__file__).resolve().parent
 
 

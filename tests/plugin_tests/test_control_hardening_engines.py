@@ -30,11 +30,11 @@ from _engine_helpers import (
 
 from lora_contract.protocol import Routes
 from lora_versions_dev import reference
+from lora_versions_dev.farm import PROMPT
 from relax_glue.snapshot import Snapshot
 
 pytestmark = pytest.mark.engine
 
-PROMPT = [302, 356, 417, 494, 439]
 MAX_NEW = 8
 
 

@@ -2,8 +2,8 @@
 before and after a staged publication, traffic, a refusal and a reclaim, next to SGLang's own
 series (same endpoint, same registry), and over many versions, whose series end with them.
 
-The session's E0/E1 run without ``--enable-metrics`` (SGLang mounts /metrics only with it), so
-this module starts one engine of its own that does."""
+SGLang mounts /metrics only with ``--enable-metrics``; the session's shared E0/E1 run with it
+(lora_versions_dev.farm), so this module uses E0 and starts no engine of its own."""
 
 from __future__ import annotations
 
@@ -15,24 +15,16 @@ from _engine_helpers import Published, error_code, generate, snapshot_of, versio
 from prometheus_client.parser import text_string_to_metric_families
 
 from lora_contract.protocol import EngineVersionState
-from lora_versions_dev.launcher import EngineSpec, running_engines
+from lora_versions_dev.farm import PROMPT
 
 pytestmark = pytest.mark.engine
 
-PROMPT = [302, 356, 417, 494, 439]
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 @pytest.fixture(scope="module")
-def metrics_engine(fixtures, run_dir):
-    spec = EngineSpec(
-        name="metrics",
-        model_path=fixtures.model_dir,
-        log_path=run_dir / "metrics.log",
-        extra_args=["--enable-metrics"],
-    )
-    with running_engines([spec]) as (engine,):
-        yield engine
+def metrics_engine(engines):
+    return engines[0]
 
 
 def scrape(url: str) -> Samples:

@@ -11,6 +11,7 @@ import pytest
 from _engine_helpers import ADMIN
 
 from lora_versions_dev import reference
+from lora_versions_dev.farm import PROMPT
 from lora_versions_dev.launcher import LORA_FLAGS, EngineSpec, EngineStartError, start_engine
 from sglang_ext.plugin_log import REFUSED_EXIT_CODE
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.engine
 WRAPPERS = Path(__file__).parents[1] / "engine_wrappers"
 sys.path.insert(0, str(WRAPPERS))
 
-PROMPTS = [[302, 356, 417, 494, 439], [60, 61, 62, 63, 64, 65, 66, 67]]
+PROMPTS = [PROMPT, [60, 61, 62, 63, 64, 65, 66, 67]]
 MAX_NEW = 12
 
 

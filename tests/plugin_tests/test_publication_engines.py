@@ -33,10 +33,10 @@ from _engine_helpers import (
 )
 
 from lora_contract.protocol import Routes, read_peft_dir
+from lora_versions_dev.farm import PROMPT
 
 pytestmark = pytest.mark.engine
 
-PROMPT = [302, 356, 417, 494, 439]
 
 
 @pytest.fixture(scope="module")

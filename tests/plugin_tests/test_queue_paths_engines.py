@@ -16,12 +16,12 @@ import httpx
 import pytest
 from _engine_helpers import Published, generate, in_flight, snapshot_of, wait_in_flight
 
+from lora_versions_dev.farm import PROMPT
 from lora_versions_dev.launcher import EngineSpec, running_engines
 from relax_glue.engine_client import QUEUE_FULL_MESSAGE
 
 pytestmark = pytest.mark.engine
 
-PROMPT = [302, 356, 417, 494, 439]
 
 
 @pytest.fixture(scope="module")

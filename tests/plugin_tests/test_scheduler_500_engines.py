@@ -19,6 +19,7 @@ import httpx
 import pytest
 from _engine_helpers import Published, generate, in_flight, snapshot_of, wait_in_flight
 
+from lora_versions_dev.farm import PROMPT
 from lora_versions_dev.launcher import EngineSpec, running_engines
 from relax_glue.engine_client import EngineClient, OutcomeUnknown
 
@@ -27,8 +28,6 @@ pytestmark = pytest.mark.engine
 WRAPPERS = Path(__file__).parents[1] / "engine_wrappers"
 sys.path.insert(0, str(WRAPPERS))
 from scheduler_500_faults import AT_ADMISSION, LOG_LINE, MID_DECODE  # noqa: E402
-
-PROMPT = [302, 356, 417, 494, 439]
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import pytest
 from _engine_helpers import Published, generate, in_flight, snapshot_of, wait_in_flight
 
 from lora_versions_dev.engine_log import fence_records, log_records
+from lora_versions_dev.farm import PROMPT
 from lora_versions_dev.launcher import EngineSpec, running_engines
 
 pytestmark = pytest.mark.engine
@@ -29,8 +30,6 @@ pytestmark = pytest.mark.engine
 WRAPPERS = Path(__file__).parents[1] / "engine_wrappers"
 sys.path.insert(0, str(WRAPPERS))
 from fence_reader_probe import LOG_LINE  # noqa: E402
-
-PROMPT = [302, 356, 417, 494, 439]
 
 
 @pytest.fixture(scope="module")

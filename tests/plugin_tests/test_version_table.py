@@ -915,3 +915,14 @@ def test_a_status_line_reports_the_record_as_it_is_and_the_native_count_raw(labe
     assert (st.reclaim_id, st.lora_id, st.incarnation) == (v.reclaim_id, v.lora_id, "inc-1")
     assert (st.buckets_received, st.buckets_total) == (v.next_bucket, v.buckets_total)
     assert st.in_flight == in_flight
+
+
+def test_begin_with_another_base_is_refused_before_anything_changes() -> None:
+    """The engine's own check: the epoch's fingerprint in begin, another base here."""
+    table = VersionTable("inc", LIMITS, base_fingerprint="a" * 64)
+    other = begin_req(snap(1)).model_copy(update={"base_fingerprint": "b" * 64})
+    refused_without_trace(table, lambda: table.begin(other), ErrorCode.BASE_MISMATCH)
+    same = begin_req(snap(2)).model_copy(update={"base_fingerprint": "a" * 64})
+    assert table.begin(same).state == "PREPARED"
+    unchecked = begin_req(snap(3), "3")  # no expectation (a hand-built body): not compared
+    assert table.begin(unchecked).state == "PREPARED"

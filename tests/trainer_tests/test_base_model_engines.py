@@ -5,10 +5,10 @@ check it passed ``begin`` and served the adapter on the wrong weights."""
 from __future__ import annotations
 
 import pytest
-from _admin_key import ADMIN_KEY
 from _e2e_helpers import aclose_all, make_clients, new_epoch, purge, snapshot_of
 
 from lora_contract.errors import ErrorCode
+from lora_versions_dev.farm import ADMIN_KEY
 from relax_glue.publisher import Publisher, PublishOutcome
 from relax_glue.registry import LoRAVersionRegistry
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _admin_key import ADMIN_KEY
 from _e2e_helpers import PROMPTS, aclose_all, greedy, make_clients, new_epoch, purge
 
+from lora_versions_dev.farm import ADMIN_KEY
 from relax_glue.sessions import SessionManager
 from relax_glue.store import DurableRegistry
 

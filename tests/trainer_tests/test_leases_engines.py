@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from _admin_key import ADMIN_KEY
 from _e2e_helpers import PROMPTS, TOOL_IDS, aclose_all, greedy, make_clients, new_epoch, purge, snapshot_of
 from _optional import optional_module
 
 from lora_contract import protocol
+from lora_versions_dev.farm import ADMIN_KEY
 from relax_glue.actor import AsyncRegistryClient, start_registry_actor
 from relax_glue.publisher import Publisher, PublishOutcome
 from relax_glue.registry_types import SessionState, VersionKey, VersionState

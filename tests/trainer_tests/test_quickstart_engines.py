@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _admin_key import ADMIN_KEY
 from _e2e_helpers import PROMPTS, TOOL_IDS, aclose_all, begins_for, failed_generations, purge
 from _quickstart import a_training_step, peft_model, run_quickstart
 
 from lora_contract import protocol
+from lora_versions_dev.farm import ADMIN_KEY
 from relax_glue.publisher import PublishOutcome
 from relax_glue.registry_types import SessionState, VersionKey, VersionState
 

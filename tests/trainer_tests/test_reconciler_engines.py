@@ -9,11 +9,11 @@ bound to it, token for token."""
 from __future__ import annotations
 
 import pytest
-from _admin_key import ADMIN_KEY
 from _e2e_helpers import PROMPTS, aclose_all, greedy, make_clients, new_epoch, purge, snapshot_of
 
 from lora_contract import protocol
 from lora_versions_dev.engine_log import unload_lines
+from lora_versions_dev.farm import ADMIN_KEY
 from lora_versions_dev.fault_injection import FaultInjectingClient
 from relax_glue.publisher import Publisher, PublishOutcome
 from relax_glue.reconciler import RestoreOutcome

@@ -1,0 +1,49 @@
+"""Fixtures both suites share (``tests/`` and ``gpu_tests/``): the generated fixtures, the run
+directory and the engine farm (``lora_versions_dev.farm``), started once per session."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lora_versions_dev.fixtures import Fixtures, ensure_fixtures
+
+REPO = Path(__file__).resolve().parent
+RUNS = REPO / ".runs" / "tests"
+# E1 runs through the acceptance suite's step-fence probe: at each physical unload it logs what
+# the fence would decide (gpu_tests/engine_wrappers/step_fence_probe.py), which the RFC 7.3 test
+# reads when the acceptance suite runs on the farm (CPU).
+E1_PROBE_LAUNCHER = REPO / "gpu_tests" / "engine_wrappers" / "sglang_with_step_fence_probe.py"
+
+
+@pytest.fixture(scope="session")
+def fixtures() -> Fixtures:
+    return ensure_fixtures()
+
+
+@pytest.fixture(scope="session")
+def run_dir() -> Path:
+    path = RUNS / time.strftime("%Y%m%d-%H%M%S")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def engine_farm(fixtures: Fixtures, run_dir: Path) -> Iterator[dict]:
+    """E0, E1 and ``stock`` (lora_versions_dev.farm), started together in parallel."""
+    from lora_versions_dev.farm import farm_specs
+    from lora_versions_dev.launcher import running_engines
+
+    specs = farm_specs(fixtures, run_dir, e1_command_prefix=[sys.executable, str(E1_PROBE_LAUNCHER)])
+    t0 = time.monotonic()
+    with running_engines(specs) as engines:
+        timing = {e.name: round(e.started_s or 0.0, 1) for e in engines}
+        timing["all_parallel_s"] = round(time.monotonic() - t0, 1)
+        (run_dir / "engine_start.json").write_text(json.dumps(timing, indent=2))
+        print(f"\n[engines] started in parallel: {timing}")
+        yield {e.name: e for e in engines}
