@@ -55,7 +55,7 @@ from lora_contract.protocol import Routes  # noqa: E402
 from lora_versions_dev.fixtures import ensure_fixtures  # noqa: E402
 from lora_versions_dev.launcher import EngineSpec, running_engines  # noqa: E402
 from relax_glue.snapshot import Snapshot  # noqa: E402
-from sglang_ext.hook_timing import HOOK_TIMING_ENV  # noqa: E402
+from sglang_ext.settings import HOOK_TIMING_ENV  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "plugin_overhead.json"
 STOCK_NAME = "bench-A"

@@ -18,8 +18,9 @@ from lora_versions_dev.device_profile import (
     detect_profile,
     ensure_gpu_fixtures,
 )
-from lora_versions_dev.launcher import PLUGIN_SWITCH_ENV, build_command, build_env
+from lora_versions_dev.launcher import build_command, build_env
 from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry, serving_problem
+from sglang_ext.settings import PLUGIN_SWITCH_ENV
 
 
 def flag(cmd: list[str], name: str) -> str | None:

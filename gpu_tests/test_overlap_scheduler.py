@@ -31,7 +31,7 @@ from engine_wrappers.step_fence_probe import probe_lines
 from lora_versions_dev.engine_log import fence_records, unload_lines
 from relax_glue.publisher import PublishOutcome
 from relax_glue.sessions import Session
-from sglang_ext.setup_checks import OVERLAP_PROOF_ENV
+from sglang_ext.settings import OVERLAP_PROOF_ENV
 
 pytestmark = pytest.mark.engine
 

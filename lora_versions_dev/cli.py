@@ -20,12 +20,12 @@ from relax_glue.cli import ADMIN_KEY_ENV, Output
 def cmd_engine(args: argparse.Namespace, out: Output) -> int:
     from lora_versions_dev.fixtures import ensure_fixtures
     from lora_versions_dev.launcher import (
-        PLUGIN_SWITCH_ENV,
         EngineSpec,
         free_port,
         gpu_launch_command,
         start_engine,
     )
+    from sglang_ext.settings import PLUGIN_SWITCH_ENV
 
     if args.gpu:
         model = args.model or "<model dir or hub id>"

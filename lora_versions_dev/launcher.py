@@ -25,8 +25,7 @@ from pathlib import Path
 import httpx
 
 from lora_versions_dev import cpu
-
-PLUGIN_SWITCH_ENV = "SGLANG_LORA_VERSIONS"
+from sglang_ext.settings import PLUGIN_SWITCH_ENV
 
 
 # LoRA serving flags the managed lifecycle needs (see setup_checks.MIN_LORAS_PER_BATCH).

@@ -54,6 +54,7 @@ from lora_contract.transport import (
 )
 from lora_contract.wire_models import invalid
 from sglang_ext.adapter_compat import check_tensor_values
+from sglang_ext.settings import HASH_WHILE_RECEIVING_ENV, switch
 from sglang_ext.staging import StagedPart, StagingArea
 
 # Hash in strides of this many received bytes: small enough to track the socket closely,
@@ -61,7 +62,6 @@ from sglang_ext.staging import StagedPart, StagingArea
 HASH_STRIDE_BYTES = 1024 * 1024
 # A local source file is copied in reads of at most this size.
 COPY_STRIDE_BYTES = 4 * 1024 * 1024
-HASH_WHILE_RECEIVING_ENV = "SGLANG_LORA_VERSIONS_HASH_WHILE_RECEIVING"
 _CORES = len(os.sched_getaffinity(0))
 # Parallel verification: one group of tensors per worker, at most 4 (a bucket is verified in
 # the time of its share, and generation keeps the rest of a large machine).
@@ -70,10 +70,7 @@ VERIFY_WORKERS = max(1, min(4, _CORES))
 
 def hash_while_receiving() -> bool:
     """Hash behind the socket only with cores to spare (see the module docstring)."""
-    configured = os.environ.get(HASH_WHILE_RECEIVING_ENV)
-    if configured is not None:
-        return configured.strip() not in ("", "0", "false", "no")
-    return _CORES > 2
+    return switch(HASH_WHILE_RECEIVING_ENV, default=_CORES > 2)
 
 
 # Publication work is background work: its threads (and the collective receiver process) run

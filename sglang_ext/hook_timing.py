@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-HOOK_TIMING_ENV = "SGLANG_LORA_VERSIONS_HOOK_TIMING"
+from sglang_ext.settings import HOOK_TIMING_ENV, switch
 
 
 def enabled() -> bool:
-    return os.environ.get(HOOK_TIMING_ENV, "").strip() not in ("", "0", "false", "no")
+    return switch(HOOK_TIMING_ENV)
 
 
 @dataclass

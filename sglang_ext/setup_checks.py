@@ -5,22 +5,16 @@ Pure function of the resolved server arguments, so each rule is unit-testable wi
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from lora_contract.names import MANAGED_CAPACITY
-
-# Lets exactly one test start a managed engine with the overlap scheduler: the GPU proof that
-# reclaim never frees a slot a launched step still reads (gpu_tests/test_overlap_scheduler.py).
-# Honoured only on CUDA (SGLang has no overlap on CPU); never a serving setting.
-OVERLAP_PROOF_ENV = "SGLANG_LORA_VERSIONS_OVERLAP_PROOF"
+from sglang_ext.settings import OVERLAP_PROOF_ENV, switch
 
 
 def overlap_proof_active(cfg: Any, env: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
     return (
-        env.get(OVERLAP_PROOF_ENV) == "1"
+        switch(OVERLAP_PROOF_ENV, env=env)
         and str(getattr(cfg, "device", "") or "").startswith("cuda")
         and not getattr(cfg, "disable_overlap_schedule", False)
     )

@@ -54,7 +54,8 @@ def test_max_loaded_loras_of_three_or_unset_is_fine():
 
 
 def test_the_overlap_proof_switch_opens_only_on_cuda():
-    from sglang_ext.setup_checks import OVERLAP_PROOF_ENV, overlap_proof_active
+    from sglang_ext.settings import OVERLAP_PROOF_ENV
+    from sglang_ext.setup_checks import overlap_proof_active
 
     proof = {OVERLAP_PROOF_ENV: "1"}
     on_cuda = SimpleNamespace(**{**GOOD, "disable_overlap_schedule": False, "device": "cuda"})
@@ -62,7 +63,7 @@ def test_the_overlap_proof_switch_opens_only_on_cuda():
     assert setup_problems(on_cuda, proof) == [] and overlap_proof_active(on_cuda, proof)
     assert len(setup_problems(on_cpu, proof)) == 1 and not overlap_proof_active(on_cpu, proof)
     assert len(setup_problems(on_cuda, {})) == 1  # without the switch: refused as always
-    assert len(setup_problems(on_cuda, {OVERLAP_PROOF_ENV: "yes"})) == 1
+    assert len(setup_problems(on_cuda, {OVERLAP_PROOF_ENV: "off"})) == 1  # read by the one parser (settings)
 
 
 # Each rule row by row: every value that means "off" is accepted, every value that turns the
@@ -126,7 +127,8 @@ def test_a_setting_left_out_of_the_config_takes_the_supported_default_or_is_refu
     ],
 )
 def test_the_overlap_proof_switch_opens_on_every_cuda_device_and_nowhere_else(device, proof):
-    from sglang_ext.setup_checks import OVERLAP_PROOF_ENV, overlap_proof_active
+    from sglang_ext.settings import OVERLAP_PROOF_ENV
+    from sglang_ext.setup_checks import overlap_proof_active
 
     cfg = SimpleNamespace(**{**GOOD, "disable_overlap_schedule": False, "device": device})
     assert overlap_proof_active(cfg, {OVERLAP_PROOF_ENV: "1"}) is proof

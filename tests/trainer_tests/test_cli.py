@@ -7,9 +7,10 @@ import pytest
 
 from lora_contract.errors import ErrorCode
 from lora_versions_dev import cli as dev_cli
-from lora_versions_dev.launcher import PLUGIN_SWITCH_ENV, gpu_launch_command
+from lora_versions_dev.launcher import gpu_launch_command
 from relax_glue.cli import HINTS, build_parser, render_publish, render_status, table
 from relax_glue.operations import parse_engines
+from sglang_ext.settings import PLUGIN_SWITCH_ENV
 
 
 def test_every_hint_names_a_real_error_code() -> None:
