@@ -35,6 +35,7 @@ from typing import Any
 
 from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.names import parse_lora_name
 from relax_glue.cohort import CohortDriver, EngineStep
 from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
 from relax_glue.registry_types import StatusView, VersionKey, VersionState, VersionView
@@ -237,21 +238,15 @@ class Reconciler(CohortDriver):
         """begin -> every bucket -> end on one engine under a fresh attempt token."""
         client = self.engines[engine]
         token = f"rst-{uuid.uuid4().hex}"
-        # The exact name the registry committed: a restore never invents another identity.
-        req = protocol.parse_model(
-            protocol.BeginRequest,
-            {
-                "lora_name": view.lora_name,
-                "version_key": protocol.VersionKey(
-                    epoch=view.version_key.epoch, version_id=view.version_key.version_id
-                ),
-                "digest": view.digest,
-                "attempt_token": token,
-                "manifest": snap.manifest,
-                "bucket_plan": snap.bucket_plan,
-                "base_fingerprint": base,
-            },
+        # The one begin body (Snapshot.begin_request), under the exact name the registry
+        # committed: its prefix, key and digest, so a restore never invents another identity.
+        parsed = parse_lora_name(view.lora_name)
+        assert parsed is not None, f"the registry committed a name of another format: {view.lora_name}"
+        req = snap.begin_request(
+            parsed.prefix, view.version_key.epoch, view.version_key.version_id, token, base
         )
+        # the store is content-addressed: the snapshot of this digest gives this very name
+        assert req.lora_name == view.lora_name, (req.lora_name, view.lora_name)
         op = "begin"
         try:
             reply = await client.begin(req)
