@@ -49,6 +49,7 @@ from relax_glue.cohort import CohortDriver, EngineStep
 from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
 from relax_glue.reclaimer import Reclaimer, ReclaimResult
 from relax_glue.reconciler import Reconciler, RestoreResult
+from relax_glue.recovery_rules import ResolveAction, resolve_action
 from relax_glue.registry import holds_slot, is_committed
 from relax_glue.registry_types import (
     AttemptPhase,
@@ -79,40 +80,6 @@ __all__ = [
 T = TypeVar("T")
 
 # ------------------------------------------------------------------------------ the registry
-
-
-class ResolveAction(StrEnum):
-    """What ``resolve()`` does on one engine, decided from that engine's view of the attempt."""
-
-    READY = "READY"  # READY for this attempt: record it
-    END = "END"  # every bucket is there (or the load runs): end alone finishes it
-    REDRIVE = "REDRIVE"  # begin again from the snapshot (never got begin, or lost it in a restart)
-    DOOMED = "DOOMED"  # this attempt cannot finish there: abort and clean up
-
-
-# Engine state of this attempt -> action (h11 style: a state missing here is an error). PREPARED
-# depends on whether every bucket arrived, so it is decided in resolve_action.
-_RESOLVE_BY_STATE: dict[protocol.EngineVersionState, ResolveAction] = {
-    protocol.EngineVersionState.READY_LOCAL: ResolveAction.READY,
-    protocol.EngineVersionState.LOADING: ResolveAction.END,  # a repeated end joins the shielded load
-    protocol.EngineVersionState.CLEANED: ResolveAction.DOOMED,  # tombstoned: never recreated
-    protocol.EngineVersionState.FAILED: ResolveAction.DOOMED,  # only its cleanup frees it
-    protocol.EngineVersionState.RECLAIMING: ResolveAction.DOOMED,
-    protocol.EngineVersionState.UNLOADED: ResolveAction.DOOMED,
-}
-
-
-def resolve_action(vs: protocol.VersionStatus | None, attempt_token: str, digest: str) -> ResolveAction:
-    """The one rule of resolve() per engine (pure): ``vs`` is the engine's status of the version,
-    None when it does not know the name."""
-    if vs is None:
-        return ResolveAction.REDRIVE
-    if vs.attempt_token != attempt_token or vs.digest != digest:
-        return ResolveAction.DOOMED  # another attempt owns the name there
-    if vs.state is protocol.EngineVersionState.PREPARED:
-        complete = vs.buckets_total > 0 and vs.buckets_received == vs.buckets_total
-        return ResolveAction.END if complete else ResolveAction.REDRIVE
-    return _RESOLVE_BY_STATE[vs.state]
 
 
 class CommitEvidence(StrEnum):

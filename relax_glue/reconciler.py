@@ -19,9 +19,10 @@ with a fresh attempt token of its own and the snapshot read back from the on-dis
 * Until an engine holds a version again, requests for it there are refused with
   VERSION_NOT_READY (while staging) or UNKNOWN_VERSION (not begun yet): never the base model.
 
-:func:`restore_plan` is the pure rule; :class:`Reconciler` does the IO. The publisher runs it
-under its publication and reclaim locks (:meth:`relax_glue.publisher.Publisher.reconcile`), so a
-restore never races a publication or a reclaim driven by the same publisher.
+:func:`relax_glue.recovery_rules.restore_plan` is the pure rule; :class:`Reconciler` does the IO.
+The publisher runs it under its publication and reclaim locks
+(:meth:`relax_glue.publisher.Publisher.reconcile`), so a restore never races a publication or a
+reclaim driven by the same publisher.
 """
 
 from __future__ import annotations
@@ -38,30 +39,19 @@ from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.names import parse_lora_name
 from relax_glue.cohort import CohortDriver, EngineStep
 from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
+from relax_glue.recovery_rules import RestoreAction, restore_plan
 from relax_glue.registry_types import StatusView, VersionKey, VersionState, VersionView
 from relax_glue.snapshot import Snapshot
 from relax_glue.snapshot_store import SnapshotStore
 
 __all__ = [
     "Reconciler",
-    "RestoreAction",
     "RestoreOutcome",
     "RestoreResult",
-    "restore_plan",
     "wanted_versions",
 ]
 
 S = protocol.EngineVersionState
-
-
-class RestoreAction(StrEnum):
-    """What one engine needs for one wanted version (the pure rule's answer)."""
-
-    HELD = "HELD"  # READY_LOCAL with the registry's digest: nothing to do
-    RESTORE = "RESTORE"  # unknown there (restarted), or a CLEANED tombstone: stage it
-    CLEAN_THEN_RESTORE = "CLEAN_THEN_RESTORE"  # an interrupted restore (PREPARED / FAILED) holds the name
-    WAIT = "WAIT"  # LOADING: a load is running there; look again next round
-    CONFLICT = "CONFLICT"  # another digest, or being reclaimed there: never touched, reported
 
 
 class RestoreOutcome(StrEnum):
@@ -95,32 +85,6 @@ def wanted_versions(status: StatusView) -> tuple[VersionView, ...]:
         key=lambda v: -(v.commit_revision or 0),
     )
     return (*default, *retired)
-
-
-def restore_plan(
-    wanted: Sequence[VersionView], engine: protocol.EngineStatus
-) -> list[tuple[VersionView, RestoreAction, protocol.VersionStatus | None]]:
-    """For each wanted version, what ``engine`` needs (pure)."""
-    held = {v.lora_name: v for v in engine.versions}
-    plan: list[tuple[VersionView, RestoreAction, protocol.VersionStatus | None]] = []
-    for want in wanted:
-        vs = held.get(want.lora_name)
-        if vs is None:
-            action = RestoreAction.RESTORE
-        elif vs.digest != want.digest or vs.state in (S.RECLAIMING, S.UNLOADED):
-            # another digest: the engine fixes a name's digest for its lifetime, even past a
-            # cleanup (its begin would be VERSION_CONFLICT), so it is never touched, only reported
-            action = RestoreAction.CONFLICT
-        elif vs.state is S.CLEANED:
-            action = RestoreAction.RESTORE  # only a tombstone of an earlier attempt: nothing held
-        elif vs.state is S.READY_LOCAL:
-            action = RestoreAction.HELD
-        elif vs.state is S.LOADING:
-            action = RestoreAction.WAIT
-        else:  # PREPARED or FAILED under some attempt: clean it, then stage afresh
-            action = RestoreAction.CLEAN_THEN_RESTORE
-        plan.append((want, action, vs))
-    return plan
 
 
 class Reconciler(CohortDriver):

@@ -673,7 +673,7 @@ def test_resolve_has_one_action_for_every_engine_state():
     import time as _time
 
     from lora_contract.protocol import EngineVersionState, VersionKey, VersionStatus
-    from relax_glue.publisher import ResolveAction, resolve_action
+    from relax_glue.recovery_rules import ResolveAction, resolve_action
 
     token, digest = "tok-1", "a" * 64
 
@@ -742,7 +742,7 @@ def _version_status(state: EngineVersionState, **kw: Any) -> protocol.VersionSta
 def test_resolve_ends_a_prepared_attempt_only_when_every_planned_bucket_is_there(
     received: int, total: int, action: str
 ) -> None:
-    from relax_glue.publisher import ResolveAction, resolve_action
+    from relax_glue.recovery_rules import ResolveAction, resolve_action
 
     vs = _version_status(EngineVersionState.PREPARED, buckets_received=received, buckets_total=total)
     assert resolve_action(vs, "tok-1", "a" * 64) is ResolveAction(action)
@@ -754,7 +754,7 @@ def test_resolve_never_drives_a_name_another_attempt_or_digest_holds(state, fore
     """Whatever its state (even READY_LOCAL with every bucket), a name held under another
     attempt token or another digest is DOOMED for this attempt: never recorded READY, never
     ended, never re-driven over."""
-    from relax_glue.publisher import ResolveAction, resolve_action
+    from relax_glue.recovery_rules import ResolveAction, resolve_action
 
     other = {"attempt_token": "tok-other", "digest": "b" * 64}
     changes = other if foreign == "both" else {foreign: other[foreign]}

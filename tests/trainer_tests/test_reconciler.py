@@ -22,7 +22,8 @@ from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_versions_dev.fault_injection import FaultInjectingClient
 from relax_glue.publisher import Publisher, PublishOutcome
-from relax_glue.reconciler import RestoreAction, RestoreOutcome, restore_plan, wanted_versions
+from relax_glue.reconciler import RestoreOutcome, wanted_versions
+from relax_glue.recovery_rules import RestoreAction, restore_plan
 from relax_glue.registry_types import VersionKey, VersionState
 from relax_glue.sessions import SessionManager
 from relax_glue.snapshot_store import SnapshotStore
