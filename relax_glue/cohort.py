@@ -1,17 +1,21 @@
-"""What the publisher and the reclaimer share: one registry client and the clients of a fixed
-engine cohort, an all-engines fan-out that sorts each engine's outcome (ok, refused, unknown),
-and the registry writes every engine step ends with (receipts, incarnations, unknown marks)."""
+"""What the publisher, the reclaimer and the reconciler share: one :class:`Cohort` (registry
+client, engine clients, incarnation memory, snapshot store, the two locks), an all-engines
+fan-out that sorts each engine's outcome (ok, refused, unknown), and the registry writes every
+engine step ends with (receipts, incarnations, unknown marks)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.actor import AsyncRegistryClient
 from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
+
+if TYPE_CHECKING:
+    from relax_glue.snapshot_store import SnapshotStore
 
 T = TypeVar("T")
 
@@ -39,28 +43,48 @@ class RegistryRefused(Exception):
 Fanout = tuple[dict[str, Any], dict[str, LoraVersionError], dict[str, OutcomeUnknown]]
 
 
-class CohortDriver:
-    """Base of the publisher and the reclaimer (one cohort, one registry client)."""
+@dataclasses.dataclass
+class Cohort:
+    """One run's registry client and engines, and what every driver of them must share: the
+    incarnations already registered, the snapshot store, and the two locks (one publication or
+    resolution at a time; one reclaim run at a time; a restore holds both)."""
 
-    def __init__(
-        self,
+    registry: AsyncRegistryClient
+    engines: dict[str, EngineAPI]
+    store: SnapshotStore | None = None
+    # last incarnation registered per engine
+    incarnations: dict[str, str] = dataclasses.field(default_factory=dict)
+    publication_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    reclaim_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+    @classmethod
+    def of(
+        cls,
         registry: Any,
         engines: Mapping[str, EngineAPI],
         *,
+        store: SnapshotStore | None = None,
         registry_retries: int = 2,
         registry_retry_delay_s: float = 0.05,
-        incarnations: dict[str, str] | None = None,
-    ) -> None:
+    ) -> Cohort:
         # A registry object is wrapped in an in-process client with these retries; a client that
         # is passed in keeps its own.
-        self.registry = AsyncRegistryClient.of(
+        client = AsyncRegistryClient.of(
             registry, retries=registry_retries, retry_delay_s=registry_retry_delay_s
         )
-        self.engines: dict[str, EngineAPI] = dict(engines)
+        return cls(client, dict(engines), store)
+
+
+class CohortDriver:
+    """Base of the publisher, the reclaimer and the reconciler: each takes the one cohort."""
+
+    def __init__(self, cohort: Cohort) -> None:
+        self.cohort = cohort
+        self.registry = cohort.registry
+        self.engines = cohort.engines
         self._epoch: str | None = None
         self._cohort: tuple[str, ...] = ()
-        # last incarnation registered per engine (shared by drivers of one cohort)
-        self._incarnations: dict[str, str] = incarnations if incarnations is not None else {}
+        self._incarnations = cohort.incarnations
 
     async def _setup(self) -> str:
         if self._epoch is None:

@@ -45,7 +45,7 @@ from lora_contract import protocol
 from lora_contract.base_identity import base_differences
 from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.actor import RegistryUnavailable
-from relax_glue.cohort import CohortDriver, EngineStep
+from relax_glue.cohort import Cohort, CohortDriver, EngineStep
 from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
 from relax_glue.reclaimer import Reclaimer, ReclaimResult
 from relax_glue.reconciler import Reconciler, RestoreResult
@@ -211,34 +211,27 @@ class Publisher(CohortDriver):
         registry_retry_delay_s: float = 0.05,
         store: SnapshotStore | None = None,
     ) -> None:
-        super().__init__(
+        # Snapshots of live versions on disk, so a restarted engine can get them back even after
+        # this process restarted (None: no restore is possible; publication works as before).
+        cohort = Cohort.of(
             registry,
             engines,
+            store=store,
             registry_retries=registry_retries,
             registry_retry_delay_s=registry_retry_delay_s,
         )
+        super().__init__(cohort)
         self.prefix = prefix
         self.verify_snapshot = verify_snapshot
         self._snapshots: dict[str, Snapshot] = {}  # attempt token -> snapshot, until it ends
-        self._lock = asyncio.Lock()
-        # Reclaims run beside publications, under their own lock, sharing this cohort's client,
-        # engines and incarnation memory.
-        self.reclaimer = Reclaimer(
-            self.registry,
-            self.engines,
-            wait_s=reclaim_wait_s,
-            poll_s=reclaim_poll_s,
-            deadline_s=reclaim_deadline_s,
-            incarnations=self._incarnations,
-        )
-        # Snapshots of live versions on disk, so a restarted engine can get them back even after
-        # this process restarted (None: no restore is possible; publication works as before).
+        self._lock = cohort.publication_lock
         self.store = store
-        self.reconciler = (
-            Reconciler(self.registry, self.engines, store, incarnations=self._incarnations)
-            if store is not None
-            else None
+        # Its two peers take the same cohort: reclaims run beside publications under the
+        # cohort's reclaim lock; restores under both locks (see reconcile).
+        self.reclaimer = Reclaimer(
+            cohort, wait_s=reclaim_wait_s, poll_s=reclaim_poll_s, deadline_s=reclaim_deadline_s
         )
+        self.reconciler = Reconciler(cohort) if store is not None else None
 
     async def reclaim_ready(self, *, deadline_s: float | None = None) -> tuple[ReclaimResult, ...]:
         """See :meth:`relax_glue.reclaimer.Reclaimer.reclaim_ready`; then drops the stored

@@ -11,12 +11,10 @@ import dataclasses
 import time
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any
 
 from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
-from relax_glue.cohort import CohortDriver, EngineStep
-from relax_glue.engine_client import EngineAPI
+from relax_glue.cohort import Cohort, CohortDriver, EngineStep
 from relax_glue.registry import may_start_reclaim
 from relax_glue.registry_types import ReclaimPhase, UnloadEvidence, VersionKey, VersionState, VersionView
 
@@ -70,21 +68,14 @@ class ReclaimResult:
 
 class Reclaimer(CohortDriver):
     def __init__(
-        self,
-        registry: Any,
-        engines: Mapping[str, EngineAPI],
-        *,
-        wait_s: float = 2.0,
-        poll_s: float = 0.1,
-        deadline_s: float = 60.0,
-        **driver: Any,
+        self, cohort: Cohort, *, wait_s: float = 2.0, poll_s: float = 0.1, deadline_s: float = 60.0
     ) -> None:
-        super().__init__(registry, engines, **driver)
+        super().__init__(cohort)
         self.reclaim_wait_s = wait_s
         self.reclaim_poll_s = poll_s
         self.reclaim_deadline_s = deadline_s
-        # Held by every reclaim run, and by whoever must not run beside one (the reconciler).
-        self.lock = asyncio.Lock()
+        # Held by every reclaim run, and by whoever must not run beside one (a restore).
+        self.lock = cohort.reclaim_lock
 
     async def reclaim_ready(self, *, deadline_s: float | None = None) -> tuple[ReclaimResult, ...]:
         """Reclaim every RETIRED version without session refs, and continue every version

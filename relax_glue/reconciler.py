@@ -30,15 +30,14 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from enum import StrEnum
-from typing import Any
 
 from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.names import parse_lora_name
-from relax_glue.cohort import CohortDriver, EngineStep
-from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
+from relax_glue.cohort import Cohort, CohortDriver, EngineStep
+from relax_glue.engine_client import CallOutcome, OutcomeUnknown
 from relax_glue.recovery_rules import RestoreAction, restore_plan
 from relax_glue.registry_types import StatusView, VersionKey, VersionState, VersionView
 from relax_glue.snapshot import Snapshot
@@ -88,15 +87,11 @@ def wanted_versions(status: StatusView) -> tuple[VersionView, ...]:
 
 
 class Reconciler(CohortDriver):
-    def __init__(
-        self,
-        registry: Any,
-        engines: Mapping[str, EngineAPI],
-        store: SnapshotStore,
-        **driver: Any,
-    ) -> None:
-        super().__init__(registry, engines, **driver)
-        self.store = store
+    def __init__(self, cohort: Cohort) -> None:
+        if cohort.store is None:
+            raise ValueError("restoring versions needs a cohort with a SnapshotStore")
+        super().__init__(cohort)
+        self.store: SnapshotStore = cohort.store
         self.steps: list[EngineStep] = []  # every engine call of the last reconcile, for audits
 
     async def reconcile(self, engines: Sequence[str] | None = None) -> tuple[RestoreResult, ...]:
