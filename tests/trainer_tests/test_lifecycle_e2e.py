@@ -300,7 +300,7 @@ async def test_rfc52_capacity_refusal_then_safe_reclaim_through_the_ray_actor(
             assert len(chunks[-1]["output_ids"]) == admitted_tokens, "the admitted request was cut"
             assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
             assert len(done) == 1 and done[0].done, done
-            assert dict(done[0].engines) == {"E0": "UNLOADED", "E1": "UNLOADED"}
+            assert {e: str(o) for e, o in done[0].engines.items()} == {"E0": "UNLOADED", "E1": "UNLOADED"}
             e0_calls = [st.detail for st in done[0].steps if st.engine_id == "E0" and st.op == "reclaim"]
             assert e0_calls and not e0_calls[0].startswith("UNLOADED after 1 "), e0_calls  # DRAINING first
             assert (await w.status()).slots_used == 1
