@@ -19,7 +19,7 @@ from importlib.metadata import version as dist_version
 
 from sglang_ext import PINNED_SGLANG_VERSION
 from sglang_ext.plugin_log import log_line, refuse_to_start
-from sglang_ext.settings import PLUGIN_SWITCH_ENV, switch, switch_problems
+from sglang_ext.settings import PLUGIN_SWITCH_ENV, SWITCHES, switch, switch_problems
 
 SWITCH_ENV = PLUGIN_SWITCH_ENV
 
@@ -58,7 +58,7 @@ def check_sglang_version() -> None:
 def register() -> None:
     # Checked before the switch is read: a malformed switch (SGLANG_LORA_VERSIONS=of) refuses
     # the start rather than leaving the plugin off, or another switch silently at its default.
-    problems = [p for p in switch_problems() if p.startswith(f"{SWITCH_ENV}=") or is_enabled()]
+    problems = switch_problems(names=SWITCHES if is_enabled() else (SWITCH_ENV,))
     if problems:
         refuse_to_start("malformed switch: " + "; ".join(problems))
     if not is_enabled():

@@ -12,7 +12,7 @@ A leaf module: it imports nothing of the plugin.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 PLUGIN_SWITCH_ENV = "SGLANG_LORA_VERSIONS"
 HOOK_TIMING_ENV = "SGLANG_LORA_VERSIONS_HOOK_TIMING"
@@ -42,11 +42,11 @@ def switch(name: str, default: bool = False, env: Mapping[str, str] | None = Non
     return default if parsed is None else parsed
 
 
-def switch_problems(env: Mapping[str, str] | None = None) -> list[str]:
-    """Every switch set to a value that is neither on nor off."""
+def switch_problems(env: Mapping[str, str] | None = None, names: Sequence[str] = SWITCHES) -> list[str]:
+    """Every switch of ``names`` set to a value that is neither on nor off."""
     env = os.environ if env is None else env
     return [
         f"{name}={env[name]!r} is neither on (1, true, yes, on) nor off (0, false, no, off)"
-        for name in SWITCHES
+        for name in names
         if name in env and parse_switch(env[name]) is None
     ]
