@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -61,8 +61,9 @@ from relax_glue.registry_types import (
     VersionState,
     VersionView,
 )
-from relax_glue.snapshot import EncodedBucket, Snapshot
+from relax_glue.snapshot import Snapshot
 from relax_glue.snapshot_store import SnapshotStore, live_digests
+from relax_glue.stage import StagePlan, stage
 
 __all__ = [
     "CommitEvidence",
@@ -187,6 +188,47 @@ class _Attempt:
     t0: float = dataclasses.field(default_factory=time.monotonic)
     steps: list[EngineStep] = dataclasses.field(default_factory=list)
     phase_s: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class _PublishCalls:
+    """The publisher's part of a staging (relax_glue.stage.StageCalls): every phase runs on all
+    its engines concurrently and is settled after all of them answered (a refusal aborts and
+    cleans up, an unknown outcome is marked), and every receipt is recorded in the registry."""
+
+    _DESCRIBE: Mapping[str, Callable[[Any], str]] = {
+        "begin": str,
+        "receive_bucket": lambda ack: f"#{ack.index}{' dup' if ack.duplicate else ''}",
+    }
+
+    def __init__(self, publisher: Publisher, att: _Attempt) -> None:
+        self.publisher, self.att = publisher, att
+
+    async def run(
+        self, op: str, engines: Sequence[str], call: Callable[[str], Awaitable[Any]]
+    ) -> tuple[Mapping[str, Any], PublishResult | None]:
+        p, att = self.publisher, self.att
+        describe = self._DESCRIBE.get(op, lambda _: "")
+        ok, refused, unknown = await p._fanout(att.steps, op, engines, call, describe)
+        return ok, await p._settle(att, op, refused, unknown)
+
+    async def begun(self, engine: str, reply: protocol.BeginReply) -> bool:
+        p, att = self.publisher, self.att
+        await p._note_incarnation(engine, reply.incarnation)
+        if isinstance(reply, protocol.ReadyReceipt):
+            # This engine already holds exactly this attempt, loaded: nothing to send.
+            receipt = p._ready_receipt(att, reply.incarnation)
+            await p._record(p.registry.record_ready(engine_id=engine, receipt=receipt))
+            return False
+        prepared = PreparedEvidence(att.key, att.token, reply.incarnation)
+        await p._record(p.registry.record_prepared(engine_id=engine, receipt=prepared))
+        return True
+
+    async def ready(self, engine: str, receipt: protocol.ReadyReceipt) -> Any:
+        p, att = self.publisher, self.att
+        await p._note_incarnation(engine, receipt.incarnation)
+        # Recorded as soon as this engine answers, not after the slowest one (RFC 3.4).
+        ready = p._ready_receipt(att, receipt.incarnation)
+        return await p._record(p.registry.record_ready(engine_id=engine, receipt=ready))
 
 
 class Publisher(CohortDriver):
@@ -361,22 +403,18 @@ class Publisher(CohortDriver):
         self, att: _Attempt, engines: Sequence[str], end_only: Sequence[str] = ()
     ) -> PublishResult:
         """begin -> buckets -> end on ``engines`` (and only end on ``end_only``: engines that
-        already hold every bucket), then commit."""
-        prepared: list[str] = []
+        already hold every bucket), then commit. The staging is :func:`relax_glue.stage.stage`
+        (the reconciler's too); what this publisher adds is in :class:`_PublishCalls`."""
         if engines:
-            begun = await self._begin_phase(att, engines)
-            if isinstance(begun, PublishResult):
-                return begun
-            prepared = begun
-        if prepared:
-            failed = await self._bucket_phase(att, prepared)
-            if failed is not None:
-                return failed
-        to_end = [*prepared, *end_only]
-        if to_end:
-            failed = await self._end_phase(att, to_end)
-            if failed is not None:
-                return failed
+            assert att.snapshot is not None, "driving an engine from begin needs the snapshot"
+            plan = StagePlan.of(att.snapshot, self.prefix, att.key, att.token, att.base)
+        else:  # only ends: no begin body is sent, so none is needed (nor the snapshot)
+            plan = StagePlan.ends_only(att.lora_name, att.token)
+        staged = await stage(
+            plan, self.engines, engines, _PublishCalls(self, att), end_only=end_only, phase_s=att.phase_s
+        )
+        if staged.stopped is not None:
+            return staged.stopped
         return await self._commit(att)
 
     # --------------------------------------------------------------------------- phases
@@ -401,92 +439,6 @@ class Publisher(CohortDriver):
 
     def _ready_receipt(self, att: _Attempt, incarnation: str) -> ReadyEvidence:
         return ReadyEvidence(att.key, att.digest, att.token, incarnation)
-
-    async def _begin_phase(self, att: _Attempt, engines: Sequence[str]) -> list[str] | PublishResult:
-        assert att.snapshot is not None, "driving an engine from begin needs the snapshot"
-        req = att.snapshot.begin_request(
-            self.prefix, att.key.epoch, att.key.version_id, att.token, base_fingerprint=att.base
-        )
-
-        async def one(engine: str) -> protocol.EngineVersionState:
-            reply = await self.engines[engine].begin(req)
-            await self._note_incarnation(engine, reply.incarnation)
-            if isinstance(reply, protocol.ReadyReceipt):
-                # This engine already holds exactly this attempt, loaded: nothing to send.
-                receipt = self._ready_receipt(att, reply.incarnation)
-                await self._record(self.registry.record_ready(engine_id=engine, receipt=receipt))
-                return protocol.EngineVersionState.READY_LOCAL
-            prepared = PreparedEvidence(att.key, att.token, reply.incarnation)
-            await self._record(self.registry.record_prepared(engine_id=engine, receipt=prepared))
-            return protocol.EngineVersionState.PREPARED
-
-        t = time.monotonic()
-        ok, refused, unknown = await self._fanout(att.steps, "begin", engines, one, str)
-        att.phase_s["begin"] = att.phase_s.get("begin", 0.0) + time.monotonic() - t
-        failed = await self._settle(att, "begin", refused, unknown)
-        if failed is not None:
-            return failed
-        return [e for e in engines if ok[e] is protocol.EngineVersionState.PREPARED]
-
-    async def _bucket_phase(self, att: _Attempt, engines: Sequence[str]) -> PublishResult | None:
-        assert att.snapshot is not None
-        t = time.monotonic()
-        buckets: Iterable[EncodedBucket] = att.snapshot.iter_buckets()
-        # Engines whose transport sends ahead (a collective group) get every bucket handed over
-        # at once, now that all of them are PREPARED (their receives are posted): the transfer of
-        # bucket i+1 overlaps the verification of bucket i. The acknowledgements below stay in order, one
-        # bucket at a time, and take each broadcast as it is (none is sent twice). This holds
-        # the whole encoded version in memory while it is on the protocol.
-        ahead = [tr for e in engines if (tr := self.engines[e].transport).sends_ahead]
-        if ahead:
-            buckets = list(buckets)
-            for transport in ahead:
-                for bucket in buckets:
-                    transport.send_ahead(att.token, bucket.spec.index, bucket.payload)
-        # Otherwise one payload in memory at a time; each bucket is acknowledged by every engine
-        # before the next one is sent (RFC 3.2), so a failure stops the transfer everywhere.
-        for bucket in buckets:
-            meta = protocol.ReceiveBucketMeta(
-                lora_name=att.lora_name,
-                attempt_token=att.token,
-                index=bucket.spec.index,
-                sha256=bucket.sha256,
-            )
-            payload = bucket.payload
-
-            async def one(
-                engine: str, meta: protocol.ReceiveBucketMeta = meta, payload: bytes = payload
-            ) -> Any:
-                return await self.engines[engine].receive_bucket(meta, payload)
-
-            _, refused, unknown = await self._fanout(
-                att.steps,
-                "receive_bucket",
-                engines,
-                one,
-                lambda ack: f"#{ack.index}{' dup' if ack.duplicate else ''}",
-            )
-            failed = await self._settle(att, "receive_bucket", refused, unknown)
-            if failed is not None:
-                att.phase_s["buckets"] = att.phase_s.get("buckets", 0.0) + time.monotonic() - t
-                return failed
-        att.phase_s["buckets"] = att.phase_s.get("buckets", 0.0) + time.monotonic() - t
-        return None
-
-    async def _end_phase(self, att: _Attempt, engines: Sequence[str]) -> PublishResult | None:
-        req = protocol.EndRequest(lora_name=att.lora_name, attempt_token=att.token)
-
-        async def one(engine: str) -> Any:
-            receipt = await self.engines[engine].end(req)
-            await self._note_incarnation(engine, receipt.incarnation)
-            # Recorded as soon as this engine answers, not after the slowest one (RFC 3.4).
-            ready = self._ready_receipt(att, receipt.incarnation)
-            return await self._record(self.registry.record_ready(engine_id=engine, receipt=ready))
-
-        t = time.monotonic()
-        _, refused, unknown = await self._fanout(att.steps, "end", engines, one)
-        att.phase_s["end"] = att.phase_s.get("end", 0.0) + time.monotonic() - t
-        return await self._settle(att, "end", refused, unknown)
 
     async def _read_statuses(self, att: _Attempt) -> dict[str, protocol.EngineStatus | None]:
         """Every cohort engine's status now (None: it did not answer); each incarnation seen is

@@ -30,8 +30,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from enum import StrEnum
+from typing import Any
 
 from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
@@ -42,6 +43,7 @@ from relax_glue.recovery_rules import RestoreAction, restore_plan
 from relax_glue.registry_types import StatusView, VersionKey, VersionState, VersionView
 from relax_glue.snapshot import Snapshot
 from relax_glue.snapshot_store import SnapshotStore
+from relax_glue.stage import StagePlan, stage
 
 __all__ = [
     "Reconciler",
@@ -194,38 +196,19 @@ class Reconciler(CohortDriver):
     async def _restore(
         self, engine: str, view: VersionView, snap: Snapshot, base: str | None
     ) -> tuple[RestoreOutcome, str]:
-        """begin -> every bucket -> end on one engine under a fresh attempt token."""
-        client = self.engines[engine]
+        """begin -> every bucket -> end on one engine under a fresh attempt token, through the
+        publisher's own staging (:func:`relax_glue.stage.stage`)."""
         token = f"rst-{uuid.uuid4().hex}"
-        # The one begin body (Snapshot.begin_request), under the exact name the registry
-        # committed: its prefix, key and digest, so a restore never invents another identity.
+        # The one begin body, under the exact name the registry committed: its prefix, key and
+        # digest, so a restore never invents another identity.
         parsed = parse_lora_name(view.lora_name)
         assert parsed is not None, f"the registry committed a name of another format: {view.lora_name}"
-        req = snap.begin_request(
-            parsed.prefix, view.version_key.epoch, view.version_key.version_id, token, base
-        )
+        plan = StagePlan.of(snap, parsed.prefix, view.version_key, token, base)
         # the store is content-addressed: the snapshot of this digest gives this very name
-        assert req.lora_name == view.lora_name, (req.lora_name, view.lora_name)
-        op = "begin"
+        assert plan.lora_name == view.lora_name, (plan.lora_name, view.lora_name)
+        calls = _RestoreCalls(self)
         try:
-            reply = await client.begin(req)
-            self._step(engine, "restore_begin", reply.incarnation)
-            if isinstance(reply, protocol.ReadyReceipt):  # only a replay of this very attempt
-                return RestoreOutcome.RESTORED, f"already loaded by this attempt in {reply.incarnation}"
-            op = "receive_bucket"
-            for bucket in snap.iter_buckets():
-                meta = protocol.ReceiveBucketMeta(
-                    lora_name=view.lora_name,
-                    attempt_token=token,
-                    index=bucket.spec.index,
-                    sha256=bucket.sha256,
-                )
-                await client.receive_bucket(meta, bucket.payload)
-            op = "end"
-            ready = await client.end(protocol.EndRequest(lora_name=view.lora_name, attempt_token=token))
-            self._step(engine, "restore_end", ready.incarnation)
-            await self._note_incarnation(engine, ready.incarnation)
-            return RestoreOutcome.RESTORED, f"READY in {ready.incarnation}"
+            await stage(plan, self.engines, [engine], calls)
         except (LoraVersionError, OutcomeUnknown) as exc:
             if isinstance(exc, LoraVersionError) and exc.code is ErrorCode.NOT_ATTEMPT_OWNER:
                 # The status read was stale: the engine holds the version, loaded under another
@@ -236,7 +219,8 @@ class Reconciler(CohortDriver):
             # next reconcile to find and clean: the engine reports it with that token). A
             # cleanup never removes what another attempt holds (the engine refuses it).
             cleaned = await self._clean(engine, view.lora_name, token)
-            return RestoreOutcome.FAILED, f"{op}: {exc}; {'cleaned' if cleaned else 'cleanup pending'}"
+            return RestoreOutcome.FAILED, f"{calls.op}: {exc}; {'cleaned' if cleaned else 'cleanup pending'}"
+        return RestoreOutcome.RESTORED, calls.detail
 
     async def _clean(self, engine: str, lora_name: str, token: str) -> bool:
         try:
@@ -259,3 +243,32 @@ class Reconciler(CohortDriver):
 
     def _step(self, engine: str, op: str, detail: str) -> None:
         self.steps.append(EngineStep(engine, op, CallOutcome.OK, detail=detail))
+
+
+class _RestoreCalls:
+    """The reconciler's part of a staging (relax_glue.stage.StageCalls) on its one engine: a
+    call's failure is raised to :meth:`Reconciler._restore`, which cleans up under its token;
+    nothing is recorded in the registry (the version is committed already)."""
+
+    def __init__(self, reconciler: Reconciler) -> None:
+        self.reconciler = reconciler
+        self.op = "begin"  # the call running now, for the failure's detail
+        self.detail = ""
+
+    async def run(
+        self, op: str, engines: Sequence[str], call: Callable[[str], Awaitable[Any]]
+    ) -> tuple[Mapping[str, Any], None]:
+        self.op = op
+        return {engine: await call(engine) for engine in engines}, None
+
+    async def begun(self, engine: str, reply: protocol.BeginReply) -> bool:
+        self.reconciler._step(engine, "restore_begin", reply.incarnation)
+        if isinstance(reply, protocol.ReadyReceipt):  # only a replay of this very attempt
+            self.detail = f"already loaded by this attempt in {reply.incarnation}"
+            return False
+        return True
+
+    async def ready(self, engine: str, receipt: protocol.ReadyReceipt) -> None:
+        self.reconciler._step(engine, "restore_end", receipt.incarnation)
+        await self.reconciler._note_incarnation(engine, receipt.incarnation)
+        self.detail = f"READY in {receipt.incarnation}"
