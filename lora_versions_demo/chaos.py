@@ -50,8 +50,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lora_contract.protocol import EngineVersionState
 from lora_versions_demo.lifecycle import PROMPTS, TOOL_IDS
 from lora_versions_dev.engine_log import UNLOAD_LOG_LINE
+from relax_glue.publisher import PublishOutcome
+from relax_glue.registry_types import VersionState
 
 FAULT_KINDS = (
     "kill_begin",
@@ -479,7 +482,7 @@ class Campaign:
 
     async def _reclaimable(self) -> list[Any]:
         st = await self.registry.status()
-        return [v for v in st.versions if v.state.value == "RETIRED" and v.session_refs == 0]
+        return [v for v in st.versions if v.state is VersionState.RETIRED and v.session_refs == 0]
 
     async def _await_in_flight(self, engine: str, lora_name: str, timeout_s: float = 30.0) -> int:
         """The engine's native in-flight count of ``lora_name`` once it is above 0 (the request
@@ -516,7 +519,7 @@ class Campaign:
             settled = (
                 st.pending_attempt is None
                 and not st.unknown_outcomes
-                and all(v.state.value != "RECLAIMING" for v in st.versions)
+                and all(v.state is not VersionState.RECLAIMING for v in st.versions)
                 and all(r.outcome is RestoreOutcome.HELD for r in restored)
             )
             if settled:
@@ -547,7 +550,7 @@ class Campaign:
                     and start <= ts <= t
                     and any(
                         v.lora_name == receipt.lora_name
-                        and v.state.value == "READY_LOCAL"
+                        and v.state is EngineVersionState.READY_LOCAL
                         and v.attempt_token == token
                         and v.incarnation == s.incarnation
                         for v in s.versions
@@ -604,13 +607,13 @@ class Campaign:
             log = self.incarnation_logs[name][-1]
             ids = collections.Counter(_UNLOAD_RE.findall(log.read_text(errors="replace")))
             for v in status.versions:
-                if v.state.value == "UNLOADED" and v.lora_id and ids.get(v.lora_id, 0) != 1:
+                if v.state is EngineVersionState.UNLOADED and v.lora_id and ids.get(v.lora_id, 0) != 1:
                     missing.append(
                         f"{name}: {v.lora_name} ({v.lora_id}) unloaded {ids.get(v.lora_id, 0)} times"
                     )
         counts["unloaded_twice"] = len(twice)
         counts["unload_not_once"] = len(missing)
-        counts["reclaimed"] = sum(1 for v in st.versions if v.state.value == "RECLAIMED")
+        counts["reclaimed"] = sum(1 for v in st.versions if v.state is VersionState.RECLAIMED)
         self.violations.extend(twice + missing)
 
         # 5. snapshot store
@@ -624,7 +627,7 @@ class Campaign:
         await self.close_retired_sessions()
         await self.pub.reclaim_ready()
         res = await self.publish_next()
-        ok = res.outcome.value == "PUBLISHED"
+        ok = res.outcome is PublishOutcome.PUBLISHED
         if ok:
             await self.open_sessions(1)
             last = self.turns[-1]
@@ -643,7 +646,7 @@ class Campaign:
     async def run(self) -> dict[str, Any]:
         await self.setup()
         res = await self.publish_next()
-        if res.outcome.value != "PUBLISHED":
+        if res.outcome is not PublishOutcome.PUBLISHED:
             raise RuntimeError(f"the first publication failed: {res}")
         deadline = self.t0 + self.cfg.max_s
         for n, kind in enumerate(self.schedule(), 1):

@@ -123,6 +123,8 @@ _COMMITTED_STATES = frozenset(
     {VersionState.PUBLISHED, VersionState.RETIRED, VersionState.RECLAIMING, VersionState.RECLAIMED}
 )
 
+# an engine phase whose outcome is unknown, of an attempt or of a reclaim (the invariant check)
+_UNKNOWN_PHASES = frozenset({AttemptPhase.UNKNOWN, ReclaimPhase.UNKNOWN})
 _SPACE_RE = re.compile(r"\s")
 
 # The public operations, used by the durable store (journal) and the actor (dispatch allow-list).
@@ -956,7 +958,7 @@ class LoRAVersionRegistry:
             assert self._by_token[rec.attempt_token] == rec.key and self._by_name[rec.lora_name] == rec.key
             for engine, phase in [*rec.attempt_phases.items(), *rec.reclaim_phases.items()]:
                 ref = rec.attempt_token if isinstance(phase, AttemptPhase) else rec.reclaim_id
-                assert ((engine, ref) in self._unknown) == (phase.value == "UNKNOWN")
+                assert ((engine, ref) in self._unknown) == (phase in _UNKNOWN_PHASES)
         assert commits == self._revision, f"{commits} commits but revision {self._revision}"
         assert len(self._by_token) == len(self._by_name) == len(self._versions)
 
