@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lora_versions_dev.fixtures import Fixtures
-from lora_versions_dev.launcher import EngineSpec
+from lora_versions_dev.launcher import Engine, EngineSpec
 
 # The admin API key every shared engine is started with (one definition for every suite).
 ADMIN_KEY = "lora-versions-test-admin-key"
 # A short body deadline so the stalled-upload test sees it fire (production default: 30 s).
-BODY_IDLE_TIMEOUT_S = "5"
+BODY_IDLE_SECONDS = "5"
 BASELINE_ADAPTERS = ("A", "B")
 # The prompt the engine tests and benches send: "The quick brown" in the fixture tokenizer.
 PROMPT = [302, 356, 417, 494, 439]
@@ -44,12 +44,12 @@ def local_source_dir(run_dir: Path) -> Path:
 def farm_specs(
     fixtures: Fixtures, run_dir: Path, *, e1_command_prefix: Sequence[str] | None = None
 ) -> list[EngineSpec]:
-    from sglang_ext.engine_state import BODY_IDLE_TIMEOUT_ENV
+    from sglang_ext.settings import BODY_IDLE_TIMEOUT_S
     from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV
 
     # One local source directory for both: two engines on one host, as a co-located trainer
     # would hand them buckets (tests/plugin_tests/test_publication_engines.py).
-    env = {BODY_IDLE_TIMEOUT_ENV: BODY_IDLE_TIMEOUT_S, LOCAL_SOURCE_DIR_ENV: str(local_source_dir(run_dir))}
+    env = {BODY_IDLE_TIMEOUT_S.env: BODY_IDLE_SECONDS, LOCAL_SOURCE_DIR_ENV: str(local_source_dir(run_dir))}
     managed = [
         EngineSpec(
             name=n,
@@ -70,3 +70,55 @@ def farm_specs(
         extra_args=["--lora-paths", *baselines],
     )
     return [*managed, stock]
+
+
+class SpareEngine:
+    """A plugin engine beside the farm that tests may stop, SIGKILL and start again on its port
+    (the restart tests of several modules): one per session, spawned at its first use so that it
+    boots while that module's other tests run. Whoever restarts it puts the new process in
+    :attr:`engine`; :meth:`take` hands it to the next test with nothing an earlier one left."""
+
+    def __init__(self, fixtures: Fixtures, run_dir: Path, name: str = "spare") -> None:
+        from lora_versions_dev.launcher import spawn_engine
+
+        self.fixtures, self.run_dir, self.name = fixtures, run_dir, name
+        self.starts = 0
+        self.engine = spawn_engine(self.spec())
+
+    def spec(self, port: int | None = None, tag: str = "") -> EngineSpec:
+        """The spare's spec; ``port`` for a restart on the same port, ``tag`` names its log."""
+        self.starts += 1
+        return EngineSpec(
+            name=self.name,
+            model_path=self.fixtures.model_dir,
+            log_path=self.run_dir / f"{self.name}.{self.starts}{tag}.log",
+            extra_args=["--admin-api-key", ADMIN_KEY],
+            port=port,
+        )
+
+    def take(self, timeout_s: float = 300.0) -> Engine:
+        """The running spare once it serves, every managed version of an earlier user removed
+        through its own protocol (lora_versions_dev.teardown.purge)."""
+        import asyncio
+
+        from lora_versions_dev.teardown import purge
+        from relax_glue.engine_client import EngineClient
+
+        engine = self.engine
+        engine.wait_healthy(timeout_s)
+
+        async def clean() -> dict[str, list[str]]:
+            client = EngineClient(self.name, engine.url, admin_key=ADMIN_KEY)
+            try:
+                return await purge({self.name: client}, marker="")
+            finally:
+                await client.aclose()
+
+        left = asyncio.run(clean())
+        assert not left, f"the spare engine still holds {left} after the purge"
+        return engine
+
+    def stop(self) -> None:
+        from lora_versions_dev.launcher import stop_engine
+
+        stop_engine(self.engine)

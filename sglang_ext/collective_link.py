@@ -28,6 +28,7 @@ from enum import StrEnum
 from typing import Any
 
 from lora_contract.errors import ErrorCode, LoraVersionError
+from sglang_ext import settings
 from sglang_ext.collective_messages import (
     Arrived,
     Connect,
@@ -42,8 +43,6 @@ from sglang_ext.collective_messages import (
     encode,
 )
 
-COLLECTIVE_TIMEOUT_ENV = "SGLANG_LORA_VERSIONS_COLLECTIVE_TIMEOUT_S"
-DEFAULT_COLLECTIVE_TIMEOUT_S = 30.0
 # what starting the receiver (a Python process importing torch) may take on top of the rendezvous
 RECEIVER_START_ALLOWANCE_S = 60.0
 # A cleanup during a transfer waits as long as the receiver reports bytes landing (a trainer's
@@ -56,7 +55,7 @@ SETTLE_STALL_S = 2.0
 
 
 def collective_timeout_s() -> float:
-    return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S))
+    return float(settings.number(settings.COLLECTIVE_TIMEOUT_S))
 
 
 class LinkState(StrEnum):

@@ -9,7 +9,6 @@ do the tokenizer manager and the resolved server arguments exist).
 from __future__ import annotations
 
 import atexit
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from lora_contract.names import MANAGED_CAPACITY
 from lora_contract.protocol import BaseIdentity, EngineStatus
+from sglang_ext import settings
 from sglang_ext.metrics import NO_METRICS, Metrics
 from sglang_ext.plugin_log import log_line
 from sglang_ext.staging import local_source_dir
@@ -31,13 +31,8 @@ if TYPE_CHECKING:
     from sglang_ext.staging import StagingArea
     from sglang_ext.version_table import StagingLimits, VersionTable
 
-MAX_VERSION_BYTES_ENV = "SGLANG_LORA_VERSIONS_MAX_VERSION_BYTES"
-MAX_BUCKET_BYTES_ENV = "SGLANG_LORA_VERSIONS_MAX_BUCKET_BYTES"
-ENGINE_VERSION_CAP_BYTES = 2 * 1024**3
-ENGINE_BUCKET_CAP_BYTES = 256 * 1024**2
-BODY_IDLE_TIMEOUT_ENV = "SGLANG_LORA_VERSIONS_BODY_IDLE_TIMEOUT_S"
-BODY_TIMEOUT_ENV = "SGLANG_LORA_VERSIONS_BODY_TIMEOUT_S"
-MAX_JSON_BYTES_ENV = "SGLANG_LORA_VERSIONS_MAX_JSON_BYTES"
+ENGINE_VERSION_CAP_BYTES = int(settings.MAX_VERSION_BYTES.default)
+ENGINE_BUCKET_CAP_BYTES = int(settings.MAX_BUCKET_BYTES.default)
 
 
 @dataclass(frozen=True)
@@ -45,18 +40,17 @@ class BodyLimits:
     """How a control request's body is read: every read has a deadline and a byte cap, so a
     client that stalls, trickles or sends too much costs a bounded time and memory."""
 
-    idle_timeout_s: float = 30.0  # longest wait for the next chunk
-    total_timeout_s: float = 600.0  # longest whole read (a 256 MiB bucket at >= 0.5 MiB/s)
-    max_json_bytes: int = 8 * 1024**2  # a manifest of ~20k tensors with its bucket plan
+    # the defaults and their reasons: sglang_ext.settings
+    idle_timeout_s: float = settings.BODY_IDLE_TIMEOUT_S.default
+    total_timeout_s: float = settings.BODY_TIMEOUT_S.default
+    max_json_bytes: int = int(settings.MAX_JSON_BYTES.default)
 
     @classmethod
     def from_env(cls) -> BodyLimits:
-        env = os.environ
-        default = cls()
         return cls(
-            idle_timeout_s=float(env.get(BODY_IDLE_TIMEOUT_ENV, default.idle_timeout_s)),
-            total_timeout_s=float(env.get(BODY_TIMEOUT_ENV, default.total_timeout_s)),
-            max_json_bytes=int(env.get(MAX_JSON_BYTES_ENV, default.max_json_bytes)),
+            idle_timeout_s=settings.number(settings.BODY_IDLE_TIMEOUT_S),
+            total_timeout_s=settings.number(settings.BODY_TIMEOUT_S),
+            max_json_bytes=int(settings.number(settings.MAX_JSON_BYTES)),
         )
 
 
@@ -187,8 +181,8 @@ def staging_limits(server_args: Any, hf_config: Any) -> StagingLimits:
             max_lora_rank=int(server_args.max_lora_rank),
             served_modules=None if "all" in normalized else frozenset(normalized),
         ),
-        max_version_bytes=int(os.environ.get(MAX_VERSION_BYTES_ENV, ENGINE_VERSION_CAP_BYTES)),
-        max_bucket_bytes=int(os.environ.get(MAX_BUCKET_BYTES_ENV, ENGINE_BUCKET_CAP_BYTES)),
+        max_version_bytes=int(settings.number(settings.MAX_VERSION_BYTES)),
+        max_bucket_bytes=int(settings.number(settings.MAX_BUCKET_BYTES)),
     )
 
 

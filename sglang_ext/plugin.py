@@ -19,7 +19,7 @@ from importlib.metadata import version as dist_version
 
 from sglang_ext import PINNED_SGLANG_VERSION
 from sglang_ext.plugin_log import log_line, refuse_to_start
-from sglang_ext.settings import PLUGIN_SWITCH_ENV, SWITCHES, switch, switch_problems
+from sglang_ext.settings import PLUGIN_SWITCH_ENV, SWITCHES, number_problems, switch, switch_problems
 
 SWITCH_ENV = PLUGIN_SWITCH_ENV
 
@@ -63,6 +63,11 @@ def register() -> None:
         refuse_to_start("malformed switch: " + "; ".join(problems))
     if not is_enabled():
         return
+    # Read at start, so a malformed limit or deadline refuses the engine rather than failing
+    # the first request that reads it.
+    problems = number_problems()
+    if problems:
+        refuse_to_start("malformed setting: " + "; ".join(problems))
     check_sglang_version()
     role = process_role()
     from sglang_ext.engine_state import engine_state

@@ -1,5 +1,6 @@
-"""The plugin's environment switches: one parser for all of them, and a malformed value refused
-at start instead of meaning "on" to one reader and "off" to another."""
+"""The plugin's environment settings: one parser for all switches and one for all numbers, and a
+malformed value refused at start instead of meaning "on" to one reader and "off" to another, or
+failing the first request that reads it."""
 
 from __future__ import annotations
 
@@ -7,11 +8,19 @@ import pytest
 
 from sglang_ext import plugin
 from sglang_ext.settings import (
+    BODY_IDLE_TIMEOUT_S,
+    BODY_TIMEOUT_S,
+    COLLECTIVE_TIMEOUT_S,
     HASH_WHILE_RECEIVING_ENV,
     HOOK_TIMING_ENV,
+    MAX_JSON_BYTES,
+    NUMBERS,
     OVERLAP_PROOF_ENV,
     PLUGIN_SWITCH_ENV,
     SWITCHES,
+    Number,
+    number,
+    number_problems,
     parse_switch,
     switch,
     switch_problems,
@@ -86,4 +95,52 @@ def test_another_malformed_switch_refuses_only_when_the_plugin_is_on(monkeypatch
     plugin.register()  # off: SGLang runs stock, whatever the plugin's other switches say
     monkeypatch.setenv(PLUGIN_SWITCH_ENV, "1")
     with pytest.raises(Refused, match=HOOK_TIMING_ENV):
+        plugin.register()
+
+
+# ---------------------------------------------------------------------------- numbers
+
+
+@pytest.mark.parametrize("setting", NUMBERS, ids=lambda s: s.env)
+def test_every_number_reads_its_value_or_its_default(setting: Number) -> None:
+    assert number(setting, env={}) == setting.default
+    assert number(setting, env={setting.env: " 7 "}) == 7
+    assert type(number(setting, env={setting.env: "7"})) is (int if setting.integer else float)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "0", "-5", "nan", "inf", "30s"])
+def test_a_number_that_is_not_positive_is_refused_for_every_setting(text: str) -> None:
+    env = {s.env: text for s in NUMBERS}
+    assert len(number_problems(env)) == len(NUMBERS)
+
+
+def test_an_integer_setting_refuses_a_fraction() -> None:
+    assert number_problems({MAX_JSON_BYTES.env: "1.5"}) == [
+        f"{MAX_JSON_BYTES.env}='1.5' is not a positive integer"
+    ]
+    assert number_problems({BODY_IDLE_TIMEOUT_S.env: "1.5"}) == []
+
+
+def test_the_readers_read_the_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_ext.collective_link import collective_timeout_s
+    from sglang_ext.engine_state import BodyLimits
+
+    monkeypatch.setenv(BODY_IDLE_TIMEOUT_S.env, "5")
+    monkeypatch.setenv(MAX_JSON_BYTES.env, "1024")
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_S.env, "12.5")
+    limits = BodyLimits.from_env()
+    assert limits.idle_timeout_s == 5.0 and limits.max_json_bytes == 1024
+    assert limits.total_timeout_s == BODY_TIMEOUT_S.default
+    assert collective_timeout_s() == 12.5
+
+
+def test_a_malformed_number_refuses_the_start_when_the_plugin_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: ``BodyLimits.from_env`` raised ValueError inside the first EngineState built, and a
+    malformed collective timeout failed the first group's connect (a 500), not the start."""
+    monkeypatch.setattr(plugin, "refuse_to_start", _refuse)
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_S.env, "30s")
+    monkeypatch.setenv(PLUGIN_SWITCH_ENV, "0")
+    plugin.register()  # off: nothing of the plugin reads it
+    monkeypatch.setenv(PLUGIN_SWITCH_ENV, "1")
+    with pytest.raises(Refused, match=COLLECTIVE_TIMEOUT_S.env):
         plugin.register()
