@@ -116,9 +116,19 @@ class LoraVersionError(Exception):
         self.message = message
         self.details = details
 
-    # Exceptions cross process boundaries (Ray actor, multiprocessing): keep them picklable.
+    # The one factory of every encoding an error crosses a boundary in: JSON bodies (HTTP),
+    # the registry actor's envelopes (Ray) and pickles (multiprocessing). Each encodes parts()
+    # and rebuilds through from_parts(), so a field added here travels everywhere.
+    def parts(self) -> tuple[str, str, dict[str, Any]]:
+        return (self.code.value, self.message, dict(self.details))
+
+    @classmethod
+    def from_parts(cls, code: str, message: str, details: dict[str, Any]) -> LoraVersionError:
+        """Raises ValueError for a code that is not ours (the caller decides what that means)."""
+        return cls(ErrorCode(code), message, **details)
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_error, (self.code.value, self.message, self.details))
+        return (LoraVersionError.from_parts, self.parts())
 
     @property
     def http_status(self) -> int:
@@ -130,7 +140,8 @@ class LoraVersionError(Exception):
         return RETRY_AFTER_S.get(self.code)
 
     def to_body(self) -> dict[str, Any]:
-        return {"error": {"code": self.code.value, "message": self.message, **self.details}}
+        code, message, details = self.parts()
+        return {"error": {"code": code, "message": message, **details}}
 
     @classmethod
     def from_body(cls, body: Any) -> LoraVersionError | None:
@@ -138,13 +149,8 @@ class LoraVersionError(Exception):
         if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
             return None
         err = dict(body["error"])
+        code, message = err.pop("code", None), str(err.pop("message", ""))
         try:
-            code = ErrorCode(err.pop("code"))
-        except (KeyError, ValueError):
+            return cls.from_parts(code, message, err)
+        except ValueError:
             return None
-        message = str(err.pop("message", ""))
-        return cls(code, message, **err)
-
-
-def _rebuild_error(code: str, message: str, details: dict[str, Any]) -> LoraVersionError:
-    return LoraVersionError(ErrorCode(code), message, **details)

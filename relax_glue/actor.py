@@ -79,13 +79,13 @@ def actor_name(epoch: str | int) -> str:
 
 
 def _refused(exc: LoraVersionError) -> Envelope:
-    return ("err", exc.code.value, exc.message, exc.details)
+    return ("err", *exc.parts())
 
 
 def _call_envelope(registry: Any, op: str, kwargs: dict[str, Any]) -> Envelope:
     """Run one registry call; a refusal travels back as data, not as a Ray task error."""
     if op not in _ALLOWED:
-        return ("err", ErrorCode.INVALID_REQUEST.value, f"{op!r} is not a registry operation", {})
+        return _refused(LoraVersionError(ErrorCode.INVALID_REQUEST, f"{op!r} is not a registry operation"))
     kwargs = stamp_now(op, kwargs)  # the host's clock, once, before the (journaled) call
     try:
         return ("ok", getattr(registry, op)(**kwargs))
@@ -108,7 +108,7 @@ def _unwrap(envelope: Envelope) -> Any:
     if envelope[0] == "ok":
         return envelope[1]
     _, code, message, details = envelope
-    raise LoraVersionError(ErrorCode(code), message, **details)
+    raise LoraVersionError.from_parts(code, message, details)
 
 
 class RegistryActor:
