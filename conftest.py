@@ -11,14 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from lora_versions_dev.farm import SpareEngine
 from lora_versions_dev.fixtures import Fixtures, ensure_fixtures
 
 REPO = Path(__file__).resolve().parent
 RUNS = REPO / ".runs" / "tests"
-# E1 runs through the acceptance suite's step-fence probe: at each physical unload it logs what
-# the fence would decide (gpu_tests/engine_wrappers/step_fence_probe.py), which the RFC 7.3 test
-# reads when the acceptance suite runs on the farm (CPU).
-E1_PROBE_LAUNCHER = REPO / "gpu_tests" / "engine_wrappers" / "sglang_with_step_fence_probe.py"
+# E1 runs with every scheduler probe (tests/engine_wrappers/sglang_with_scheduler_probes.py):
+# the acceptance suite's step-fence probe (read by the RFC 7.3 test when that suite runs on the
+# farm, on CPU), the fence-reader probe and the marked-rid scheduler 500s. Each adds only log
+# lines or fails only the rids marked for it, so the tests that need them share E1 rather than
+# starting an engine each.
+E1_PROBE_LAUNCHER = REPO / "tests" / "engine_wrappers" / "sglang_with_scheduler_probes.py"
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +50,14 @@ def engine_farm(fixtures: Fixtures, run_dir: Path) -> Iterator[dict]:
         (run_dir / "engine_start.json").write_text(json.dumps(timing, indent=2))
         print(f"\n[engines] started in parallel: {timing}")
         yield {e.name: e for e in engines}
+
+
+@pytest.fixture(scope="session")
+def spare_engine(fixtures: Fixtures, run_dir: Path) -> Iterator[SpareEngine]:
+    """One plugin engine that the restart tests of several modules stop, kill and start again
+    (lora_versions_dev.farm.SpareEngine): spawned at its first use, shared by the session."""
+    spare = SpareEngine(fixtures, run_dir)
+    try:
+        yield spare
+    finally:
+        spare.stop()

@@ -74,6 +74,62 @@ DRAIN_TOKENS = 1200
 _UNLOAD_RE = re.compile(rf"{UNLOAD_LOG_LINE}: .*?lora_id='?([0-9a-f]+)")
 
 
+class ChaosEngines:
+    """The cohort's engines (plugin on, control behind one admin key), for one campaign or for
+    several in turn (the test runs its short campaigns on one pair): every incarnation of each
+    engine has its own log, which the campaigns' unload checks read."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out = out_dir
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.admin_key = secrets.token_hex(16)
+        self.engines: dict[str, Any] = {}
+        self.logs: dict[str, list[Path]] = {e: [] for e in COHORT}
+
+    def spec(self, name: str, port: int | None) -> Any:
+        from lora_versions_dev.fixtures import ensure_fixtures
+        from lora_versions_dev.launcher import EngineSpec
+
+        log = self.out / f"{name}.{len(self.logs[name])}.log"
+        self.logs[name].append(log)
+        return EngineSpec(
+            name=name,
+            model_path=ensure_fixtures().model_dir,
+            log_path=log,
+            extra_args=["--admin-api-key", self.admin_key],
+            port=port,
+        )
+
+    def start(self) -> None:
+        from lora_versions_dev.launcher import start_engines
+
+        if not self.engines:
+            for e in start_engines([self.spec(n, None) for n in COHORT]):
+                self.engines[e.name] = e
+
+    def stop(self) -> None:
+        from lora_versions_dev.launcher import stop_engine
+
+        for e in self.engines.values():
+            stop_engine(e)
+        self.engines.clear()
+
+    async def purge(self) -> None:
+        """Remove every managed version an earlier campaign left on the engines, through their
+        own protocol (a later campaign starts with its capacity free)."""
+        from lora_versions_dev.teardown import purge
+        from relax_glue.engine_client import EngineClient
+
+        clients = {n: EngineClient(n, e.url, admin_key=self.admin_key) for n, e in self.engines.items()}
+        try:
+            left = await purge(clients, marker="")
+        finally:
+            for c in clients.values():
+                await c.aclose()
+        if left:
+            raise RuntimeError(f"an earlier campaign's versions could not be removed: {left}")
+
+
 def _greedy(n: int) -> dict[str, Any]:
     return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
 
@@ -93,6 +149,9 @@ class ChaosConfig:
     # "collective": the buckets go over each engine's gloo group (relax_glue.collective_sender),
     # so the engine kills meet a broadcast and a group that a restart made unusable
     transport: str = "http"
+    # engines shared with other campaigns (started when needed, purged first, left running);
+    # None: the campaign starts its own and stops them at the end
+    engines: ChaosEngines | None = None
 
 
 @dataclasses.dataclass
@@ -122,11 +181,12 @@ class Campaign:
         self.rng = random.Random(cfg.seed)
         self.out = cfg.out_dir
         self.out.mkdir(parents=True, exist_ok=True)
-        self.admin_key = secrets.token_hex(16)
+        self.pool = cfg.engines if cfg.engines is not None else ChaosEngines(self.out)
+        self.owns_engines = cfg.engines is None
+        self.admin_key = self.pool.admin_key
         self.epoch = f"chaos{cfg.seed}x{secrets.token_hex(3)}"
-        self.engines: dict[str, Any] = {}
-        self.specs: dict[str, Any] = {}
-        self.incarnation_logs: dict[str, list[Path]] = {e: [] for e in COHORT}
+        self.engines = self.pool.engines
+        self.first_log: dict[str, int] = {}  # per engine: its first incarnation in this campaign
         self.restarting: dict[str, asyncio.Task[Any]] = {}
         self.turns: list[TurnRecord] = []
         self.faults: list[FaultRecord] = []
@@ -144,32 +204,27 @@ class Campaign:
 
     # ------------------------------------------------------------------------ engines
 
-    def _spec(self, name: str, port: int | None) -> Any:
-        from lora_versions_dev.launcher import EngineSpec
+    @property
+    def incarnation_logs(self) -> dict[str, list[Path]]:
+        """The logs of the incarnations this campaign used, per engine (earlier campaigns' not)."""
+        return {n: logs[self.first_log.get(n, 0) :] for n, logs in self.pool.logs.items()}
 
-        log = self.out / f"{name}.{len(self.incarnation_logs[name])}.log"
-        self.incarnation_logs[name].append(log)
-        return EngineSpec(
-            name=name,
-            model_path=self.fx.model_dir,
-            log_path=log,
-            extra_args=["--admin-api-key", self.admin_key],
-            port=port,
-        )
+    def _spec(self, name: str, port: int | None) -> Any:
+        return self.pool.spec(name, port)
 
     def start_engines(self) -> None:
         from lora_versions_dev.fixtures import ensure_fixtures
-        from lora_versions_dev.launcher import start_engines
 
         self.fx = ensure_fixtures()
-        for e in start_engines([self._spec(n, None) for n in COHORT]):
-            self.engines[e.name] = e
+        reused = bool(self.pool.engines)
+        self.pool.start()
+        if reused:
+            asyncio.run(self.pool.purge())
+        self.first_log = {n: len(logs) - 1 for n, logs in self.pool.logs.items()}
 
     def stop_engines(self) -> None:
-        from lora_versions_dev.launcher import stop_engine
-
-        for e in self.engines.values():
-            stop_engine(e)
+        if self.owns_engines:
+            self.pool.stop()
 
     async def kill_engine(self, name: str) -> None:
         """SIGKILL the engine's whole process group now, start it again in the background."""
@@ -607,6 +662,8 @@ class Campaign:
             log = self.incarnation_logs[name][-1]
             ids = collections.Counter(_UNLOAD_RE.findall(log.read_text(errors="replace")))
             for v in status.versions:
+                if self.epoch not in v.lora_name:
+                    continue  # an earlier campaign's, on shared engines (its own check read it)
                 if v.state is EngineVersionState.UNLOADED and v.lora_id and ids.get(v.lora_id, 0) != 1:
                     missing.append(
                         f"{name}: {v.lora_name} ({v.lora_id}) unloaded {ids.get(v.lora_id, 0)} times"

@@ -58,7 +58,9 @@ LOG_TAIL_LINES = 40
 
 
 class EngineStartError(RuntimeError):
-    pass
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code  # the engine's own, when it exited during start-up
 
 
 @dataclass
@@ -159,7 +161,8 @@ class Engine:
                 if not self.alive():
                     raise EngineStartError(
                         f"engine {self.name} exited with code {self.proc.returncode} during start-up; "
-                        f"last lines of {self.log_path}:\n{self.log_tail()}"
+                        f"last lines of {self.log_path}:\n{self.log_tail()}",
+                        exit_code=self.proc.returncode,
                     )
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{self.url}/health").status_code == 200:
@@ -360,3 +363,38 @@ class _LiveEngines:
 _LIVE = _LiveEngines()
 
 atexit.register(_LIVE.stop_all)
+
+
+def refused_launches(specs: Sequence[EngineSpec], timeout_s: float = 120.0) -> dict[str, int | None]:
+    """Launch each spec, expecting the plugin to refuse it at start, in one process that imports
+    SGLang once and forks a launch per spec (``lora_versions_dev.forked_launches``). Specs must
+    differ only in their flags (same environment, no wrapper). Returns each spec's exit code by
+    name (None: it was still starting at ``timeout_s``, and was killed)."""
+    import json
+    import tempfile
+
+    assert specs and all(s.command_prefix is None for s in specs), "a wrapper needs its own process"
+    envs = [build_env(s) for s in specs]
+    assert all(e == envs[0] for e in envs), "forked launches share one environment"
+    launches = []
+    for s in specs:
+        argv = build_command(s, s.port or free_port())[3:]  # after `python -m sglang.launch_server`
+        s.log_path.parent.mkdir(parents=True, exist_ok=True)
+        launches.append({"argv": argv, "log": str(s.log_path), "timeout_s": timeout_s})
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(launches, f)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "lora_versions_dev.forked_launches", f.name],
+            env=envs[0],
+            capture_output=True,
+            text=True,
+            timeout=60 + len(specs) * (timeout_s + 10),
+            start_new_session=True,
+        )
+    finally:
+        os.unlink(f.name)
+    if out.returncode != 0:
+        raise EngineStartError(f"the forked launcher failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    codes = {r["log"]: r["exit_code"] for r in map(json.loads, out.stdout.splitlines())}
+    return {s.name: codes[str(s.log_path)] for s in specs}

@@ -51,6 +51,12 @@ def engine_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(base if base is not None else os.environ)
     env[SWITCH_ENV] = "1"
     env["SGLANG_USE_CPU_ENGINE"] = "1"
+    # SGLang's crash handler sleeps 5 s "to let GPU activity settle" before its py-spy and CUDA
+    # core dumps whenever a child process ends first, which is what every stop of a test engine
+    # looks like (its process group gets SIGTERM): 5 s per stop, and then nothing to dump (the
+    # scheduler is gone; a CPU engine has no GPU). Upstream switches (0.5.23, srt/environ.py).
+    env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+    env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
     parts = [str(SHIM_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(parts)
     return env

@@ -12,7 +12,13 @@ from _engine_helpers import ADMIN
 
 from lora_versions_dev import reference
 from lora_versions_dev.farm import PROMPT
-from lora_versions_dev.launcher import LORA_FLAGS, EngineSpec, EngineStartError, start_engine
+from lora_versions_dev.launcher import (
+    LORA_FLAGS,
+    EngineSpec,
+    EngineStartError,
+    refused_launches,
+    start_engine,
+)
 from sglang_ext.plugin_log import REFUSED_EXIT_CODE
 
 pytestmark = pytest.mark.engine
@@ -210,33 +216,46 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def refused_starts(fixtures, run_dir) -> dict:
-    """Every refused setup, started two at a time (each fails within ~20-30 s)."""
+    """Every refused setup: (the exit code, the spec). The setups that differ only in their flags
+    are launched by one process that imports SGLang once and forks each launch
+    (``launcher.refused_launches``: the child runs ``sglang.launch_server`` as ``__main__``, as the
+    command line does); a setup that needs a wrapper of its own is a process of its own."""
 
-    def attempt(case: str):
+    def spec(case: str) -> EngineSpec:
         overrides, _ = REFUSED[case]
-        spec = EngineSpec(
+        return EngineSpec(
             name=f"refused-{case}",
             model_path=fixtures.model_dir,
             log_path=run_dir / f"refused-{case}.log",
             startup_timeout_s=180,
             **overrides,
         )
-        try:
-            engine = start_engine(spec)
-        except EngineStartError as exc:
-            return case, exc, spec
-        engine.stop()
-        return case, None, spec
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return {case: (exc, spec) for case, exc, spec in pool.map(attempt, REFUSED)}
+    def own_process(case: str) -> tuple[str, int | None]:
+        try:
+            engine = start_engine(spec(case))
+        except EngineStartError as exc:
+            engine = None
+            code = exc.exit_code
+        if engine is not None:
+            engine.stop()
+            return case, None
+        return case, code
+
+    wrapped = [c for c in REFUSED if "command_prefix" in REFUSED[c][0]]
+    flags_only = [c for c in REFUSED if c not in wrapped]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        own = pool.map(own_process, wrapped)  # beside the forked launches: two at a time
+        forked = refused_launches([spec(c) for c in flags_only])
+        codes = dict(own) | {c: forked[f"refused-{c}"] for c in flags_only}
+    return {case: (codes[case], spec(case)) for case in REFUSED}
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_refused_setup_exits_nonzero_with_clear_message(refused_starts, case):
-    exc, spec = refused_starts[case]
-    assert exc is not None, f"{case}: the engine started but must be refused"
-    assert f"exited with code {REFUSED_EXIT_CODE}" in str(exc)
+    code, spec = refused_starts[case]
+    assert code is not None, f"{case}: the engine started but must be refused"
+    assert code == REFUSED_EXIT_CODE, f"{case}: exited with {code}"
     log = spec.log_path.read_text()
     assert "[lora-versions] REFUSED TO START" in log
     assert REFUSED[case][1] in log

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _engine_helpers import Published, generate, in_flight, snapshot_of, wait_in_flight
+from _engine_helpers import ADMIN, Published, generate, in_flight, snapshot_of, wait_in_flight
 
 from lora_versions_dev.farm import PROMPT
-from lora_versions_dev.launcher import EngineSpec, running_engines
 from relax_glue.engine_client import EngineClient, OutcomeUnknown
 
 pytestmark = pytest.mark.engine
@@ -31,15 +30,10 @@ from scheduler_500_faults import AT_ADMISSION, LOG_LINE, MID_DECODE  # noqa: E40
 
 
 @pytest.fixture(scope="module")
-def faulty_engine(fixtures, run_dir):
-    spec = EngineSpec(
-        name="scheduler-500",
-        model_path=fixtures.model_dir,
-        log_path=run_dir / "scheduler-500.log",
-        command_prefix=[sys.executable, str(WRAPPERS / "sglang_with_scheduler_500s.py")],
-    )
-    with running_engines([spec]) as (engine,):
-        yield engine
+def faulty_engine(engines):
+    """The farm's E1: it runs with this module's probe in its scheduler process (the farm's
+    E1 wrapper, tests/engine_wrappers/sglang_with_scheduler_probes.py)."""
+    return engines[1]
 
 
 def injected(engine, rid: str) -> bool:
@@ -91,7 +85,7 @@ def test_scheduler_500s_release_the_native_count_exactly_once(faulty_engine, fix
 
     # Later messages for those rids (an abort after the 500) release nothing more.
     for rid in (admit, decode, streamed):
-        assert httpx.post(f"{url}/abort_request", json={"rid": rid}, timeout=10).status_code == 200
+        assert httpx.post(f"{url}/abort_request", json={"rid": rid}, headers=ADMIN, timeout=10).status_code == 200
     ok = generate(url, PROMPT, a.name, max_new_tokens=8)
     assert ok.status_code == 200, ok.text  # the version keeps serving exactly
     assert in_flight(url, a.name) == 0  # not -1

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _engine_helpers import Published, generate, in_flight, snapshot_of, wait_in_flight
+from _engine_helpers import ADMIN, Published, generate, in_flight, snapshot_of, wait_in_flight
 
 from lora_versions_dev.engine_log import fence_records, log_records
 from lora_versions_dev.farm import PROMPT
-from lora_versions_dev.launcher import EngineSpec, running_engines
 
 pytestmark = pytest.mark.engine
 
@@ -33,15 +32,10 @@ from fence_reader_probe import LOG_LINE  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def probed_engine(fixtures, run_dir):
-    spec = EngineSpec(
-        name="fence-reader",
-        model_path=fixtures.model_dir,
-        log_path=run_dir / "fence-reader.log",
-        command_prefix=[sys.executable, str(WRAPPERS / "sglang_with_fence_reader_probe.py")],
-    )
-    with running_engines([spec]) as (engine,):
-        yield engine
+def probed_engine(engines):
+    """The farm's E1: it runs with this module's probe in its scheduler process (the farm's
+    E1 wrapper, tests/engine_wrappers/sglang_with_scheduler_probes.py)."""
+    return engines[1]
 
 
 def readings(engine, lora_id: str) -> list[tuple[str, str, str, str]]:
@@ -100,7 +94,7 @@ def test_an_unload_while_another_version_decodes_reads_that_batch(probed_engine,
         got = [(f["overlap"], f["launched"], f["on_adapter"], f["waited"], f["fence_passed"]) for f in fences]
         assert got == [("False", "1", "0", "0", "True")], fences
     finally:
-        httpx.post(f"{url}/abort_request", json={"rid": rid}, timeout=10)
+        httpx.post(f"{url}/abort_request", json={"rid": rid}, headers=ADMIN, timeout=10)
         long_b.join(timeout=120)
     wait_in_flight(url, b.name, 0)
     assert results["b"].json()["meta_info"]["finish_reason"]["type"] == "abort"

@@ -1,4 +1,6 @@
-"""The short seeded form of the chaos campaign (issue 9) on two real engines of its own.
+"""The short seeded form of the chaos campaign (issue 9) on two real engines of its own, shared
+by the module's two campaigns (each restarts them as its faults say; the second starts with what
+the first left purged through the engines' protocol, and checks only its own versions).
 
 The long run is ``bench/chaos.py`` (30+ faults); this one injects one fault of each family --
 an engine SIGKILLed between READY and commit, an engine SIGKILLed mid reclaim drain, one dropped
@@ -10,11 +12,20 @@ from __future__ import annotations
 
 import pytest
 
-from lora_versions_demo.chaos import ChaosConfig, print_report, run_campaign
+from lora_versions_demo.chaos import ChaosConfig, ChaosEngines, print_report, run_campaign
 
 pytestmark = pytest.mark.engine
 
 SHORT_KINDS = ("kill_before_commit", "drop_reply", "kill_registry", "kill_reclaim_drain")
+
+
+@pytest.fixture(scope="module")
+def chaos_engines(run_dir):
+    pool = ChaosEngines(run_dir / "chaos-engines")
+    try:
+        yield pool
+    finally:
+        pool.stop()
 
 
 def assert_each_family_injected_once(report: dict, kinds: tuple[str, ...]) -> None:
@@ -27,9 +38,14 @@ def assert_each_family_injected_once(report: dict, kinds: tuple[str, ...]) -> No
     assert report["faults_injected"] == report["faults_survived"] == len(kinds)
 
 
-def test_short_seeded_chaos_campaign_keeps_every_invariant(run_dir) -> None:
+def test_short_seeded_chaos_campaign_keeps_every_invariant(run_dir, chaos_engines) -> None:
     cfg = ChaosConfig(
-        seed=9, faults=len(SHORT_KINDS), kinds=SHORT_KINDS, max_s=1200.0, out_dir=run_dir / "chaos"
+        seed=9,
+        faults=len(SHORT_KINDS),
+        kinds=SHORT_KINDS,
+        max_s=1200.0,
+        out_dir=run_dir / "chaos",
+        engines=chaos_engines,
     )
     report = run_campaign(cfg)
     print_report(report)
@@ -45,7 +61,7 @@ def test_short_seeded_chaos_campaign_keeps_every_invariant(run_dir) -> None:
 COLLECTIVE_KINDS = ("kill_buckets", "kill_before_commit")
 
 
-def test_short_seeded_chaos_over_the_collective_transport(run_dir) -> None:
+def test_short_seeded_chaos_over_the_collective_transport(run_dir, chaos_engines) -> None:
     """The same invariants with the buckets broadcast over each engine's gloo group: an engine
     SIGKILLed while its buckets are on the wire, and one restarted between READY and commit
     (its new incarnation has no group: the trainer connects a new one when it stages again)."""
@@ -56,6 +72,7 @@ def test_short_seeded_chaos_over_the_collective_transport(run_dir) -> None:
         max_s=1200.0,
         out_dir=run_dir / "chaos-collective",
         transport="collective",
+        engines=chaos_engines,
     )
     report = run_campaign(cfg)
     print_report(report)

@@ -17,7 +17,6 @@ import statistics
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 from _e2e_helpers import (
@@ -48,7 +47,6 @@ from _optional import optional_module
 from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_versions_dev.engine_log import await_unload_lines, unload_lines
-from lora_versions_dev.farm import ADMIN_KEY
 from lora_versions_dev.fault_injection import FaultInjectingClient
 from relax_glue.publisher import PublishOutcome
 from relax_glue.registry_types import AttemptPhase, VersionState
@@ -617,32 +615,12 @@ RESTART_TESTS = {
 }
 
 
-def _spare_spec(fixtures: Any, run_dir: Path, port: int | None = None, tag: str = "") -> Any:
-    from lora_versions_dev.launcher import EngineSpec
-
-    return EngineSpec(
-        name="E2",
-        model_path=fixtures.model_dir,
-        log_path=run_dir / f"E2{tag}.log",
-        extra_args=["--admin-api-key", ADMIN_KEY],
-        port=port,
-    )
-
-
 @pytest.fixture(scope="module", autouse=True)
-def spare_engine(request, engines, fixtures, run_dir):
-    """A third plugin-on engine for the restart test, spawned as soon as E0/E1 are up so that it
-    boots while the other tests run (only when the restart test is selected)."""
-    from lora_versions_dev.launcher import spawn_engine, stop_engine
-
-    if not any(item.name in RESTART_TESTS for item in request.session.items):
-        yield None
-        return
-    holder = {"engine": spawn_engine(_spare_spec(fixtures, run_dir))}
-    try:
-        yield holder
-    finally:
-        stop_engine(holder["engine"])
+def _spare_boots_early(request):
+    """The session's spare engine (conftest.py), spawned as soon as this module starts so that
+    it boots while the other tests run (only when a restart test is selected)."""
+    if any(item.name in RESTART_TESTS for item in request.session.items):
+        request.getfixturevalue("spare_engine")
 
 
 async def test_a_cohort_of_three_engines_publishes_serves_and_reclaims(
@@ -651,8 +629,7 @@ async def test_a_cohort_of_three_engines_publishes_serves_and_reclaims(
     """N engines, N = 3: A and B are staged on E0, E1 and E2 and committed only when all three
     are READY; C is refused at capacity; the A sessions spread over the three engines stay on A
     and equal the baselines; once they close, A is reclaimed with one unload per engine."""
-    e2 = spare_engine["engine"]
-    await asyncio.to_thread(e2.wait_healthy, 300.0)
+    e2 = await asyncio.to_thread(spare_engine.take)
     cohort = ("E0", "E1", "E2")
     async with World((*engines, e2), stock_engine, fixtures, cohort=cohort) as w:
         res_a = await w.publish(snaps, "A")
@@ -687,8 +664,7 @@ async def test_engine_restart_between_ready_and_commit_is_not_committed_until_re
     STALE_INCARNATION) until E2 is READY again in its new incarnation, then it commits."""
     from lora_versions_dev.launcher import start_engine, stop_engine
 
-    e2 = spare_engine["engine"]
-    await asyncio.to_thread(e2.wait_healthy, 300.0)
+    e2 = await asyncio.to_thread(spare_engine.take)
     async with World((engines[0], e2), stock_engine, fixtures, cohort=("E0", "E2")) as w:
         assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED
         name_a = w.name_of["A"]
@@ -711,8 +687,8 @@ async def test_engine_restart_between_ready_and_commit_is_not_committed_until_re
         # E2 restarts on the same port: a new incarnation that holds nothing
         await asyncio.to_thread(stop_engine, e2)
         t0 = time.monotonic()
-        e2 = await asyncio.to_thread(start_engine, _spare_spec(fixtures, run_dir, e2.port, "-restarted"))
-        spare_engine["engine"] = e2  # the fixture stops whichever process runs now
+        e2 = await asyncio.to_thread(start_engine, spare_engine.spec(e2.port, "-restarted"))
+        spare_engine.engine = e2  # the fixture stops whichever process runs now
         restart_s = time.monotonic() - t0
         new_inc = (await w.clients["E2"].status()).incarnation
         assert new_inc != old_inc and not await engine_versions(w.clients["E2"], w.marker)
@@ -780,8 +756,7 @@ async def test_engine_killed_between_ready_and_commit_blocks_the_commit_until_it
 
     from lora_versions_dev.launcher import spawn_engine
 
-    e2 = spare_engine["engine"]
-    await asyncio.to_thread(e2.wait_healthy, 300.0)
+    e2 = await asyncio.to_thread(spare_engine.take)
     async with World((engines[0], e2), stock_engine, fixtures, cohort=("E0", "E2")) as w:
         assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED
         name_a = w.name_of["A"]
@@ -805,8 +780,8 @@ async def test_engine_killed_between_ready_and_commit_blocks_the_commit_until_it
         assert (await w.version("B")).attempt_phases["E2"] is AttemptPhase.UNKNOWN
 
         e2w.on("status", None)
-        e2 = await asyncio.to_thread(spawn_engine, _spare_spec(fixtures, run_dir, e2.port, "-killed"))
-        spare_engine["engine"] = e2  # the fixture stops whichever process runs now
+        e2 = await asyncio.to_thread(spawn_engine, spare_engine.spec(e2.port, "-killed"))
+        spare_engine.engine = e2  # the fixture stops whichever process runs now
         booting = await w.pub.resolve()  # E2 is still booting: still nothing to commit on
         assert booting is not None and booting.outcome is PublishOutcome.OUTCOME_UNKNOWN, booting
         assert (await w.status()).default_lora_name == name_a
@@ -841,8 +816,7 @@ async def test_engine_killed_after_commit_serves_its_sessions_exact_versions_aga
     from lora_versions_dev.reference import greedy_tokens
     from relax_glue.snapshot_store import SnapshotStore
 
-    e2 = spare_engine["engine"]
-    await asyncio.to_thread(e2.wait_healthy, 300.0)
+    e2 = await asyncio.to_thread(spare_engine.take)
     store = SnapshotStore(tmp_path / "snapshots")
     async with World((engines[0], e2), stock_engine, fixtures, cohort=("E0", "E2"), store=store) as w:
         reconciles: list[tuple[str, str]] = []
@@ -870,8 +844,8 @@ async def test_engine_killed_after_commit_serves_its_sessions_exact_versions_aga
 
         os.killpg(e2.proc.pid, signal.SIGKILL)  # the whole engine, no goodbye
         await asyncio.to_thread(e2.proc.wait, 60)
-        e2 = await asyncio.to_thread(spawn_engine, _spare_spec(fixtures, run_dir, e2.port, "-after-commit"))
-        spare_engine["engine"] = e2  # the fixture stops whichever process runs now
+        e2 = await asyncio.to_thread(spawn_engine, spare_engine.spec(e2.port, "-after-commit"))
+        spare_engine.engine = e2  # the fixture stops whichever process runs now
         await asyncio.to_thread(e2.wait_healthy, 300.0)
         new_inc = (await w.clients["E2"].status()).incarnation
         assert new_inc != old_inc and not await engine_versions(w.clients["E2"], w.marker)

@@ -54,26 +54,12 @@ async def close_quickstart(ns: dict[str, Any], marker: str) -> dict:
     return left
 
 
-@pytest.fixture(scope="module")
-def restartable_engine(engines, fixtures, run_dir):
-    """A plugin engine of the cohort's model that the restart test may SIGKILL: spawned when the
-    module starts, so it boots while the first test runs."""
-    from lora_versions_dev.launcher import EngineSpec, spawn_engine, stop_engine
-
-    def spec(port: int | None = None, tag: str = "") -> EngineSpec:
-        return EngineSpec(
-            name="EQ",
-            model_path=fixtures.model_dir,
-            log_path=run_dir / f"EQ{tag}.log",
-            extra_args=["--admin-api-key", ADMIN_KEY],
-            port=port,
-        )
-
-    holder = {"engine": spawn_engine(spec()), "spec": spec}
-    try:
-        yield holder
-    finally:
-        stop_engine(holder["engine"])
+@pytest.fixture(scope="module", autouse=True)
+def _spare_boots_early(request):
+    """The session's spare engine (conftest.py), the one the restart test SIGKILLs: spawned when
+    this module starts (if it is not up already), so it boots while the first test runs."""
+    if any(item.name == RESTART_TEST for item in request.session.items):
+        request.getfixturevalue("spare_engine")
 
 
 async def test_the_readme_quickstart_runs_as_written(engines, fixtures, monkeypatch, tmp_path) -> None:
@@ -112,13 +98,15 @@ async def test_the_readme_quickstart_runs_as_written(engines, fixtures, monkeypa
         assert not any(left.values()), left
 
 
+RESTART_TEST = "test_the_quickstart_survives_a_worker_killed_mid_episode_and_an_engine_restart"
+
+
 async def test_the_quickstart_survives_a_worker_killed_mid_episode_and_an_engine_restart(
-    engines, fixtures, monkeypatch, tmp_path, restartable_engine
+    engines, fixtures, monkeypatch, tmp_path, spare_engine
 ) -> None:
     from lora_versions_dev.launcher import spawn_engine
 
-    eq = restartable_engine["engine"]
-    await asyncio.to_thread(eq.wait_healthy, 300.0)
+    eq = await asyncio.to_thread(spare_engine.take)
     epoch = f"qs{uuid.uuid4().hex[:6]}"
     env = quickstart_env(monkeypatch, {"E0": engines[0], "EQ": eq}, tmp_path, epoch)
 
@@ -148,8 +136,8 @@ async def test_the_quickstart_survives_a_worker_killed_mid_episode_and_an_engine
     # 2. An engine of the cohort is SIGKILLed and started again on its port: it holds nothing.
     os.killpg(eq.proc.pid, signal.SIGKILL)
     await asyncio.to_thread(eq.proc.wait, 60)
-    eq = await asyncio.to_thread(spawn_engine, restartable_engine["spec"](eq.port, "-restarted"))
-    restartable_engine["engine"] = eq  # the fixture stops whichever process runs now
+    eq = await asyncio.to_thread(spawn_engine, spare_engine.spec(eq.port, "-restarted"))
+    spare_engine.engine = eq  # the fixture stops whichever process runs now
     await asyncio.to_thread(eq.wait_healthy, 300.0)
 
     # 3. The quickstart starts again (the same epoch and state directory): registry, store and

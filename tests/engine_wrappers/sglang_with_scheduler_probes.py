@@ -1,0 +1,38 @@
+"""Run SGLang's HTTP server (plugin on) with every scheduler probe the shared farm's E1 carries
+(``conftest.py``), each installed inside the scheduler process (see
+``lora_versions_dev.scheduler_wrapper``):
+
+- ``step_fence_probe`` (the acceptance suite's): a log line at every physical unload;
+- ``fence_reader_probe``: a log line whenever the fence's reading of the live batches changes;
+- ``scheduler_500_faults``: SGLang's own 500 paths, taken only for rids with a marker suffix.
+
+Each only adds log lines or fails only the calls marked for it, so every other test can share
+the engine; the tests that read them run on E1 instead of on an engine of their own.
+"""
+
+import sys
+from pathlib import Path
+from typing import Any
+
+# The acceptance suite's probe lives beside its own wrapper; spawn passes sys.path to the
+# scheduler process, which unpickles the function below by module name.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gpu_tests" / "engine_wrappers"))
+
+import fence_reader_probe
+import scheduler_500_faults
+import step_fence_probe
+
+from lora_versions_dev.scheduler_wrapper import launch_http_server_with
+
+
+def run_scheduler_process_with_probes(*args: Any, **kwargs: Any) -> Any:
+    from sglang.srt.managers.scheduler import run_scheduler_process
+
+    step_fence_probe.install()
+    fence_reader_probe.install()
+    scheduler_500_faults.install()
+    return run_scheduler_process(*args, **kwargs)
+
+
+if __name__ == "__main__":
+    launch_http_server_with(run_scheduler_process_with_probes)
