@@ -56,6 +56,9 @@ class ErrorCode(StrEnum):
     VERSION_IN_USE = "VERSION_IN_USE"  # reclaim refused: still the default or session refs > 0
     SESSION_CLOSED = "SESSION_CLOSED"
     SESSION_EXPIRED = "SESSION_EXPIRED"  # its lease ran out: closed by the reaper, never rebinds
+    # a restarted registry found no database (missing or empty) where its state must be: it
+    # refuses every call rather than serve an empty registry under the epoch's name
+    REGISTRY_STATE_LOST = "REGISTRY_STATE_LOST"
     # guards
     MANAGED_ADAPTER = "MANAGED_ADAPTER"
     FORBIDDEN_FIELD = "FORBIDDEN_FIELD"
@@ -94,6 +97,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.VERSION_IN_USE: 409,
     ErrorCode.SESSION_CLOSED: 409,
     ErrorCode.SESSION_EXPIRED: 409,
+    ErrorCode.REGISTRY_STATE_LOST: 503,
     ErrorCode.MANAGED_ADAPTER: 409,
     ErrorCode.FORBIDDEN_FIELD: 400,
     ErrorCode.INVALID_REQUEST: 400,

@@ -41,7 +41,7 @@ from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.names import MANAGED_CAPACITY
 from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry, stamp_now
 from relax_glue.registry_ops import AsyncRegistryOps, RegistryOps
-from relax_glue.store import DurableRegistry, StoreError
+from relax_glue.store import DurableRegistry, StoreError, StoreMissingError
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -129,18 +129,30 @@ class RegistryActor:
         # The cohort the actor was opened with (an engine declared lost later leaves the
         # registry's cohort, not the identity this actor is started and found under).
         self._opened_with = tuple(engines)
-        self._registry: LoRAVersionRegistry | DurableRegistry
+        self._registry: LoRAVersionRegistry | DurableRegistry | None = None
+        self._refusal: LoraVersionError | None = None
         if db_path is None:
             self._registry = LoRAVersionRegistry(epoch, engines, capacity)
         else:
-            self._registry = DurableRegistry.open(db_path, epoch, engines, capacity, synchronous=synchronous)
+            # A restart (Ray re-runs __init__) must find the state it served: on a missing or
+            # empty database it refuses every call, naming the path, and never serves an empty
+            # registry under the epoch's name (nor crashes, which Ray would restart forever).
+            restarted = _was_restarted()
+            try:
+                self._registry = DurableRegistry.open(
+                    db_path, epoch, engines, capacity, synchronous=synchronous, must_exist=restarted
+                )
+            except StoreMissingError as exc:
+                self._refusal = LoraVersionError(ErrorCode.REGISTRY_STATE_LOST, str(exc), db_path=db_path)
         self.reaped = 0  # sessions closed by lease expiry in this process
-        if lease_reaper_s is not None:
+        if lease_reaper_s is not None and self._refusal is None:
             threading.Thread(
                 target=self._reap_forever, args=(float(lease_reaper_s),), name="lease-reaper", daemon=True
             ).start()
 
     def call(self, op: str, kwargs: dict[str, Any]) -> Envelope:
+        if self._refusal is not None:
+            return _refused(self._refusal)
         with self._lock:
             return _call_envelope(self._registry, op, kwargs)
 
@@ -154,19 +166,38 @@ class RegistryActor:
                 self.reaped += len(envelope[1])
 
     def describe(self) -> dict[str, Any]:
+        where = {
+            "db_path": self._db_path,
+            "pid": os.getpid(),
+            "node_id": _ray().get_runtime_context().get_node_id(),
+        }
         reg = self._registry
+        if reg is None:
+            assert self._refusal is not None
+            return {**where, "refused": self._refusal.parts()}
         return {
+            **where,
             "epoch": reg.epoch,
             "engines": self._opened_with,
             "cohort": tuple(reg.engines),
             "capacity": reg.capacity,
-            "db_path": self._db_path,
-            "pid": os.getpid(),
         }
 
     def close(self) -> None:
         if isinstance(self._registry, DurableRegistry):
             self._registry.close()
+
+
+def _was_restarted() -> bool:
+    """Whether Ray is re-running this actor's constructor after its process died."""
+    return bool(_ray().get_runtime_context().was_current_actor_reconstructed)
+
+
+def raise_if_refused(desc: dict[str, Any]) -> dict[str, Any]:
+    """An actor's description, or its refusal raised (a restart that lost its database)."""
+    if "refused" in desc:
+        raise LoraVersionError.from_parts(*desc["refused"])
+    return desc
 
 
 _REMOTE_CLASS: Any = None
@@ -190,16 +221,29 @@ def start_registry_actor(
     synchronous: str = "FULL",
     detached: bool = False,
     lease_reaper_s: float | None = None,
+    node_id: str | None = None,
 ) -> ActorHandle:
     """Get the epoch's registry actor, creating it if nobody has yet (``ray.init`` first).
 
     An existing actor of that name must serve the same epoch, cohort, capacity and database,
     or this raises :class:`StoreError` instead of quietly handing out another registry.
+
+    A durable actor is pinned to one node, the one that holds its database: ``node_id`` (a Ray
+    node id), by default the node of the process calling this (the trainer's). Ray restarts it
+    there and nowhere else (hard node affinity): on another node ``db_path`` would name another,
+    empty file. A restart that finds its database missing or empty refuses every call with
+    REGISTRY_STATE_LOST, naming the path.
     """
     ray = _ray()
     name = name or actor_name(epoch)
     path = os.fspath(db_path) if db_path is not None else None
     durable = path is not None
+    placement: dict[str, Any] = {}
+    if durable:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        home = node_id or ray.get_runtime_context().get_node_id()
+        placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=home, soft=False)
     handle = (
         _remote_class()
         .options(
@@ -211,11 +255,12 @@ def start_registry_actor(
             num_cpus=0,  # bookkeeping only; never takes a CPU slot from engines or trainers
             max_restarts=-1 if durable else 0,
             max_task_retries=0,
+            **placement,
         )
         .remote(epoch, list(engines), capacity, path, synchronous, lease_reaper_s)
     )
     try:
-        desc = ray.get(handle.describe.remote())
+        desc = raise_if_refused(ray.get(handle.describe.remote()))
     except ray.exceptions.RayActorError as exc:
         raise StoreError(f"registry actor {name!r} failed to start: {exc}") from exc
     expected = LoRAVersionRegistry(epoch, engines, capacity)
@@ -305,7 +350,7 @@ class RegistryClient(_Describe, RegistryOps):
 
     @classmethod
     def for_actor(cls, handle: Any) -> RegistryClient:
-        return cls(_RayBackend(handle), lambda: _ray().get(handle.describe.remote()))
+        return cls(_RayBackend(handle), lambda: raise_if_refused(_ray().get(handle.describe.remote())))
 
     def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
         return _unwrap(self._backend.call(op, kwargs))
@@ -391,7 +436,7 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
             return await handle.call.remote(op, kwargs)
 
         async def describe() -> dict[str, Any]:
-            return await handle.describe.remote()
+            return raise_if_refused(await handle.describe.remote())
 
         return cls(call, describe, **retry)
 

@@ -67,6 +67,7 @@ __all__ = [
     "StoreError",
     "StoreLockedError",
     "StoreMismatchError",
+    "StoreMissingError",
     "read_registry",
 ]
 
@@ -103,6 +104,10 @@ class JournalDivergenceError(StoreError):
     """Replaying the journal does not reproduce the recorded answers (code drift or corruption)."""
 
 
+class StoreMissingError(StoreError):
+    """A database that must exist (the registry restarted) is missing or empty."""
+
+
 class StoreBrokenError(StoreError):
     """A commit failed after the in-memory state moved: reopen the store."""
 
@@ -129,8 +134,13 @@ class DurableRegistry(RegistryOps):
         debug_checks: bool = __debug__,
         compact_every: int | None = DEFAULT_COMPACT_EVERY,
         session_window: int | None = DEFAULT_SESSION_WINDOW,
+        must_exist: bool = False,
     ) -> DurableRegistry:
-        """Open (or create) the registry database at ``path`` and take the writer lock."""
+        """Open (or create) the registry database at ``path`` and take the writer lock.
+
+        ``must_exist``: the caller served this epoch before (a restarted actor), so a missing or
+        empty database is not a first start but lost state: :class:`StoreMissingError`, and
+        nothing is created (an empty registry under the epoch's name would fork it)."""
         if synchronous not in _SYNC_MODES:
             raise ValueError(f"synchronous must be one of {_SYNC_MODES}")
         for name, value in (("compact_every", compact_every), ("session_window", session_window)):
@@ -141,11 +151,15 @@ class DurableRegistry(RegistryOps):
         self._mutex = threading.RLock()
         self._broken = False
         self._closed = True
+        if must_exist and not (self.path.is_file() and self.path.stat().st_size > 0):
+            raise StoreMissingError(_missing(self.path))
         self._lock_fd = _take_writer_lock(self.path)
         try:
             self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             try:
-                self._registry = _open_db(self._conn, self.path, epoch, engines, capacity, synchronous)
+                self._registry = _open_db(
+                    self._conn, self.path, epoch, engines, capacity, synchronous, must_exist
+                )
             except BaseException:
                 self._conn.close()
                 raise
@@ -341,6 +355,7 @@ def _open_db(
     engines: Sequence[str],
     capacity: int,
     synchronous: str,
+    must_exist: bool = False,
 ) -> LoRAVersionRegistry:
     # Constructing the registry first validates the arguments before the file is touched.
     fresh = LoRAVersionRegistry(epoch, engines, capacity, debug_checks=False)
@@ -353,6 +368,8 @@ def _open_db(
     app_id = conn.execute("PRAGMA application_id").fetchone()[0]
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     if app_id == 0 and not tables:
+        if must_exist:
+            raise StoreMissingError(_missing(path))
         _create_schema(conn, fresh)
         return fresh
     if app_id != APPLICATION_ID or "meta" not in tables:
@@ -373,6 +390,14 @@ def _open_db(
                 "a new deployment epoch needs a new registry database"
             )
     return _replay(conn, path, fresh)
+
+
+def _missing(path: Path) -> str:
+    return (
+        f"{path}: no registry database (missing or empty) where this registry's state must be; "
+        "refusing to start an empty registry in its place (was the path changed, or the actor "
+        "restarted on another node?)"
+    )
 
 
 def _meta_of(reg: LoRAVersionRegistry) -> dict[str, str]:

@@ -85,7 +85,8 @@ def test_scheduler_500s_release_the_native_count_exactly_once(faulty_engine, fix
 
     # Later messages for those rids (an abort after the 500) release nothing more.
     for rid in (admit, decode, streamed):
-        assert httpx.post(f"{url}/abort_request", json={"rid": rid}, headers=ADMIN, timeout=10).status_code == 200
+        r = httpx.post(f"{url}/abort_request", json={"rid": rid}, headers=ADMIN, timeout=10)
+        assert r.status_code == 200, r.text
     ok = generate(url, PROMPT, a.name, max_new_tokens=8)
     assert ok.status_code == 200, ok.text  # the version keeps serving exactly
     assert in_flight(url, a.name) == 0  # not -1

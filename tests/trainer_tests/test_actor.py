@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,4 +134,73 @@ def test_durable_actor_restarts_after_its_process_dies_with_every_transition(
     finally:
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(handle.close.remote(), timeout=10)
+        _kill(handle)
+
+
+def _restarted(handle: Any, pid: int, timeout_s: float = 90.0) -> dict:
+    """The description of the actor's next process (Ray restarts it after a SIGKILL)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline, "the actor did not come back"
+        try:
+            desc = ray.get(handle.describe.remote(), timeout=5)
+            if desc["pid"] != pid:
+                return desc
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.ActorUnavailableError,
+            ray.exceptions.GetTimeoutError,
+        ):
+            pass
+        time.sleep(0.2)
+
+
+def test_a_sigkilled_durable_actor_comes_back_on_its_node_with_its_state(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """Placement that cannot fork (issue 26): the durable actor is pinned to the node holding its
+    database (here the driver's), and after a SIGKILL of its process Ray restarts it there, with
+    every transition."""
+    db = tmp_path / "registry.db"
+    handle = start_registry_actor(EPOCH, ENGINES, db_path=db, name="pinned-test")
+    try:
+        client = RegistryClient.for_actor(handle)
+        Publisher(client).publish("A")
+        before = client.dump()
+        first = ray.get(handle.describe.remote())
+        assert first["node_id"] == ray.get_runtime_context().get_node_id()
+        os.kill(first["pid"], signal.SIGKILL)
+        again = _restarted(handle, first["pid"])
+        assert again["node_id"] == first["node_id"] and again["db_path"] == str(db)
+        assert client.dump() == before
+    finally:
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(handle.close.remote(), timeout=10)
+        _kill(handle)
+
+
+def test_a_restarted_actor_that_finds_no_database_refuses_and_never_starts_empty(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """The same restart with the database gone (a wrong path, another node's disk): the actor
+    refuses every call with REGISTRY_STATE_LOST naming the path, and creates nothing there."""
+    db = tmp_path / "registry.db"
+    handle = start_registry_actor(EPOCH, ENGINES, db_path=db, name="lost-db-test")
+    try:
+        client = RegistryClient.for_actor(handle)
+        Publisher(client).publish("A")
+        pid = ray.get(handle.describe.remote())["pid"]
+        for f in tmp_path.glob("registry.db*"):
+            f.unlink()
+        os.kill(pid, signal.SIGKILL)
+        desc = _restarted(handle, pid)
+        assert "refused" in desc and "epoch" not in desc
+        err = refused(ErrorCode.REGISTRY_STATE_LOST, client.status)
+        assert str(db) in err.message and err.details["db_path"] == str(db)
+        refused(ErrorCode.REGISTRY_STATE_LOST, client.bind_first, sk("late"))
+        with pytest.raises(LoraVersionError) as raised:  # a client connecting now is told too
+            _ = RegistryClient.for_actor(handle).epoch
+        assert raised.value.code is ErrorCode.REGISTRY_STATE_LOST
+        assert not db.exists()  # nothing was created in its place
+    finally:
         _kill(handle)

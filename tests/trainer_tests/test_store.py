@@ -20,6 +20,7 @@ from relax_glue.store import (
     StoreError,
     StoreLockedError,
     StoreMismatchError,
+    StoreMissingError,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -260,3 +261,28 @@ def test_constructor_is_not_the_way_in_and_bad_sync_mode(db: Path) -> None:
         DurableRegistry()
     with pytest.raises(ValueError):
         _open(db, synchronous="EXTRA")
+
+
+def test_a_database_that_must_exist_is_never_created_in_its_place(db: Path) -> None:
+    """A restarted registry (must_exist) that finds no database, or an empty one, refuses and
+    creates nothing: an empty registry under the epoch's name would fork its state."""
+    with pytest.raises(StoreMissingError, match=str(db)):
+        _open(db, must_exist=True)
+    assert not db.exists()
+    db.touch()  # an empty file, as a fresh mount or a truncated copy leaves
+    with pytest.raises(StoreMissingError, match="missing or empty"):
+        _open(db, must_exist=True)
+    assert db.stat().st_size == 0
+    with sqlite3.connect(db) as conn:  # a SQLite file with no table in it: empty too
+        conn.execute("CREATE TABLE t (x)")
+        conn.execute("DROP TABLE t")
+    assert db.stat().st_size > 0
+    with pytest.raises(StoreMissingError):
+        _open(db, must_exist=True)
+    # the first start creates it; a restart then opens it with every transition
+    reg = _open(db)
+    Publisher(reg).publish("A")
+    reg.close()
+    again = _open(db, must_exist=True)
+    assert again.status().default_lora_name is not None
+    again.close()
