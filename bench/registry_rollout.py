@@ -1,0 +1,280 @@
+"""The registry at rollout scale, through the real Ray actor (issue 26's "before" and "after").
+
+Several rollout-worker processes (``--workers``), each with ``--sessions`` concurrent sessions,
+drive the durable registry actor as the session layer does with leases on: open, renew, bind,
+then per turn a renewal (``--turns``), then begin_close and close_and_release. A publisher in
+the driver keeps a default published. Each worker reports per-op latencies; the driver reports
+ops/s, session lifecycles/s, p50/p99 per op, and the actor's CPU time over the run (from its
+/proc entry, so what the single writer costs is seen beside what the calls wait).
+
+``--profile`` also records the actor process with py-spy for the run (``--profile-out``, a
+speedscope/flame file and the top frames' share) to say where its time goes.
+
+Prints a table and writes ``bench/results/registry_rollout.json``.
+
+    python bench/registry_rollout.py [--workers 4] [--sessions 16] [--turns 4] [--seconds 10]
+    python bench/registry_rollout.py --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+EPOCH = "1"  # registry_ops.Workload's, which publishes the default
+ENGINES = ("E0", "E1")
+RESULTS = ROOT / "bench" / "results" / "registry_rollout.json"
+LEASE_TTL_S = 30.0
+ACTOR_NAME = "bench-registry-rollout"
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def _worker_main(gcs: str, n_sessions: int, turns: int, seconds: float, tag: str) -> dict[str, Any]:
+    import ray
+
+    from relax_glue.actor import AsyncRegistryClient, get_registry_actor
+    from relax_glue.registry_types import SessionKey
+
+    ray.init(address=gcs, log_to_driver=False)
+    client = AsyncRegistryClient.for_actor(get_registry_actor(EPOCH, name=ACTOR_NAME), retries=0)
+    await client.connect()
+    lat: dict[str, list[float]] = defaultdict(list)
+    lifecycles = 0
+    deadline = time.monotonic() + seconds
+
+    async def call(op: str, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = await getattr(client, op)(**kw)
+        lat[op].append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    async def session_loop(i: int) -> None:
+        nonlocal lifecycles
+        while time.monotonic() < deadline:
+            key = SessionKey(EPOCH, f"{tag}.{i}.{uuid.uuid4().hex[:8]}")
+            await call("open_session", session_key=key)
+            await call("renew_lease", session_key=key, ttl_s=LEASE_TTL_S)
+            await call("bind_first", session_key=key)
+            for _ in range(turns):  # the session layer renews before every turn
+                await call("renew_lease", session_key=key, ttl_s=LEASE_TTL_S)
+            await call("begin_close", session_key=key)
+            await call("close_and_release", session_key=key)
+            lifecycles += 1
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(session_loop(i) for i in range(n_sessions)))
+    elapsed = time.monotonic() - t0
+    ray.shutdown()
+    return {"lat": dict(lat), "lifecycles": lifecycles, "elapsed_s": elapsed}
+
+
+def _worker(gcs: str, n_sessions: int, turns: int, seconds: float, tag: str, out: Any) -> None:
+    out.put(asyncio.run(_worker_main(gcs, n_sessions, turns, seconds, tag)))
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--sessions", type=int, default=16, help="concurrent sessions per worker")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--synchronous", default="FULL")
+    parser.add_argument("--profile", action="store_true", help="py-spy record the actor process")
+    parser.add_argument("--profile-out", type=Path, default=ROOT / "bench" / "results" / "registry_actor")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    import ray
+
+    from relax_glue.actor import start_registry_actor
+
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
+    gcs = ray.get_runtime_context().gcs_address
+    tmp = Path(tempfile.mkdtemp(prefix="registry-rollout-"))
+    handle = start_registry_actor(
+        EPOCH, ENGINES, db_path=tmp / "registry.db", name=ACTOR_NAME, synchronous=args.synchronous
+    )
+    actor_pid = int(ray.get(handle.describe.remote())["pid"])
+    # one published default for the sessions to bind, committed as a publisher would
+    from registry_ops import EPOCH as OPS_EPOCH
+    from registry_ops import Workload
+
+    from relax_glue.actor import RegistryClient
+
+    assert OPS_EPOCH == EPOCH
+    Workload(RegistryClient.for_actor(handle))
+
+    spy = None
+    if args.profile:
+        args.profile_out.parent.mkdir(parents=True, exist_ok=True)
+        spy = subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("py-spy")),
+                "record",
+                "--pid",
+                str(actor_pid),
+                "--format",
+                "raw",
+                "--output",
+                f"{args.profile_out}.txt",
+                "--duration",
+                str(int(args.seconds) + 2),
+                "--rate",
+                "200",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(1.0)
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    cpu0, t0 = _cpu_s(actor_pid), time.monotonic()
+    procs = [
+        ctx.Process(target=_worker, args=(gcs, args.sessions, args.turns, args.seconds, f"w{i}", out))
+        for i in range(args.workers)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=args.seconds + 300) for _ in procs]
+    for p in procs:
+        p.join(60)
+    wall, cpu = time.monotonic() - t0, _cpu_s(actor_pid) - cpu0
+    if spy is not None:
+        _, err = spy.communicate(timeout=120)
+        if spy.returncode != 0:
+            print(f"py-spy failed: {err[-500:]}", file=sys.stderr)
+
+    lat: dict[str, list[float]] = defaultdict(list)
+    for r in results:
+        for op, v in r["lat"].items():
+            lat[op].extend(v)
+    elapsed = max(r["elapsed_s"] for r in results)
+    ops = sum(len(v) for v in lat.values())
+    lifecycles = sum(r["lifecycles"] for r in results)
+    every = [x for v in lat.values() for x in v]
+    report = {
+        "workers": args.workers,
+        "sessions_per_worker": args.sessions,
+        "concurrent_sessions": args.workers * args.sessions,
+        "turns": args.turns,
+        "synchronous": args.synchronous,
+        "seconds": round(elapsed, 2),
+        "ops_per_s": round(ops / elapsed, 1),
+        "lifecycles_per_s": round(lifecycles / elapsed, 1),
+        "p50_ms": round(_pct(every, 0.5), 2),
+        "p99_ms": round(_pct(every, 0.99), 2),
+        "actor_cpu_share": round(cpu / wall, 3),
+        "per_op": {
+            op: {"n": len(v), "p50_ms": round(_pct(v, 0.5), 2), "p99_ms": round(_pct(v, 0.99), 2)}
+            for op, v in sorted(lat.items())
+        },
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
+    }
+    if spy is not None:
+        report["profile"] = _profile_summary(Path(f"{args.profile_out}.txt"))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    _print(report)
+    ray.kill(handle, no_restart=True)
+    ray.shutdown()
+
+
+# Where the actor's samples land: by the innermost frame that names a layer (every stack runs
+# inside Ray's worker loop, so the outermost match would say "ray" for all of them).
+_BUCKETS = (
+    ("idle (waiting for a call)", ("threading.py", "Worker.main_loop (ray/_private/worker.py")),
+    ("sqlite (commit, fsync)", ("sqlite3", "relax_glue/store.py")),
+    ("registry (pure, incl. invariant checks)", ("relax_glue/registry.py", "relax_glue/registry_types.py")),
+    ("ray (call, serialisation)", ("ray/", "_raylet", "msgpack", "cloudpickle")),
+)
+
+
+def _profile_summary(raw: Path) -> dict[str, Any]:
+    """Share of the actor's samples by layer (py-spy ``raw``: ``frame;frame;... count``), and the
+    10 leaf frames with the most samples."""
+    if not raw.exists():
+        return {"error": f"no profile written at {raw}"}
+    layers: dict[str, int] = defaultdict(int)
+    leaves: dict[str, int] = defaultdict(int)
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        leaves[frames[-1]] += n
+        layer = next(
+            (name for f in reversed(frames) for name, needles in _BUCKETS if any(k in f for k in needles)),
+            "other",
+        )
+        layers[layer] += n
+    return {
+        "samples": total,
+        "layers": {k: round(v / total, 3) for k, v in sorted(layers.items(), key=lambda kv: -kv[1])},
+        "top_leaves": [
+            {"frame": f, "share": round(n / total, 3)}
+            for f, n in sorted(leaves.items(), key=lambda kv: -kv[1])[:10]
+        ],
+    }
+
+
+def _print(r: dict[str, Any]) -> None:
+    print(
+        f"\nregistry through the Ray actor: {r['workers']} workers x {r['sessions_per_worker']} sessions "
+        f"({r['concurrent_sessions']} concurrent), {r['turns']} turns, synchronous={r['synchronous']}"
+    )
+    print(f"{'ops/s':>10} {'lifecycles/s':>13} {'p50 ms':>8} {'p99 ms':>8} {'actor CPU':>10}")
+    print(
+        f"{r['ops_per_s']:>10} {r['lifecycles_per_s']:>13} {r['p50_ms']:>8} {r['p99_ms']:>8} "
+        f"{r['actor_cpu_share']:>10.0%}"
+    )
+    print(f"\n{'op':<20} {'n':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    for op, v in r["per_op"].items():
+        print(f"{op:<20} {v['n']:>8} {v['p50_ms']:>8} {v['p99_ms']:>8}")
+    if "profile" in r and "layers" in r["profile"]:
+        print("\nactor samples by layer:")
+        for layer, share in r["profile"]["layers"].items():
+            print(f"  {share:>6.1%}  {layer}")
+        print("top frames:")
+        for leaf in r["profile"]["top_leaves"]:
+            print(f"  {leaf['share']:>6.1%}  {leaf['frame'][:110]}")
+
+
+if __name__ == "__main__":
+    main()
