@@ -98,6 +98,9 @@ def register_all(role: str) -> None:
 
         upstream.register_hook(upstream.SCHEDULER_INIT, check, "AFTER")
         upstream.register_hook(upstream.SCHEDULER_UNLOAD_ADAPTER, fence, "AROUND")
+        # No device-wide cache flush on the scheduler thread around a load or an unload (issue 29).
+        upstream.register_hook(upstream.LORA_MANAGER_LOAD, upstream.load_without_a_cache_flush, "REPLACE")
+        upstream.register_hook(upstream.LORA_MANAGER_UNLOAD, upstream.unload_without_a_cache_flush, "REPLACE")
         return
     if role != "main":
         return

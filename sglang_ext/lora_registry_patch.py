@@ -19,6 +19,7 @@ delete that override then, and re-read every accessor below against the new sour
 from __future__ import annotations
 
 import importlib
+import logging
 from array import array
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -52,7 +53,13 @@ SCHEDULER_UNLOAD_ADAPTER = "sglang.srt.managers.scheduler.Scheduler.unload_lora_
 # Its end is where the live scheduler's attributes first exist, before run_scheduler_process
 # reports it ready (see scheduler_problems).
 SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
-SCHEDULER_PROCESS_TARGETS = (SCHEDULER_INIT, SCHEDULER_UNLOAD_ADAPTER)
+# LoRAManager's public load/unload only wrap _load_lora_adapter / _unload_lora_adapter in two log
+# lines, each computing get_available_gpu_memory(), which on CUDA first runs
+# torch.cuda.empty_cache() (a device-wide flush on the scheduler thread, twice per call). Replaced
+# by the same log lines read without the flush (load_without_a_cache_flush).
+LORA_MANAGER_LOAD = "sglang.srt.lora.lora_manager.LoRAManager.load_lora_adapter"
+LORA_MANAGER_UNLOAD = "sglang.srt.lora.lora_manager.LoRAManager.unload_lora_adapter"
+SCHEDULER_PROCESS_TARGETS = (SCHEDULER_INIT, SCHEDULER_UNLOAD_ADAPTER, LORA_MANAGER_LOAD, LORA_MANAGER_UNLOAD)
 
 MAIN_PROCESS_TARGETS = (
     CHECK_SERVER_ARGS,
@@ -506,3 +513,42 @@ async def lru_lora_name_never_managed(
                 continue
             return name
     return None
+
+
+# ----------------------------------------------------------------- no device-wide cache flush
+
+
+# upstream's own logger for these lines (same name, so the same level and handlers)
+_lora_manager_log = logging.getLogger("sglang.srt.lora.lora_manager")
+
+
+def _available_memory_gb(manager: Any) -> float:
+    """What LoRAManager's log lines report (0.5.23: get_available_gpu_memory(device.type,
+    device.index)), read without its default torch.cuda.empty_cache()."""
+    from sglang.srt.utils import get_available_gpu_memory
+
+    return float(get_available_gpu_memory(manager.device.type, manager.device.index, empty_cache=False))
+
+
+def _log_lora_update(what: str, manager: Any, lora_ref: Any) -> None:
+    # the text of upstream's lines, which the step fence's log line and the tests read
+    _lora_manager_log.info(
+        f"LoRA adapter {what}: {lora_ref}. avail mem={_available_memory_gb(manager):.2f} GB"
+    )
+
+
+def load_without_a_cache_flush(manager: Any, lora_ref: Any) -> Any:
+    """LoRAManager.load_lora_adapter (0.5.23) with the same two log lines, their memory read
+    without a cache flush; the load itself is upstream's _load_lora_adapter."""
+    _log_lora_update("loading starts", manager, lora_ref)
+    result = manager._load_lora_adapter(lora_ref)
+    _log_lora_update("loading completes", manager, lora_ref)
+    return result
+
+
+def unload_without_a_cache_flush(manager: Any, lora_ref: Any) -> Any:
+    """LoRAManager.unload_lora_adapter (0.5.23), the same way."""
+    _log_lora_update("unloading starts", manager, lora_ref)
+    result = manager._unload_lora_adapter(lora_ref)
+    _log_lora_update("unloading completes", manager, lora_ref)
+    return result

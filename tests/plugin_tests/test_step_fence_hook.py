@@ -172,5 +172,7 @@ def test_the_scheduler_process_registers_the_start_check_and_the_fence(monkeypat
     assert registered == [
         (upstream.SCHEDULER_INIT, step_fence.refuse_a_scheduler_the_fence_cannot_read, "AFTER"),
         (upstream.SCHEDULER_UNLOAD_ADAPTER, step_fence.complete_the_step_before_unload, "AROUND"),
+        (upstream.LORA_MANAGER_LOAD, upstream.load_without_a_cache_flush, "REPLACE"),
+        (upstream.LORA_MANAGER_UNLOAD, upstream.unload_without_a_cache_flush, "REPLACE"),
     ]
     assert tuple(t for t, _, _ in registered) == upstream.SCHEDULER_PROCESS_TARGETS

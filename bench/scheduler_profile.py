@@ -1,0 +1,201 @@
+"""Where the scheduler process spends a managed publication and a reclaim (issue 29: profile first).
+
+One real CPU engine on the bench's large base (``bench/_bench_fixtures.py``), plugin on, no other
+traffic. For each adapter size (``--sizes`` MiB), ``--rounds`` publications through the real
+publisher (begin -> buckets -> end: load pinned + exact-version probe) each followed by the
+reclaim of the version it retired (the physical unload), while py-spy samples the engine's
+scheduler process. With no other traffic every forward the scheduler runs is a probe, so each
+sample falls in one window by its stack: ``load`` (``Scheduler.load_lora_adapter``), ``unload``
+(``Scheduler.unload_lora_adapter``), ``probe`` (a forward), or ``idle``. Inside the load and
+unload windows the top frames say which part is the work itself (reading and copying weights into
+the slot), which is SGLang's overhead, and which is the plugin's.
+
+Prints a table per size and writes ``bench/results/scheduler_profile.json`` (the raw py-spy files
+beside it). Not run in CI (minutes, and a 350 MiB adapter).
+
+    python bench/scheduler_profile.py [--sizes 1,27,350] [--rounds 3] [--rate 250]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _bench_fixtures import ensure_bench_fixtures, ensure_sized_adapters, rank_for_mib  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "scheduler_profile.json"
+ADMIN_KEY = "scheduler-profile"
+
+# A sample's window, by the first of these its stack holds (innermost frames decide the leaf
+# summary; the window is the scheduler entry point the sample runs under).
+WINDOWS = (
+    ("unload", "unload_lora_adapter"),
+    ("load", "load_lora_adapter"),
+    ("probe", "run_batch"),
+)
+# Whose Python frame a load/unload sample's innermost frame is (py-spy samples Python stacks: a
+# torch op shows as the frame that called it, so "sglang" includes the tensor work its LoRA code
+# does, such as fusing q/k/v and gate/up, copying into and zeroing the slot).
+OWNERS = (
+    ("plugin (sglang_ext)", "sglang_ext/"),
+    ("torch (Python frames)", "torch/"),
+    ("safetensors (reading the files)", "safetensors"),
+    ("sglang (its LoRA code and the torch ops it calls)", "sglang/"),
+)
+
+
+def scheduler_pid(engine_pid: int) -> int:
+    """The engine's scheduler process (SGLang titles it ``sglang::scheduler``)."""
+    import psutil
+
+    for child in psutil.Process(engine_pid).children(recursive=True):
+        try:
+            if "scheduler" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            continue
+    raise RuntimeError(f"no scheduler process under pid {engine_pid}")
+
+
+def summarise(raw: Path) -> dict[str, Any]:
+    windows: dict[str, int] = defaultdict(int)
+    leaves: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    owners: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n, frames = int(count), stack.split(";")
+        total += n
+        window = next((w for w, needle in WINDOWS if any(needle in f for f in frames)), "idle")
+        windows[window] += n
+        if window in ("load", "unload"):
+            leaves[window][frames[-1]] += n
+            owner = next(
+                (o for f in reversed(frames) for o, needle in OWNERS if needle in f), "other (python, os)"
+            )
+            owners[window][owner] += n
+    out: dict[str, Any] = {"samples": total, "windows": {k: v for k, v in sorted(windows.items())}}
+    for w in ("load", "unload"):
+        n_w = windows.get(w, 0) or 1
+        out[w] = {
+            "by_owner": {k: round(v / n_w, 3) for k, v in sorted(owners[w].items(), key=lambda kv: -kv[1])},
+            "top_frames": [
+                {"frame": f, "share": round(c / n_w, 3)}
+                for f, c in sorted(leaves[w].items(), key=lambda kv: -kv[1])[:8]
+            ],
+        }
+    return out
+
+
+async def publish_and_reclaim(url: str, adapter: Path, rounds: int) -> list[dict[str, float]]:
+    """``rounds`` publications of ``adapter``, each followed by the reclaim of the one it retired;
+    its own epoch, and everything it published removed at the end (capacity stays free)."""
+    from lora_versions_dev.teardown import purge
+    from relax_glue.engine_client import EngineClient
+    from relax_glue.publisher import Publisher, PublishOutcome
+    from relax_glue.registry import LoRAVersionRegistry
+    from relax_glue.snapshot import Snapshot
+
+    snap = Snapshot.from_peft_dir(adapter)
+    epoch = f"prof{time.monotonic_ns()}"
+    client = EngineClient("E0", url, admin_key=ADMIN_KEY)
+    pub = Publisher(LoRAVersionRegistry(epoch, ("E0",), 2), {"E0": client})
+    timings = []
+    try:
+        for i in range(rounds + 1):  # the first retires nothing
+            t0 = time.monotonic()
+            res = await pub.publish(snap, f"v{i}")
+            assert res.outcome is PublishOutcome.PUBLISHED, res
+            t1 = time.monotonic()
+            done = await pub.reclaim_ready()
+            assert all(r.done for r in done), done
+            if i:
+                timings.append({"publish_s": t1 - t0, "reclaim_s": time.monotonic() - t1})
+        left = await purge({"E0": client}, marker=f"@{epoch}-")
+        assert not left, left
+    finally:
+        await client.aclose()
+    return timings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1,27", help="adapter sizes in MiB (350 takes minutes)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    from lora_versions_dev.launcher import EngineSpec, lora_flags, running_engines
+
+    sizes = [float(x) for x in args.sizes.split(",") if x.strip()]
+    big = ensure_bench_fixtures()
+    adapters = ensure_sized_adapters(big, sizes)
+    run_dir = args.out.parent / "scheduler_profile"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = EngineSpec(
+        name="profiled",
+        model_path=big.model_dir,
+        log_path=run_dir / "engine.log",
+        lora_flags=lora_flags(max(rank_for_mib(m) for m in sizes)),
+        extra_args=["--admin-api-key", ADMIN_KEY, "--mem-fraction-static", "0.5"],
+    )
+    report: dict[str, Any] = {"base": str(big.model_dir), "rounds": args.rounds, "sizes": {}}
+    with running_engines([spec]) as (engine,):
+        pid = scheduler_pid(engine.proc.pid)
+        asyncio.run(publish_and_reclaim(engine.url, adapters[sizes[0]], 1))  # warm-up, not sampled
+        for mib in sizes:
+            raw = run_dir / f"scheduler-{mib:g}MiB.txt"
+            spy_exe = str(Path(sys.executable).with_name("py-spy"))
+            spy = subprocess.Popen(
+                [
+                    spy_exe,
+                    *("record", "--pid", str(pid), "--format", "raw", "--output", str(raw)),
+                    *("--rate", str(args.rate), "--idle", "--nonblocking", "--full-filenames"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            time.sleep(1.0)
+            timings = asyncio.run(publish_and_reclaim(engine.url, adapters[mib], args.rounds))
+            time.sleep(0.5)
+            spy.send_signal(2)  # py-spy writes its file on SIGINT
+            _, err = spy.communicate(timeout=120)
+            if not raw.exists():
+                raise RuntimeError(f"py-spy wrote nothing: {err[-800:]}")
+            report["sizes"][f"{mib:g}"] = {"timings": timings, **summarise(raw)}
+    args.out.write_text(json.dumps(report, indent=2))
+    print_report(report)
+
+
+def print_report(report: dict[str, Any]) -> None:
+    for size, r in report["sizes"].items():
+        w = r["windows"]
+        busy = sum(v for k, v in w.items() if k != "idle") or 1
+        print(f"\n{size} MiB adapter, {report['rounds']} publications + reclaims; scheduler samples:")
+        print(
+            "  " + ", ".join(f"{k} {v / busy:.0%}" for k, v in w.items() if k != "idle") + " of the busy ones"
+        )
+        for window in ("load", "unload"):
+            owners = ", ".join(f"{k} {v:.0%}" for k, v in r[window]["by_owner"].items())
+            print(f"  {window}: {owners}")
+            for f in r[window]["top_frames"][:5]:
+                print(f"    {f['share']:>5.0%}  {f['frame'][:100]}")
+
+
+if __name__ == "__main__":
+    main()
