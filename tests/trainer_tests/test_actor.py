@@ -110,19 +110,7 @@ def test_durable_actor_restarts_after_its_process_dies_with_every_transition(
         before, pid = client.dump(), ray.get(handle.describe.remote())["pid"]
 
         ray.kill(handle, no_restart=False)  # the process dies; Ray restarts the actor
-        deadline = time.monotonic() + 60
-        while True:  # ray.kill is asynchronous: wait for an answer from a new process
-            assert time.monotonic() < deadline, "actor did not come back"
-            try:
-                if ray.get(handle.describe.remote(), timeout=5)["pid"] != pid:
-                    break
-            except (
-                ray.exceptions.RayActorError,
-                ray.exceptions.ActorUnavailableError,
-                ray.exceptions.GetTimeoutError,
-            ):
-                pass
-            time.sleep(0.2)
+        _restarted(handle, pid, timeout_s=60)  # ray.kill is asynchronous: an answer from a new process
         assert client.dump() == before
         # retries of calls whose replies were lost in the crash get the original answers
         assert pub.commit("A", 0) == receipt
