@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.names import MANAGED_CAPACITY
-from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry, stamp_now
+from relax_glue.registry import PUBLIC_OPS, LoRAVersionRegistry, stamp_now
 from relax_glue.registry_ops import AsyncRegistryOps, RegistryOps
 from relax_glue.store import DurableRegistry, StoreError, StoreMissingError
 
@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 DEFAULT_NAMESPACE = "relax_lora_versions"
-_ALLOWED = frozenset(MUTATING_OPS) | frozenset(QUERY_OPS)
+_ALLOWED = frozenset(PUBLIC_OPS)
 Envelope = tuple[Any, ...]
 
 

@@ -112,7 +112,7 @@ def render_status(rec: dict[str, Any]) -> str:
 def render_sessions(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no sessions"
-    keys = ["session", "state", "bound", "released", "lease_expires_at"]
+    keys = ["session", "state", "bound", "released", "lease_id"]
     return table(keys, [[r[k] for k in keys] for r in rows])
 
 

@@ -186,7 +186,7 @@ def session_rows(sessions: Iterable[SessionView]) -> list[dict[str, Any]]:
             "state": s.state.value + (" (expired)" if s.expired else ""),
             "bound": s.binding.lora_name if s.binding else None,
             "released": s.released,
-            "lease_expires_at": s.lease_expires_at,
+            "lease_id": s.lease_id,
         }
         for s in sessions
     ]

@@ -42,6 +42,8 @@ from relax_glue.registry_types import (
     EngineLostResult,
     EngineRecord,
     IncarnationResult,
+    LeaseRecord,
+    LeaseView,
     PreparedEvidence,
     ReadyEvidence,
     ReclaimClaim,
@@ -143,17 +145,34 @@ MUTATING_OPS: tuple[str, ...] = (
     "bind_first",
     "begin_close",
     "close_and_release",
-    "renew_lease",
-    "expire_leases",
+    "grant_lease",
+    "end_leases",
     "prune_sessions",
     "claim_reclaim",
     "confirm_reclaim",
 )
-QUERY_OPS: tuple[str, ...] = ("status", "binding_of", "session", "sessions", "version", "dump")
+QUERY_OPS: tuple[str, ...] = (
+    "status",
+    "binding_of",
+    "session",
+    "sessions",
+    "version",
+    "lease",
+    "leases_due",
+    "dump",
+)
+# Ops that change soft state only (a lease's deadline in memory), never journaled: a restart
+# re-creates that state (every live lease gets a fresh TTL), so a keep-alive costs no disk write.
+SOFT_OPS: tuple[str, ...] = ("keep_alive",)
+# Derived ops: decided on the soft state, carried out by a journaled op with the decision as its
+# argument (expire_leases = end_leases(leases_due(now))), so a replay never depends on a deadline
+# that was never journaled.
+DERIVED_OPS: tuple[str, ...] = ("expire_leases",)
 # Ops that take the registry's clock as an argument (``now``, unix seconds). The registry stays
-# pure: whoever hosts it (the actor, an in-process client) stamps ``now`` once, before the call,
-# and the journal keeps it, so a replay makes the same decisions.
-TIMED_OPS: tuple[str, ...] = ("renew_lease", "expire_leases")
+# pure: whoever hosts it (the actor, an in-process client) stamps ``now`` once, before the call.
+TIMED_OPS: tuple[str, ...] = ("grant_lease", "keep_alive", "leases_due", "expire_leases")
+# Everything a client may call (the actor's allow-list, the typed forwarding table).
+PUBLIC_OPS: tuple[str, ...] = (*MUTATING_OPS, *SOFT_OPS, *DERIVED_OPS, *QUERY_OPS)
 
 
 def stamp_now(op: str, kwargs: dict[str, Any], clock: Any = None) -> dict[str, Any]:
@@ -236,6 +255,10 @@ class LoRAVersionRegistry:
         self._default: VersionKey | None = None
         self._revision = 0
         self._sessions: dict[SessionKey, SessionRecord] = {}
+        self._leases: dict[str, LeaseRecord] = {}
+        # Soft state: lease deadlines on the host's clock, moved by keep-alives, never journaled
+        # nor dumped (a restarted host calls refresh_leases).
+        self._deadlines: dict[str, float] = {}
         self._engines: dict[str, EngineRecord] = {e: EngineRecord(e) for e in cohort}
         self._unknown: dict[tuple[str, str], UnknownOutcome] = {}  # (engine, token|reclaim id)
         self._lost: dict[str, str] = {}  # engines declared lost -> the operator's reason
@@ -624,22 +647,30 @@ class LoRAVersionRegistry:
 
     # ==================================================================== sessions (RFC 4)
 
-    def open_session(self, session_key: SessionKey | Sequence[str]) -> SessionView:
-        """Register an OPEN session without binding (optional: bind_first also creates it)."""
+    def open_session(
+        self, session_key: SessionKey | Sequence[str], lease_id: str | None = None
+    ) -> SessionView:
+        """Register an OPEN session without binding (optional: bind_first also creates it).
+        ``lease_id``: the live worker lease it hangs on (see :meth:`grant_lease`)."""
         sk = self._session_key(session_key)
         s = self._sessions.get(sk)
         if s is not None:
             if s.state is not SessionState.OPEN:
                 self._closed(s)
-            return self._session_view(s)
-        s = SessionRecord(sk, SessionState.OPEN)
+            if self._attach(s, lease_id) is s:
+                return self._session_view(s)
+            s = self._attach(s, lease_id)
+        else:
+            self._live_lease(lease_id)
+            s = SessionRecord(sk, SessionState.OPEN, lease_id=lease_id)
         self._sessions[sk] = s
         self._accepted()
         return self._session_view(s)
 
-    def bind_first(self, session_key: SessionKey | Sequence[str]) -> Binding:
+    def bind_first(self, session_key: SessionKey | Sequence[str], lease_id: str | None = None) -> Binding:
         """First call binds the current default and takes one session ref; later calls return
-        the same binding (never the newer default)."""
+        the same binding (never the newer default). ``lease_id`` as for :meth:`open_session`
+        (a session created by its bind hangs on it; an open one keeps the lease it has)."""
         sk = self._session_key(session_key)
         s = self._sessions.get(sk)
         if s is not None and s.state is not SessionState.OPEN:
@@ -648,15 +679,13 @@ class LoRAVersionRegistry:
             return s.binding
         if self._default is None:
             _fail(ErrorCode.NO_PUBLISHED_VERSION, "no version has been published yet")
+        s = SessionRecord(sk, SessionState.OPEN) if s is None else s
+        s = self._attach(s, lease_id)  # checked before any change
         rec = self._versions[self._default]
         binding = Binding(sk, rec.key, rec.lora_name, rec.digest, self._revision)
         self._put(evolve(rec, session_refs=rec.session_refs + 1))
-        # The bind sets the binding and nothing else: a lease set at open (the session layer
-        # renews before its first bind) must survive it, or a worker dying between the bind and
-        # its next renewal keeps its ref forever.
-        self._sessions[sk] = (
-            SessionRecord(sk, SessionState.OPEN, binding) if s is None else evolve(s, binding=binding)
-        )
+        # The bind sets the binding and nothing else: the lease a session hangs on survives it.
+        self._sessions[sk] = evolve(s, binding=binding)
         self._accepted()
         return binding
 
@@ -698,7 +727,6 @@ class LoRAVersionRegistry:
             s,
             state=SessionState.CLOSED,
             released=release or s.released,
-            lease_expires_at=None,
             expired=expired,
             closed_seq=self._seq + 1,  # every close is part of exactly one accepted transition
         )
@@ -710,44 +738,122 @@ class LoRAVersionRegistry:
         return new
 
     # ========================================================================= leases
+    # Beyond the RFC: a rollout worker that crashes never closes its sessions. Each worker holds
+    # one lease (as etcd attaches many keys to one lease) and its sessions hang on it; a
+    # keep-alive renews all of them at once, and when the lease runs out every session on it is
+    # closed through the one close transition, so a retired version can still be reclaimed.
+    #
+    # What is journaled: a lease's grant (its TTL) and its end, a session's attachment (at open
+    # or bind). What is not: the deadline, which keep-alives move in memory only. A restarted
+    # host gives every live lease a fresh TTL from the restart (:meth:`refresh_leases`), so a
+    # restart never ends a live worker's sessions early and a dead worker's end one TTL later.
 
-    def renew_lease(self, session_key: SessionKey | Sequence[str], ttl_s: float, now: float) -> SessionView:
-        """Give an OPEN session a lease until ``now + ttl_s`` (registry clock), or extend it.
-        A renewal that would not move the expiry later changes nothing (a replay is a no-op).
-        Beyond the RFC: a rollout worker that crashes never closes its sessions; the lease lets
-        :meth:`expire_leases` release their refs, so a retired version can still be reclaimed."""
-        sk = self._session_key(session_key)
+    def grant_lease(self, lease_id: str, ttl_s: float, now: float) -> LeaseView:
+        """A new live lease of ``ttl_s`` seconds from ``now`` (registry clock). A repeat of a live
+        lease with the same TTL is a keep-alive; another TTL is refused (a lease's TTL is fixed
+        at its grant); an ended lease is never granted again (SESSION_EXPIRED)."""
+        lid = _text("lease_id", lease_id, NAME_PART_RE)
         ttl, t = _seconds("ttl_s", ttl_s, positive=True), _seconds("now", now)
-        s = self._sessions.get(sk)
-        if s is None:
-            _fail(ErrorCode.INVALID_REQUEST, f"no session {sk}: open or bind it first")
-        if s.state is not SessionState.OPEN:
-            self._closed(s)
-        expires = t + ttl
-        if s.lease_expires_at is not None and expires <= s.lease_expires_at:
-            return self._session_view(s)
-        new = evolve(s, lease_expires_at=expires)
-        self._sessions[sk] = new
+        lease = self._leases.get(lid)
+        if lease is not None:
+            if lease.ttl_s != ttl:
+                _fail(
+                    ErrorCode.INVALID_REQUEST,
+                    f"lease {lid} was granted with ttl_s={lease.ttl_s}",
+                    lease_id=lid,
+                )
+            return self.keep_alive(lid, t)
+        self._leases[lid] = LeaseRecord(lid, ttl)
+        self._deadlines[lid] = t + ttl
         self._accepted()
-        return self._session_view(new)
+        return self._lease_view(self._leases[lid])
 
-    def expire_leases(self, now: float) -> tuple[SessionKey, ...]:
-        """Close, exactly once and through the same transition as a normal close, every session
-        (OPEN, or CLOSING by an owner that died mid-close) whose lease ran out by ``now``.
-        Returns the sessions closed by this call; none: nothing changes."""
+    def keep_alive(self, lease_id: str, now: float) -> LeaseView:
+        """Move a live lease's deadline to ``now + ttl`` (never earlier). Soft state only: no
+        transition, nothing to journal. An ended lease answers SESSION_EXPIRED (its sessions are
+        closed: the worker must not dispatch on them), an unknown one INVALID_REQUEST."""
+        lease = self._lease_record(lease_id)
         t = _seconds("now", now)
+        if not lease.live:
+            self._lease_ended(lease)
+        self._deadlines[lease.lease_id] = max(self._deadlines.get(lease.lease_id, t), t + lease.ttl_s)
+        return self._lease_view(lease)
+
+    def leases_due(self, now: float) -> tuple[str, ...]:
+        """The live leases whose deadline is ``<= now`` (a read of the soft state)."""
+        t = _seconds("now", now)
+        return tuple(sorted(lid for lid, d in self._deadlines.items() if d <= t))
+
+    def end_leases(self, lease_ids: Sequence[str]) -> tuple[SessionKey, ...]:
+        """End each live lease of ``lease_ids`` and close, exactly once and through the same
+        transition as a normal close, every session on it (OPEN, or CLOSING by an owner that
+        died mid-close). Returns the sessions closed; leases already ended change nothing.
+        Deterministic in its argument: this is what the journal keeps of an expiry."""
+        if isinstance(lease_ids, str) or not isinstance(lease_ids, Sequence):
+            _fail(ErrorCode.INVALID_REQUEST, "lease_ids must be a list of lease ids")
+        ending = {lid: self._lease_record(lid) for lid in lease_ids}  # all checked first
+        ending = {lid: lease for lid, lease in ending.items() if lease.live}
+        if not ending:
+            return ()
         due = [
-            s
-            for s in self._sessions.values()
-            if s.state is not SessionState.CLOSED
-            and s.lease_expires_at is not None
-            and s.lease_expires_at <= t
+            s for s in self._sessions.values() if s.lease_id in ending and s.state is not SessionState.CLOSED
         ]
+        for lid, lease in ending.items():
+            self._leases[lid] = evolve(lease, live=False)
+            self._deadlines.pop(lid, None)
         for s in due:
             self._close(s, expired=True)
-        if due:
-            self._accepted()
+        self._accepted()
         return tuple(s.key for s in due)
+
+    def expire_leases(self, now: float) -> tuple[SessionKey, ...]:
+        """End every lease that ran out by ``now``: ``end_leases(leases_due(now))``. None due:
+        nothing changes. A durable host journals the ``end_leases`` call, not this one."""
+        due = self.leases_due(now)
+        return self.end_leases(due) if due else ()
+
+    def refresh_leases(self, now: float) -> None:
+        """Give every live lease a fresh TTL from ``now`` (soft state): what a host does after a
+        restart, when the deadlines of before are gone with the old process."""
+        t = _seconds("now", now)
+        self._deadlines = {lid: t + lease.ttl_s for lid, lease in self._leases.items() if lease.live}
+
+    def lease(self, lease_id: str) -> LeaseView | None:
+        lease = self._leases.get(_text("lease_id", lease_id, NAME_PART_RE))
+        return self._lease_view(lease) if lease else None
+
+    def _lease_record(self, lease_id: Any) -> LeaseRecord:
+        lid = _text("lease_id", lease_id, NAME_PART_RE)
+        lease = self._leases.get(lid)
+        if lease is None:
+            _fail(ErrorCode.INVALID_REQUEST, f"no lease {lid}: grant it first", lease_id=lid)
+        return lease
+
+    def _live_lease(self, lease_id: str | None) -> None:
+        if lease_id is not None:
+            lease = self._lease_record(lease_id)
+            if not lease.live:
+                self._lease_ended(lease)
+
+    def _attach(self, s: SessionRecord, lease_id: str | None) -> SessionRecord:
+        """``s`` hanging on ``lease_id`` (checked; ``s`` itself when nothing changes)."""
+        if lease_id is None or s.lease_id == lease_id:
+            return s
+        if s.lease_id is not None:
+            _fail(ErrorCode.INVALID_REQUEST, f"session {s.key} hangs on lease {s.lease_id}, not {lease_id}")
+        self._live_lease(lease_id)
+        return evolve(s, lease_id=lease_id)
+
+    @staticmethod
+    def _lease_ended(lease: LeaseRecord) -> NoReturn:
+        _fail(
+            ErrorCode.SESSION_EXPIRED,
+            f"lease {lease.lease_id} ran out: its sessions are closed",
+            lease_id=lease.lease_id,
+        )
+
+    def _lease_view(self, lease: LeaseRecord) -> LeaseView:
+        return LeaseView(lease.lease_id, lease.ttl_s, lease.live, self._deadlines.get(lease.lease_id))
 
     def prune_sessions(self, keep_last: int) -> int:
         """Forget CLOSED session records closed more than ``keep_last`` transitions ago (their
@@ -769,6 +875,10 @@ class LoRAVersionRegistry:
         for k in gone:
             del self._sessions[k]
         if gone:
+            # An ended lease no kept session hangs on goes with them (bounded growth when
+            # workers come and go); a late keep-alive of it is then an unknown lease.
+            held = {s.lease_id for s in self._sessions.values()}
+            self._leases = {lid: lease for lid, lease in self._leases.items() if lease.live or lid in held}
             self._accepted()
         return len(gone)
 
@@ -926,9 +1036,9 @@ class LoRAVersionRegistry:
         for s in self._sessions.values():
             assert s.key.epoch == self.epoch
             if s.expired:
-                assert s.state is SessionState.CLOSED and s.lease_expires_at is None, f"{s.key} expired"
-            if s.state is SessionState.CLOSED:
-                assert s.lease_expires_at is None, f"{s.key} is CLOSED with a lease"
+                assert s.state is SessionState.CLOSED and s.lease_id is not None, f"{s.key} expired"
+            if s.lease_id is not None and s.state is not SessionState.CLOSED:
+                assert self._leases[s.lease_id].live, f"{s.key} is {s.state} on an ended lease"
             if s.binding is None:
                 assert not s.released
                 continue
@@ -970,6 +1080,7 @@ class LoRAVersionRegistry:
             "capacity": self.capacity,
             "versions": list(self._versions.values()),
             "sessions": list(self._sessions.values()),
+            "leases": list(self._leases.values()),
             "engine_records": list(self._engines.values()),
             "lost": self._lost,
             "default": self._default,
@@ -994,6 +1105,7 @@ class LoRAVersionRegistry:
             if rec.reclaim_id is not None:
                 reg._by_reclaim[rec.reclaim_id] = rec.key
         reg._sessions = {s.key: s for s in state["sessions"]}
+        reg._leases = {lease.lease_id: lease for lease in state["leases"]}
         reg._engines = {e.engine_id: e for e in state["engine_records"]}
         reg._lost = dict(state.get("lost", {}))
         reg._default = state["default"]
@@ -1157,7 +1269,7 @@ class LoRAVersionRegistry:
 
     @staticmethod
     def _session_view(s: SessionRecord) -> SessionView:
-        return SessionView(s.key, s.state, s.binding, s.released, s.lease_expires_at, s.expired)
+        return SessionView(s.key, s.state, s.binding, s.released, s.lease_id, s.expired)
 
     def _version_view(self, rec: VersionRecord) -> VersionView:
         return VersionView(

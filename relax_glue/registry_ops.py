@@ -2,7 +2,7 @@
 
 :class:`~relax_glue.store.DurableRegistry` (journal) and the clients in :mod:`relax_glue.actor`
 (in process or through the Ray actor) expose exactly the operations of
-:class:`~relax_glue.registry.LoRAVersionRegistry` (``MUTATING_OPS`` + ``QUERY_OPS``), with the same
+:class:`~relax_glue.registry.LoRAVersionRegistry` (``PUBLIC_OPS``), with the same
 names, arguments and results. Each typed method below forwards its keyword arguments, in
 signature order, to one hook, ``_dispatch(op, **kwargs)``, that the user class implements.
 
@@ -20,7 +20,7 @@ import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from relax_glue.registry import MUTATING_OPS, QUERY_OPS
+from relax_glue.registry import PUBLIC_OPS
 from relax_glue.registry_types import (
     AbortResult,
     Binding,
@@ -29,6 +29,7 @@ from relax_glue.registry_types import (
     EngineAck,
     EngineLostResult,
     IncarnationResult,
+    LeaseView,
     PreparedEvidence,
     ReadyEvidence,
     ReclaimClaim,
@@ -96,11 +97,13 @@ class RegistryOps:
     def declare_engine_lost(self, engine_id: str, reason: str) -> EngineLostResult:
         return self._dispatch("declare_engine_lost", engine_id=engine_id, reason=reason)
 
-    def open_session(self, session_key: SessionKey | Sequence[str]) -> SessionView:
-        return self._dispatch("open_session", session_key=session_key)
+    def open_session(
+        self, session_key: SessionKey | Sequence[str], lease_id: str | None = None
+    ) -> SessionView:
+        return self._dispatch("open_session", session_key=session_key, lease_id=lease_id)
 
-    def bind_first(self, session_key: SessionKey | Sequence[str]) -> Binding:
-        return self._dispatch("bind_first", session_key=session_key)
+    def bind_first(self, session_key: SessionKey | Sequence[str], lease_id: str | None = None) -> Binding:
+        return self._dispatch("bind_first", session_key=session_key, lease_id=lease_id)
 
     def begin_close(self, session_key: SessionKey | Sequence[str]) -> SessionView:
         return self._dispatch("begin_close", session_key=session_key)
@@ -108,10 +111,14 @@ class RegistryOps:
     def close_and_release(self, session_key: SessionKey | Sequence[str]) -> SessionView:
         return self._dispatch("close_and_release", session_key=session_key)
 
-    def renew_lease(
-        self, session_key: SessionKey | Sequence[str], ttl_s: float, now: float | None = None
-    ) -> SessionView:
-        return self._dispatch("renew_lease", session_key=session_key, ttl_s=ttl_s, now=now)
+    def grant_lease(self, lease_id: str, ttl_s: float, now: float | None = None) -> LeaseView:
+        return self._dispatch("grant_lease", lease_id=lease_id, ttl_s=ttl_s, now=now)
+
+    def end_leases(self, lease_ids: Sequence[str]) -> tuple[SessionKey, ...]:
+        return self._dispatch("end_leases", lease_ids=lease_ids)
+
+    def keep_alive(self, lease_id: str, now: float | None = None) -> LeaseView:
+        return self._dispatch("keep_alive", lease_id=lease_id, now=now)
 
     def expire_leases(self, now: float | None = None) -> tuple[SessionKey, ...]:
         return self._dispatch("expire_leases", now=now)
@@ -145,6 +152,12 @@ class RegistryOps:
 
     def sessions(self, include_closed: bool = False, limit: int | None = None) -> tuple[SessionView, ...]:
         return self._dispatch("sessions", include_closed=include_closed, limit=limit)
+
+    def lease(self, lease_id: str) -> LeaseView | None:
+        return self._dispatch("lease", lease_id=lease_id)
+
+    def leases_due(self, now: float | None = None) -> tuple[str, ...]:
+        return self._dispatch("leases_due", now=now)
 
     def dump(self) -> str:
         return self._dispatch("dump")
@@ -192,17 +205,23 @@ class AsyncRegistryAPI(Protocol):
 
     async def declare_engine_lost(self, engine_id: str, reason: str) -> EngineLostResult: ...
 
-    async def open_session(self, session_key: SessionKey | Sequence[str]) -> SessionView: ...
+    async def open_session(
+        self, session_key: SessionKey | Sequence[str], lease_id: str | None = None
+    ) -> SessionView: ...
 
-    async def bind_first(self, session_key: SessionKey | Sequence[str]) -> Binding: ...
+    async def bind_first(
+        self, session_key: SessionKey | Sequence[str], lease_id: str | None = None
+    ) -> Binding: ...
 
     async def begin_close(self, session_key: SessionKey | Sequence[str]) -> SessionView: ...
 
     async def close_and_release(self, session_key: SessionKey | Sequence[str]) -> SessionView: ...
 
-    async def renew_lease(
-        self, session_key: SessionKey | Sequence[str], ttl_s: float, now: float | None = None
-    ) -> SessionView: ...
+    async def grant_lease(self, lease_id: str, ttl_s: float, now: float | None = None) -> LeaseView: ...
+
+    async def end_leases(self, lease_ids: Sequence[str]) -> tuple[SessionKey, ...]: ...
+
+    async def keep_alive(self, lease_id: str, now: float | None = None) -> LeaseView: ...
 
     async def expire_leases(self, now: float | None = None) -> tuple[SessionKey, ...]: ...
 
@@ -226,6 +245,10 @@ class AsyncRegistryAPI(Protocol):
         self, include_closed: bool = False, limit: int | None = None
     ) -> tuple[SessionView, ...]: ...
 
+    async def lease(self, lease_id: str) -> LeaseView | None: ...
+
+    async def leases_due(self, now: float | None = None) -> tuple[str, ...]: ...
+
     async def dump(self) -> str: ...
 
 
@@ -236,6 +259,6 @@ class AsyncRegistryOps(AsyncRegistryAPI):
         raise NotImplementedError
 
 
-for _name in (*MUTATING_OPS, *QUERY_OPS):
+for _name in PUBLIC_OPS:
     setattr(AsyncRegistryOps, _name, _async_op(getattr(RegistryOps, _name)))
 del _name

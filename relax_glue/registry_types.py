@@ -194,8 +194,21 @@ class SessionView:
     state: SessionState
     binding: Binding | None
     released: bool  # the session ref was given back (exactly once)
-    lease_expires_at: float | None = None  # registry clock (unix s); None: no lease
+    lease_id: str | None = None  # the worker lease it hangs on; None: no lease
     expired: bool = False  # closed by lease expiry, not by its owner
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseView:
+    """A rollout worker's lease: its sessions live while it is kept alive.
+
+    ``expires_at`` is soft state (the registry host's clock, renewed in memory by keep-alives,
+    never journaled); ``live`` and ``ttl_s`` are journaled."""
+
+    lease_id: str
+    ttl_s: float
+    live: bool
+    expires_at: float | None  # None once ended
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,9 +288,18 @@ class SessionRecord:
     state: SessionState
     binding: Binding | None = None
     released: bool = False
-    lease_expires_at: float | None = None
+    lease_id: str | None = None
     expired: bool = False
     closed_seq: int | None = None  # the transition that made it CLOSED (for pruning)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseRecord:
+    """The journaled part of a lease: granted with a fixed TTL, LIVE until it ends (once)."""
+
+    lease_id: str
+    ttl_s: float
+    live: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,12 +344,14 @@ _TYPES: dict[str, type] = {
         EngineLostResult,
         Binding,
         SessionView,
+        LeaseView,
         ReclaimClaim,
         UnknownOutcome,
         VersionView,
         StatusView,
         VersionRecord,
         SessionRecord,
+        LeaseRecord,
         EngineRecord,
     )
 }

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -57,7 +58,14 @@ from relax_glue.gateway import GatewayClient
 from relax_glue.registry_types import Binding, SessionKey, SessionView
 from relax_glue.router import Router, StickyRoundRobinRouter
 
-__all__ = ["RequestRecord", "Session", "SessionManager", "SessionPhase", "TurnOutcomeUnknown"]
+__all__ = [
+    "DEFAULT_LEASE_TTL_S",
+    "RequestRecord",
+    "Session",
+    "SessionManager",
+    "SessionPhase",
+    "TurnOutcomeUnknown",
+]
 
 
 class SessionPhase(StrEnum):
@@ -142,6 +150,7 @@ class Session:
         self.key = key
         self.name = name
         self.phase = SessionPhase.OPEN
+        self.lease_id: str | None = None  # the worker lease it hangs on (None: leases off)
         self.bind_calls = 0  # bind_first calls this session made (one, unless a bind failed)
         self.resends = 0  # requests sent again after a not-yet-admitted refusal
         self.requests: list[RequestRecord] = []
@@ -243,7 +252,7 @@ class Session:
         req = self._prepare(body, rid)
         binding = await self.bind()
         req = self._stamp(req, binding)
-        await self._m._renew(self)  # every generation renews the lease (when leases are on)
+        await self._m._check_lease()  # no registry call while the worker's lease is fresh
         # Close (or expiry) may have come while we waited: no new dispatch after that.
         self._check_open()
         return req, self._m.router.pick(self.key)
@@ -453,6 +462,13 @@ class Session:
                         await w
 
 
+# Leases are on by default: a worker that dies must not pin a retired version forever. 30 s is
+# etcd's order of magnitude for a worker lease: long enough that a GC pause or a slow registry
+# never expires a live worker (it renews every 10 s), short enough that a dead worker's versions
+# become reclaimable within a minute.
+DEFAULT_LEASE_TTL_S = 30.0
+
+
 class SessionManager:
     """Sessions of one rollout service over a fixed set of engines and one registry.
 
@@ -474,7 +490,7 @@ class SessionManager:
         not_ready_wait_s: float = 30.0,
         resend_interval_s: float = 0.5,
         on_version_missing: Callable[[str, str], Awaitable[Any]] | None = None,
-        lease_ttl_s: float | None = None,
+        lease_ttl_s: float | None = DEFAULT_LEASE_TTL_S,
         heartbeat_s: float | None = None,
     ) -> None:
         # A registry object is wrapped in an in-process client; a client passed in keeps its own retries.
@@ -493,12 +509,17 @@ class SessionManager:
         self.not_ready_wait_s = not_ready_wait_s
         self.resend_interval_s = resend_interval_s
         self.on_version_missing = on_version_missing
-        # Leases (beyond the RFC): each session's lease lasts lease_ttl_s on the registry's clock
-        # and is renewed on every generation and by a heartbeat (every heartbeat_s, default a
-        # third of the TTL) while the session idles, so only a worker that died loses its
-        # sessions. None: no leases (a crashed worker's sessions then hold their refs forever).
+        # Leases (beyond the RFC): the manager is one rollout worker and holds ONE lease, of
+        # lease_ttl_s on the registry's clock; every session it opens hangs on it. A heartbeat
+        # (every heartbeat_s, default a third of the TTL) keeps it alive with one call whatever
+        # the number of sessions, and no turn calls the registry while the lease is fresh by the
+        # worker's own clock (a lease older than its TTL is checked before the next dispatch).
+        # When the worker dies its lease runs out and the registry closes all its sessions.
+        # None: no leases (a crashed worker's sessions then hold their refs forever).
         self.lease_ttl_s = lease_ttl_s
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else (lease_ttl_s or 0) / 3
+        self.lease_id: str | None = None
+        self._lease_sent_at = -math.inf  # monotonic send time of the last accepted keep-alive
         self._heartbeat: asyncio.Task[None] | None = None
         self.renewals = 0
         self._epoch: str | None = None
@@ -522,44 +543,74 @@ class SessionManager:
         return MappingProxyType(self._sessions)
 
     async def open(self, name: str = "session") -> Session:
-        """A new OPEN session without a version. The key carries a fresh nonce, so a reused
-        name is a new lifecycle and never meets the tombstone of an earlier one."""
+        """A new OPEN session without a version, on this worker's lease (when leases are on).
+        The key carries a fresh nonce, so a reused name is a new lifecycle and never meets the
+        tombstone of an earlier one."""
         if self._epoch is None:
             self._epoch = (await self.registry.connect()).epoch
         key = SessionKey(self._epoch, f"{name}.{uuid.uuid4().hex}")
-        await self.registry.open_session(session_key=key)
+        lease_id = await self._lease()
+        await self.registry.open_session(session_key=key, lease_id=lease_id)
         session = Session(self, key, name)
+        session.lease_id = lease_id
         self._sessions[key] = session
-        if self.lease_ttl_s is not None:
-            await self._renew(session)
-            if self._heartbeat is None or self._heartbeat.done():
-                self._heartbeat = asyncio.get_running_loop().create_task(
-                    self._heartbeat_forever(), name="leases"
-                )
         return session
 
-    async def _renew(self, session: Session) -> None:
-        """Renew one session's lease. SESSION_EXPIRED marks it EXPIRED here too (refused from
-        now on, never rebound); an unreachable registry is asked again at the next renewal."""
-        if self.lease_ttl_s is None or session.phase is not SessionPhase.OPEN:
+    async def _lease(self) -> str | None:
+        """This worker's live lease, granted at the first open (and again after one ran out),
+        with its heartbeat started."""
+        if self.lease_ttl_s is None:
+            return None
+        if self.lease_id is None:
+            lease_id = f"worker.{uuid.uuid4().hex}"
+            sent = time.monotonic()
+            await self.registry.grant_lease(lease_id=lease_id, ttl_s=self.lease_ttl_s)
+            self.lease_id, self._lease_sent_at = lease_id, sent
+        if self._heartbeat is None or self._heartbeat.done():
+            self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_forever(), name="lease")
+        return self.lease_id
+
+    def _lease_fresh(self) -> bool:
+        # Measured from the keep-alive's SEND time: the registry's deadline is at least one TTL
+        # after it received that keep-alive, so a fresh lease here is live there.
+        return self.lease_ttl_s is not None and time.monotonic() - self._lease_sent_at < self.lease_ttl_s
+
+    async def _check_lease(self) -> None:
+        """Before a dispatch: nothing while the lease is fresh; otherwise one keep-alive, which
+        marks this worker's sessions EXPIRED if the registry ended the lease meanwhile."""
+        if self.lease_id is not None and not self._lease_fresh():
+            await self._keep_alive()
+
+    async def _keep_alive(self) -> None:
+        """Renew this worker's lease (one call for all its sessions). SESSION_EXPIRED: the
+        registry closed every session on it, so they are marked EXPIRED here (refused from now
+        on, never rebound) and the next open takes a new lease. An unreachable registry is asked
+        again at the next heartbeat; nothing is decided on a guess."""
+        lease_id = self.lease_id
+        if lease_id is None:
             return
+        sent = time.monotonic()
         try:
-            await self.registry.renew_lease(session_key=session.key, ttl_s=self.lease_ttl_s)
-            self.renewals += 1
+            await self.registry.keep_alive(lease_id=lease_id)
         except LoraVersionError as err:
-            if err.code is ErrorCode.SESSION_EXPIRED:
-                session.phase = SessionPhase.EXPIRED
-            elif err.code is not ErrorCode.SESSION_CLOSED:
+            if err.code is not ErrorCode.SESSION_EXPIRED:
                 raise
+            for s in self._sessions.values():
+                if s.lease_id == lease_id and s.phase is SessionPhase.OPEN:
+                    s.phase = SessionPhase.EXPIRED
+            if self.lease_id == lease_id:
+                self.lease_id = None
+            return
         except RegistryUnavailable:
-            pass
+            return
+        self._lease_sent_at = max(self._lease_sent_at, sent)
+        self.renewals += 1
 
     async def _heartbeat_forever(self) -> None:
-        while True:
+        while self.lease_id is not None:
             await asyncio.sleep(self.heartbeat_s)
-            for s in list(self._sessions.values()):
-                with contextlib.suppress(LoraVersionError):
-                    await self._renew(s)
+            with contextlib.suppress(LoraVersionError):
+                await self._keep_alive()
 
     async def aclose(self) -> None:
         """Stop the heartbeat (sessions stay as they are; close them first if you mean to)."""

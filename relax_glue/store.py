@@ -48,13 +48,14 @@ import fcntl
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from lora_contract.errors import LoraVersionError
 from lora_contract.names import MANAGED_CAPACITY
-from relax_glue.registry import MUTATING_OPS, LoRAVersionRegistry, stamp_now
+from relax_glue.registry import DERIVED_OPS, MUTATING_OPS, LoRAVersionRegistry, stamp_now
 from relax_glue.registry_ops import RegistryOps
 from relax_glue.registry_types import dumps, loads
 
@@ -72,7 +73,8 @@ __all__ = [
 ]
 
 # 2: the registry's per-engine records renamed from *Receipt to *Evidence (journal type tags).
-SCHEMA_VERSION = 2
+# 3: worker leases (grant_lease / end_leases journaled; renewals soft); per-session leases gone.
+SCHEMA_VERSION = 3
 # PRAGMA application_id: marks a file as ours, so a foreign SQLite file is refused, not adopted.
 APPLICATION_ID = 0x4C525631  # "LRV1"
 _SYNC_MODES = ("FULL", "NORMAL", "OFF")
@@ -148,7 +150,12 @@ class DurableRegistry(RegistryOps):
                 raise ValueError(f"{name} must be an int >= 1 or None")
         self = object.__new__(cls)
         self.path = Path(path)
-        self._mutex = threading.RLock()
+        # One lock for the state, the group being formed and the flag of the group being
+        # written; never taken recursively (a Condition over a plain Lock).
+        self._mutex = threading.Condition(threading.Lock())
+        self._pending: list[tuple[int, str, str, str]] = []  # decided rows not yet written
+        self._flushing = False  # a leader is writing a group (outside the lock)
+        self.commits = 0  # transactions written (one fsync each with synchronous=FULL)
         self._broken = False
         self._closed = True
         if must_exist and not (self.path.is_file() and self.path.stat().st_size > 0):
@@ -167,6 +174,11 @@ class DurableRegistry(RegistryOps):
             os.close(self._lock_fd)
             raise
         self._registry.debug_checks = debug_checks
+        # The deadlines of before the restart are gone with the old process: every live lease
+        # gets a fresh TTL from now (a live worker keeps its sessions, a dead one loses them
+        # one TTL later).
+        self._registry.refresh_leases(time.time())
+        self._durable = self._registry.seq  # everything replayed is on disk
         self.compact_every = compact_every
         self.session_window = session_window
         row = self._conn.execute("SELECT MAX(seq) FROM checkpoint").fetchone()
@@ -179,6 +191,7 @@ class DurableRegistry(RegistryOps):
 
     def close(self) -> None:
         with self._mutex:
+            self._mutex.wait_for(lambda: not self._flushing)  # never close under a writing leader
             if self._closed:
                 return
             self._closed = True
@@ -217,36 +230,37 @@ class DurableRegistry(RegistryOps):
     def checkpoint(self) -> int:
         """Store a full state dump at the current sequence number; later opens replay only the
         journal rows after it. Returns that sequence number."""
-        with self._mutex:
-            self._check_usable()
-            seq, text = self._registry.seq, self._registry.dump()
-            self._write("INSERT OR REPLACE INTO checkpoint(seq, state) VALUES (?, ?)", (seq, text))
-            return seq
+        return self._flush(checkpoint=True)
 
     def compact(self) -> int:
         """Prune old CLOSED sessions (journaled), then checkpoint and drop what the checkpoint
         covers, in one transaction. Returns the checkpoint's sequence number."""
-        with self._mutex:
-            self._check_usable()
-            if self.session_window is not None:
-                self._apply("prune_sessions", keep_last=self.session_window)
-            seq, text = self._registry.seq, self._registry.dump()
-            self._write_all(
-                [
-                    ("INSERT OR REPLACE INTO checkpoint(seq, state) VALUES (?, ?)", (seq, text)),
-                    ("DELETE FROM journal WHERE seq <= ?", (seq,)),
-                    ("DELETE FROM checkpoint WHERE seq < ?", (seq,)),
-                ]
-            )
-            self._compacted_at = seq
-            self.compactions += 1
-            return seq
+        return self._flush(compact=True)
 
     # ---------------------------------------------------------------------------- ops
     # reserve ... dump come from RegistryOps through _dispatch; check_invariants is store-only.
 
     def check_invariants(self, full: bool = True) -> None:
-        self._query(lambda: self._registry.check_invariants(full))
+        with self._mutex:
+            self._check_usable()
+            self._registry.check_invariants(full)
+
+    def dispatch_many(self, calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Any]:
+        """Decide ``calls`` in order, then wait until every transition they made (and every
+        one they could observe) is durable: one group, at most one commit. Each entry of the
+        answer is the op's result, or the :class:`LoraVersionError` that refused it (as a
+        value); an operational failure (a broken store) raises for the whole batch."""
+        outcomes: list[Any] = []
+        with self._mutex:
+            self._check_usable()
+            for op, kwargs in calls:
+                try:
+                    outcomes.append(self._decide(op, stamp_now(op, kwargs)))
+                except LoraVersionError as exc:
+                    outcomes.append(exc)
+            seen = self._registry.seq
+        self._flush(until=seen)
+        return outcomes
 
     # -------------------------------------------------------------------------- helpers
 
@@ -256,45 +270,91 @@ class DurableRegistry(RegistryOps):
         if self._broken:
             raise StoreBrokenError(f"a commit to {self.path} failed earlier; reopen the store")
 
-    def _query(self, fn: Callable[[], T]) -> T:
-        with self._mutex:
-            self._check_usable()
-            return fn()
-
     def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
-        # Mutating ops are journaled (a timed op with the ``now`` stamped here, so a replay
-        # decides the same); queries only read the state under the lock.
-        kwargs = stamp_now(op, kwargs)
-        if op in MUTATING_OPS:
-            with self._mutex:
-                result = self._apply(op, **kwargs)
-                if self.compact_every is not None and self.seq - self._compacted_at >= self.compact_every:
-                    self.compact()  # after the answer is durable: a crash here loses nothing
-                return result
-        return self._query(lambda: getattr(self._registry, op)(**kwargs))
+        (outcome,) = self.dispatch_many([(op, kwargs)])
+        if isinstance(outcome, LoraVersionError):
+            raise outcome
+        return outcome
 
-    def _apply(self, op: str, /, **kwargs: Any) -> Any:
+    def _decide(self, op: str, kwargs: dict[str, Any]) -> Any:
+        """Run one op on the pure registry (lock held). A transition appends its journal row to
+        the group being formed; a refusal raises having changed and appended nothing; soft ops
+        and queries append nothing."""
+        if op in DERIVED_OPS:  # expire_leases: journal the decision, never the clock
+            due = self._registry.leases_due(kwargs["now"])
+            return self._decide("end_leases", {"lease_ids": list(due)}) if due else ()
+        before = self._registry.seq
+        result = getattr(self._registry, op)(**kwargs)
+        if self._registry.seq != before:
+            assert op in MUTATING_OPS and self._registry.seq == before + 1, op
+            self._pending.append((self._registry.seq, op, dumps(kwargs), dumps(result)))
+        return result
+
+    def _compaction_due(self) -> bool:
+        return (
+            self.compact_every is not None and self._registry.seq - self._compacted_at >= self.compact_every
+        )
+
+    def _flush(self, until: int | None = None, *, checkpoint: bool = False, compact: bool = False) -> int:
+        """Group commit: make every transition up to ``until`` durable (all decided ones when
+        None), as a leader writing the whole group formed so far, or as a follower waiting for
+        the leader's group. The write happens outside the lock, so calls arriving meanwhile
+        are decided and form the next group; no caller returns before its group is durable.
+        ``checkpoint`` / ``compact`` add a state dump (and the journal prune) to the group."""
+        forced = checkpoint or compact
         with self._mutex:
-            self._check_usable()
-            before = self._registry.seq
-            result = getattr(self._registry, op)(**kwargs)  # a refusal raises here: nothing written
-            if self._registry.seq == before:
-                return result  # an idempotent repeat: no transition, nothing to write
-            assert self._registry.seq == before + 1
-            row = (self._registry.seq, op, dumps(kwargs), dumps(result))
-            self._write("INSERT INTO journal(seq, op, args, result) VALUES (?, ?, ?, ?)", row)
-            return result
+            target = self._registry.seq if until is None else until
+            while True:
+                self._check_usable()
+                if self._durable >= target and not forced:
+                    return self._durable
+                if not self._flushing:
+                    break
+                self._mutex.wait()
+            self._flushing = True
+            try:
+                compact = compact or self._compaction_due()
+                if compact and self.session_window is not None:
+                    self._decide("prune_sessions", {"keep_last": self.session_window})
+                rows, upto = self._pending, self._registry.seq
+                self._pending = []
+                state = self._registry.dump() if (compact or checkpoint) else None
+            except BaseException:
+                self._flushing = False
+                self._mutex.notify_all()
+                raise
+        statements: list[tuple[str, Sequence[Any]]] = [
+            ("INSERT INTO journal(seq, op, args, result) VALUES (?, ?, ?, ?)", row) for row in rows
+        ]
+        if state is not None:
+            statements.append(("INSERT OR REPLACE INTO checkpoint(seq, state) VALUES (?, ?)", (upto, state)))
+        if compact:
+            statements += [
+                ("DELETE FROM journal WHERE seq <= ?", (upto,)),
+                ("DELETE FROM checkpoint WHERE seq < ?", (upto,)),
+            ]
+        try:
+            if statements:
+                self._write_all(statements)  # marks the store broken on failure
+        finally:
+            with self._mutex:
+                if not self._broken:
+                    self._durable = upto
+                    if compact:
+                        self._compacted_at = upto
+                        self.compactions += 1
+                self._flushing = False
+                self._mutex.notify_all()
+        return upto
 
-    def _write(self, sql: str, params: tuple[Any, ...]) -> None:
-        self._write_all([(sql, params)])
-
-    def _write_all(self, statements: Sequence[tuple[str, tuple[Any, ...]]]) -> None:
+    def _write_all(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> None:
         """Run ``statements`` as one transaction: all of them are durable, or none."""
         try:
             self._conn.execute("BEGIN IMMEDIATE")
             for sql, params in statements:
                 self._conn.execute(sql, params)
             self._conn.execute("COMMIT")
+            self.commits += 1
         except BaseException as exc:
             # The in-memory registry may be ahead of the disk now: refuse to go on, so no answer
             # is ever returned for a transition that is not durable.

@@ -6,8 +6,8 @@ opens leased sessions.
 
 ``die-after-bind``: opens one session and starts a turn; the registry client is the real one,
 its transport wrapped so that the moment the reply to ``bind_first`` has arrived (the ref is
-taken) the worker prints ``BOUND`` and SIGKILLs itself, before the session layer's renewal after
-the bind. Only the lease set at open (or by a heartbeat before the bind) is left."""
+taken) the worker prints ``BOUND`` and SIGKILLs itself. Only the worker lease the session was
+opened on is left."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Session leases (issue 10, beyond the RFC): a crashed rollout worker's sessions are closed when
-their lease runs out, exactly once and through the same transition as a normal close, so the
-retired version they held can be reclaimed. The registry stays pure: time is an argument
-(``now``), stamped once by whoever hosts the registry and journaled with the call.
+"""Worker leases (issues 10 and 26, beyond the RFC): a rollout worker holds one lease and its
+sessions hang on it; when a crashed worker's lease runs out, every session on it is closed, exactly
+once and through the same transition as a normal close, so the retired version they held can be
+reclaimed. Renewals are soft state (memory only); a lease's grant and end and a session's
+attachment are journaled, the end as its decision. The registry stays pure: time is an argument
+(``now``), stamped once by whoever hosts the registry.
 
 Registry rows use the REAL registry (``Checked``: full invariants after each accepted call, no
 change on a refusal); the session rows drive the REAL session layer over fake engines."""
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sqlite3
 import time
 from pathlib import Path
 
@@ -20,160 +23,201 @@ from _rg_helpers import ENGINES, EPOCH, Publisher, new_registry, refused, sk, vk
 from lora_contract.errors import ErrorCode
 from relax_glue.actor import AsyncRegistryClient
 from relax_glue.publisher import Publisher as EnginePublisher
-from relax_glue.registry_types import SessionState, VersionState
+from relax_glue.registry_types import LeaseView, SessionState, VersionState, loads
 from relax_glue.sessions import SessionManager, SessionPhase
 from relax_glue.store import DurableRegistry
 
 T0 = 1_000_000.0
 
 
-def _bound(reg, name: str = "s"):
+def _bound(reg, name: str = "s", lease: str | None = None):
     pub = Publisher(reg)
     pub.publish("A")
-    reg.bind_first(sk(name))
+    reg.bind_first(sk(name), lease)
     return pub
 
 
-def test_a_lease_is_renewed_forward_only_and_a_replay_changes_nothing() -> None:
+def test_one_keep_alive_renews_every_session_of_a_worker_and_moves_only_forward() -> None:
     reg = new_registry()
-    _bound(reg)
-    view = reg.renew_lease(sk("s"), 10.0, T0)
-    assert view.lease_expires_at == T0 + 10
+    Publisher(reg).publish("A")
+    view = reg.grant_lease("w", 10.0, T0)
+    assert view.live and view.expires_at == T0 + 10
+    for name in ("s1", "s2", "s3"):
+        reg.bind_first(sk(name), "w")
     seq = reg.seq
-    assert reg.renew_lease(sk("s"), 10.0, T0) == view  # a replay
-    assert reg.renew_lease(sk("s"), 5.0, T0 + 1) == view  # would move it earlier: no change
-    assert reg.seq == seq
-    assert reg.renew_lease(sk("s"), 10.0, T0 + 3).lease_expires_at == T0 + 13
-    assert reg.seq == seq + 1
+    assert reg.keep_alive("w", T0 + 5).expires_at == T0 + 15  # all three sessions at once
+    assert reg.keep_alive("w", T0 + 1).expires_at == T0 + 15  # never earlier
+    assert reg.grant_lease("w", 10.0, T0 + 6).expires_at == T0 + 16  # a repeated grant: a keep-alive
+    assert reg.seq == seq  # renewals are soft state: no transition, nothing to journal
+    assert reg.leases_due(T0 + 15.9) == () and reg.leases_due(T0 + 16) == ("w",)
 
 
-def test_expiry_closes_exactly_once_through_the_close_transition() -> None:
+def test_expiry_closes_exactly_once_only_the_sessions_of_the_lease_that_ran_out() -> None:
     reg = new_registry()
-    pub = _bound(reg)
-    reg.renew_lease(sk("s"), 10.0, T0)
-    pub.publish("B")  # A retired, held by s
+    Publisher(reg).publish("A")
+    reg.grant_lease("dead", 10.0, T0)
+    reg.grant_lease("live", 10.0, T0)
+    reg.bind_first(sk("d1"), "dead")
+    reg.open_session(sk("d2"), "dead")  # opened, never bound: closed too, nothing to release
+    reg.bind_first(sk("l1"), "live")
+    reg.bind_first(sk("free"))  # no lease: never expires
+    assert reg.version(vk("A")).session_refs == 3
+    reg.keep_alive("live", T0 + 9)
     seq = reg.seq
     assert reg.expire_leases(T0 + 9.999) == () and reg.seq == seq  # not yet: nothing changes
-    assert reg.expire_leases(T0 + 10) == (sk("s"),)
-    assert reg.seq == seq + 1
-    view = reg.session(sk("s"))
-    assert (
-        view.state is SessionState.CLOSED and view.released and view.expired and view.lease_expires_at is None
-    )
-    assert reg.version(vk("A")).session_refs == 0
-    assert reg.expire_leases(T0 + 100) == () and reg.seq == seq + 1  # exactly once
-    assert reg.close_and_release(sk("s")) == view and reg.seq == seq + 1  # the owner's late close
-    reg.claim_reclaim(vk("A"))  # the retired version can go now
+    assert reg.expire_leases(T0 + 10) == (sk("d1"), sk("d2"))
+    for name in ("d1", "d2"):
+        view = reg.session(sk(name))
+        assert view.state is SessionState.CLOSED and view.expired and view.lease_id == "dead"
+    assert reg.session(sk("d1")).released and not reg.session(sk("d2")).released
+    assert reg.session(sk("l1")).state is SessionState.OPEN
+    assert reg.version(vk("A")).session_refs == 2
+    assert reg.expire_leases(T0 + 10**6) == (sk("l1"),) and reg.seq == seq + 2  # each exactly once
+    assert reg.session(sk("free")).state is SessionState.OPEN
+    assert reg.lease("dead") == LeaseView("dead", 10.0, False, None)
 
 
 def test_the_first_bind_keeps_the_lease_set_at_open() -> None:
-    """The session layer's order: open, renew (the lease starts at open), bind_first, and only then
-    the next renewal. A worker that dies between the bind and that renewal must still expire."""
+    """The session layer's order: open on the worker's lease, then bind_first at the first turn
+    (no lease argument). A worker that dies right after the bind must still expire."""
     reg = new_registry()
-    pub = Publisher(reg)
-    pub.publish("A")
-    reg.open_session(sk("s"))
-    reg.renew_lease(sk("s"), 10.0, T0)
-    binding = reg.bind_first(sk("s"))
-    assert reg.session(sk("s")).lease_expires_at == T0 + 10  # the bind kept it
-    assert reg.bind_first(sk("s")) == binding  # a repeat bind changes nothing either
-    assert reg.session(sk("s")).lease_expires_at == T0 + 10
-    pub.publish("B")  # A retired, held only by the dead worker's session
+    Publisher(reg).publish("A")
+    reg.grant_lease("w", 10.0, T0)
+    reg.open_session(sk("s"), "w")
+    reg.bind_first(sk("s"))
+    assert reg.session(sk("s")).lease_id == "w"
     assert reg.expire_leases(T0 + 100) == (sk("s"),)
     assert reg.version(vk("A")).session_refs == 0
-    reg.claim_reclaim(vk("A"))
 
 
 def test_a_bind_keeps_every_field_of_the_session_record() -> None:
-    """bind_first changes exactly the binding: whatever else the record holds stays (one rule for
-    every field, so a field added later cannot be dropped by the bind either)."""
-    import dataclasses
-
+    """``bind_first`` on an OPEN, unbound session changes its binding (and a lease it is given)
+    and nothing else."""
     reg = new_registry()
     Publisher(reg).publish("A")
-    reg.open_session(sk("s"))
-    reg.renew_lease(sk("s"), 10.0, T0)
+    reg.grant_lease("w", 10.0, T0)
+    reg.open_session(sk("s"), "w")
     before = reg._sessions[sk("s")]
     reg.bind_first(sk("s"))
     after = reg._sessions[sk("s")]
-    changed = {
-        f.name for f in dataclasses.fields(before) if getattr(before, f.name) != getattr(after, f.name)
+    assert {k: v for k, v in vars(after).items() if k != "binding"} == {
+        k: v for k, v in vars(before).items() if k != "binding"
     }
-    assert changed == {"binding"}
 
 
-def test_an_expired_session_never_rebinds() -> None:
+def test_an_ended_lease_is_never_renewed_nor_granted_again_and_its_sessions_never_rebind() -> None:
     reg = new_registry()
-    _bound(reg)
-    reg.renew_lease(sk("s"), 1.0, T0)
+    _bound(reg, lease=None)
+    reg.grant_lease("w", 1.0, T0)
+    reg.open_session(sk("s2"), "w")
     reg.expire_leases(T0 + 2)
-    for call in (
-        lambda: reg.bind_first(sk("s")),
-        lambda: reg.open_session(sk("s")),
-        lambda: reg.renew_lease(sk("s"), 1.0, T0 + 3),
-    ):
-        refused(ErrorCode.SESSION_EXPIRED, call)
-    reg.begin_close(sk("s"))  # a late close is a no-op, not an error
+    seq = reg.seq
+    refused(ErrorCode.SESSION_EXPIRED, reg.keep_alive, "w", T0 + 3)
+    refused(ErrorCode.SESSION_EXPIRED, reg.grant_lease, "w", 1.0, T0 + 3)
+    refused(ErrorCode.SESSION_EXPIRED, reg.open_session, sk("new"), "w")
+    refused(ErrorCode.SESSION_EXPIRED, reg.bind_first, sk("s2"))
+    assert reg.seq == seq and reg.session(sk("new")) is None
 
 
 def test_a_session_whose_owner_died_mid_close_expires_too() -> None:
     reg = new_registry()
-    _bound(reg)
-    reg.renew_lease(sk("s"), 1.0, T0)
-    reg.begin_close(sk("s"))  # CLOSING, ref still held; the worker dies here
-    assert reg.version(vk("A")).session_refs == 1
+    Publisher(reg).publish("A")
+    reg.grant_lease("w", 1.0, T0)
+    reg.bind_first(sk("s"), "w")
+    reg.begin_close(sk("s"))  # the owner died before close_and_release
     assert reg.expire_leases(T0 + 1) == (sk("s"),)
     assert reg.version(vk("A")).session_refs == 0
-
-
-def test_a_closing_session_cannot_renew_its_lease_but_still_expires() -> None:
-    """A session its owner began to close takes no new lease (nothing will run on it again);
-    if the owner dies before close_and_release, the lease it had is what releases the ref."""
-    reg = new_registry()
-    _bound(reg)
-    reg.renew_lease(sk("s"), 1.0, T0)
-    reg.begin_close(sk("s"))
-    seq = reg.seq
-    refused(ErrorCode.SESSION_CLOSED, reg.renew_lease, sk("s"), 100.0, T0 + 0.5)
-    assert reg.seq == seq and reg.session(sk("s")).lease_expires_at == T0 + 1
-    assert reg.expire_leases(T0 + 1) == (sk("s"),)
 
 
 def test_sessions_without_a_lease_are_never_expired() -> None:
     reg = new_registry()
     _bound(reg)
     assert reg.expire_leases(T0 + 10**9) == ()
-    assert reg.session(sk("s")).state is SessionState.OPEN
 
 
-@pytest.mark.parametrize("ttl", [0, -1, math.nan, math.inf, True, "5"])
+@pytest.mark.parametrize("ttl", [0, -1, math.inf, math.nan, "10", True, None])
 def test_a_bad_ttl_is_refused(ttl: object) -> None:
     reg = new_registry()
-    _bound(reg)
-    refused(ErrorCode.INVALID_REQUEST, reg.renew_lease, sk("s"), ttl, T0)
+    refused(ErrorCode.INVALID_REQUEST, reg.grant_lease, "w", ttl, T0)
 
 
-def test_renewing_an_unknown_or_closed_session_is_refused() -> None:
+def test_unknown_leases_foreign_attachments_and_another_ttl_are_refused() -> None:
     reg = new_registry()
-    _bound(reg)
-    refused(ErrorCode.INVALID_REQUEST, reg.renew_lease, sk("nobody"), 1.0, T0)
-    reg.close_and_release(sk("s"))
-    refused(ErrorCode.SESSION_CLOSED, reg.renew_lease, sk("s"), 1.0, T0)
+    Publisher(reg).publish("A")
+    refused(ErrorCode.INVALID_REQUEST, reg.keep_alive, "nobody", T0)
+    refused(ErrorCode.INVALID_REQUEST, reg.open_session, sk("s"), "nobody")
+    refused(ErrorCode.INVALID_REQUEST, reg.bind_first, sk("s"), "nobody")
+    refused(ErrorCode.INVALID_REQUEST, reg.grant_lease, "bad/id", 1.0, T0)
+    reg.grant_lease("w", 1.0, T0)
+    refused(ErrorCode.INVALID_REQUEST, reg.grant_lease, "w", 2.0, T0)  # a TTL is fixed at grant
+    reg.grant_lease("v", 1.0, T0)
+    reg.open_session(sk("s"), "w")
+    refused(ErrorCode.INVALID_REQUEST, reg.open_session, sk("s"), "v")  # hangs on w, not v
+    refused(ErrorCode.INVALID_REQUEST, reg.bind_first, sk("s"), "v")
     refused(ErrorCode.INVALID_REQUEST, reg.expire_leases, math.nan)
+    refused(ErrorCode.INVALID_REQUEST, reg.end_leases, "w")  # a list, not one id
 
 
-def test_the_durable_store_stamps_now_once_and_replays_the_same_decisions(tmp_path: Path) -> None:
+def test_pruning_forgets_an_ended_lease_with_its_last_session() -> None:
+    reg = new_registry()
+    Publisher(reg).publish("A")
+    reg.grant_lease("w", 1.0, T0)
+    reg.bind_first(sk("s"), "w")
+    reg.expire_leases(T0 + 1)
+    reg.open_session(sk("later"))
+    reg.open_session(sk("later-2"))
+    assert reg.prune_sessions(1) == 1 and reg.lease("w") is None
+
+
+# ------------------------------------------------------------------------------ durable host
+
+
+def _journal(path: Path) -> list[tuple[str, str]]:
+    with sqlite3.connect(path) as conn:
+        return conn.execute("SELECT op, args FROM journal ORDER BY seq").fetchall()
+
+
+def test_renewals_write_nothing_to_disk(tmp_path: Path) -> None:
+    """A thousand keep-alives: no commit, no journal row, not a byte more in the database or
+    its WAL (what the store writes is a lease's grant and end and a session's open/bind/close)."""
     path = tmp_path / "reg.db"
     with DurableRegistry.open(path, EPOCH, ENGINES, 2) as d:
-        _bound(d)
-        t = time.time()
-        view = d.renew_lease(sk("s"), 0.05)  # no now: the store's clock
-        assert t <= view.lease_expires_at - 0.05 <= time.time()
-        time.sleep(0.06)
-        assert d.expire_leases() == (sk("s"),)
-        before = d.dump()
+        Publisher(d).publish("A")
+        d.grant_lease("w", 30.0)
+        for i in range(64):
+            d.bind_first(sk(f"s{i}"), "w")
+        commits, rows = d.commits, len(_journal(path))
+        sizes = [p.stat().st_size for p in (path, path.with_name(path.name + "-wal"))]
+        for _ in range(1000):
+            d.keep_alive("w")
+        assert d.commits == commits and len(_journal(path)) == rows
+        assert [p.stat().st_size for p in (path, path.with_name(path.name + "-wal"))] == sizes
+
+
+def test_an_expiry_is_journaled_as_its_decision_and_a_restart_gives_live_leases_a_fresh_ttl(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "reg.db"
     with DurableRegistry.open(path, EPOCH, ENGINES, 2) as d:
-        assert d.dump() == before and d.session(sk("s")).expired
+        _bound(d, "gone", lease=None)
+        d.grant_lease("dead", 0.05)
+        d.grant_lease("live", 0.3)
+        d.bind_first(sk("d"), "dead")
+        d.bind_first(sk("l"), "live")
+        time.sleep(0.06)
+        assert d.expire_leases() == (sk("d"),)  # no now: the store's clock
+        before = d.dump()
+    ops = _journal(path)
+    assert [loads(args) for op, args in ops if op == "end_leases"] == [{"lease_ids": ["dead"]}]
+    assert "expire_leases" not in {op for op, _ in ops}  # the decision, never the clock
+    time.sleep(0.35)  # the live lease's old deadline has passed while the registry was down
+    opened = time.time()
+    with DurableRegistry.open(path, EPOCH, ENGINES, 2) as d:
+        assert d.dump() == before and d.session(sk("d")).expired  # the same decisions
+        assert d.expire_leases() == ()  # a fresh TTL from the restart: not expired early
+        assert d.lease("live").expires_at >= opened + 0.3
+        time.sleep(0.31)
+        assert d.expire_leases() == (sk("l"),)  # but one TTL later, unrenewed, it ends
 
 
 # ------------------------------------------------------------------------------ session layer
@@ -225,7 +269,6 @@ async def test_the_heartbeat_keeps_an_idle_session_alive_and_a_dead_worker_loses
         assert reaper.cancelled()  # it ran until cancelled: no call of it raised
         await mgr.aclose()
         await cluster.aclose()
-
 
 
 async def test_the_default_heartbeat_is_a_third_of_the_ttl_and_keeps_an_idle_session() -> None:

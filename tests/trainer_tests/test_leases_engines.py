@@ -62,11 +62,11 @@ def _start_worker(ray_local, epoch: str, engines, mode: str) -> subprocess.Popen
 async def test_a_worker_killed_right_after_its_first_bind_is_released_after_the_ttl(
     engines, fixtures, ray_local, tmp_path
 ) -> None:
-    """The worker dies between ``bind_first`` and the session layer's renewal after it (its
-    registry client is the real one, wrapped to SIGKILL the process the moment the bind returns).
-    Its only lease is the one set at open: the bind must have kept it, so the reaper releases the
-    ref after the TTL and the retired version is reclaimed. (Before the fix the bind dropped the
-    lease: the ref, the retired version and its slot stayed forever.)"""
+    """The worker dies the moment ``bind_first`` returns (its registry client is the real one,
+    wrapped to SIGKILL the process then), before any heartbeat. Its session hangs on the worker
+    lease it was opened on: the bind must have kept it, so the reaper releases the ref after the
+    TTL and the retired version is reclaimed. (Before issue 10's fix the bind dropped the lease:
+    the ref, the retired version and its slot stayed forever.)"""
     epoch = new_epoch()
     actor = start_registry_actor(
         epoch, ("E0", "E1"), db_path=tmp_path / "registry.db", lease_reaper_s=REAPER_S
@@ -84,7 +84,7 @@ async def test_a_worker_killed_right_after_its_first_bind_is_released_after_the_
         assert await asyncio.to_thread(worker.wait, 30) == -signal.SIGKILL
         t_dead = time.monotonic()
         (dead,) = [v for v in await client.sessions() if v.binding is not None]
-        assert dead.state is SessionState.OPEN and dead.lease_expires_at is not None, dead
+        assert dead.state is SessionState.OPEN and dead.lease_id is not None, dead
         assert (await pub.publish(snaps["B"], "B")).outcome is PublishOutcome.PUBLISHED
 
         async def refs_of_a() -> int:

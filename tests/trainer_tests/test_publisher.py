@@ -26,7 +26,7 @@ from lora_versions_dev.fault_injection import FaultInjectingClient
 from relax_glue.actor import AsyncRegistryClient, RegistryClient
 from relax_glue.publisher import Publisher, PublishOutcome, PublishResult
 from relax_glue.reclaimer import EngineReclaim, EngineReclaimState, ReclaimResult
-from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
+from relax_glue.registry import PUBLIC_OPS, LoRAVersionRegistry
 from relax_glue.registry_types import AttemptPhase, ReclaimPhase, VersionKey, VersionState
 
 SNAP = {name: make_snapshot(seed=i) for i, name in enumerate("ABCD")}
@@ -111,7 +111,7 @@ class LossyRegistry:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.inner, name)
-        if name not in (*MUTATING_OPS, *QUERY_OPS):
+        if name not in PUBLIC_OPS:
             return attr
 
         def call(**kwargs: Any) -> Any:

@@ -150,7 +150,7 @@ async def test_the_quickstart_survives_a_worker_killed_mid_episode_and_an_engine
         assert st.default_lora_name == step1_name
         # reopened as it was: the dead process's episode still OPEN, holding step1 by its lease
         dead = [s for s in await registry.sessions() if s.binding is not None]
-        assert len(dead) == 1 and dead[0].state is SessionState.OPEN and dead[0].lease_expires_at is not None
+        assert len(dead) == 1 and dead[0].state is SessionState.OPEN and dead[0].lease_id is not None
         reaper = ns["start_lease_reaper"]()
         eq_client = ns["clients"]["EQ"]
         assert not [v for v in (await eq_client.status()).versions if f"@{epoch}-" in v.lora_name]

@@ -522,13 +522,13 @@ _SESSION_STATES = ("ABSENT", "OPEN", "BOUND", "CLOSING", "CLOSED", "TOMBSTONE", 
 
 def _session_in(reg, label: str) -> None:
     """Session ``s`` in ``label`` (A is the default): OPEN unbound, BOUND (OPEN, bound to A,
-    leased until T0 + 10), CLOSING (bound), CLOSED (bound and released), TOMBSTONE (closed
+    on worker lease ``w`` until T0 + 10), CLOSING (bound), CLOSED (bound and released), TOMBSTONE (closed
     before any open or bind), EXPIRED (bound, its lease ran out)."""
     if label == "OPEN":
         reg.open_session(sk("s"))
     elif label in ("BOUND", "CLOSING", "CLOSED", "EXPIRED"):
-        reg.bind_first(sk("s"))
-        reg.renew_lease(sk("s"), 10.0, T0)
+        reg.grant_lease("w", 10.0, T0)
+        reg.bind_first(sk("s"), "w")
     if label == "CLOSING":
         reg.begin_close(sk("s"))
     elif label == "CLOSED":
@@ -577,15 +577,6 @@ _SESSION_ROWS: dict[str, dict[str, Any]] = {
         "TOMBSTONE": ("CLOSED", 0, 0),
         "EXPIRED": ("CLOSED", 0, 0),
     },
-    "renew_lease": {
-        "ABSENT": ErrorCode.INVALID_REQUEST,  # open or bind it first
-        "OPEN": ("OPEN", 1, 0),
-        "BOUND": ("OPEN", 1, 0),  # moved later: T0 + 1 + 10 > T0 + 10
-        "CLOSING": ErrorCode.SESSION_CLOSED,
-        "CLOSED": ErrorCode.SESSION_CLOSED,
-        "TOMBSTONE": ErrorCode.SESSION_CLOSED,
-        "EXPIRED": ErrorCode.SESSION_EXPIRED,
-    },
 }
 
 
@@ -598,7 +589,7 @@ def test_every_session_op_has_one_answer_for_every_session_state(op: str, label:
     _session_in(reg, label)
     before = reg.session(sk("s"))
     refs, seq = reg.version(vk("A")).session_refs, reg.seq
-    args = (sk("s"), 10.0, T0 + 1) if op == "renew_lease" else (sk("s"),)
+    args = (sk("s"),)
     want = _SESSION_ROWS[op][label]
     if isinstance(want, ErrorCode):
         refused(want, getattr(reg, op), *args)
@@ -811,8 +802,8 @@ def test_every_kind_of_closed_session_is_pruned_once_its_window_passed(how: str)
     elif how == "close_tombstone":
         reg.close_and_release(sk("s"))
     else:
-        reg.bind_first(sk("s"))
-        reg.renew_lease(sk("s"), 5.0, T0)
+        reg.grant_lease("w", 5.0, T0)
+        reg.bind_first(sk("s"), "w")
         reg.expire_leases(T0 + 5)
     assert reg.session(sk("s")).state.value == "CLOSED"
     reg.open_session(sk("later"))
@@ -880,11 +871,12 @@ def test_a_registry_time_is_any_finite_number_of_seconds_from_zero(now: float) -
     Publisher(reg).publish("A")
     reg.bind_first(sk("s"))
     if now < 0:
-        refused(ErrorCode.INVALID_REQUEST, reg.renew_lease, sk("s"), 1.0, now)
+        refused(ErrorCode.INVALID_REQUEST, reg.grant_lease, "w", 1.0, now)
         refused(ErrorCode.INVALID_REQUEST, reg.expire_leases, now)
-        refused(ErrorCode.INVALID_REQUEST, reg.renew_lease, sk("s"), now, T0)
+        refused(ErrorCode.INVALID_REQUEST, reg.grant_lease, "w", now, T0)
     else:
-        assert reg.renew_lease(sk("s"), 1.0, now).lease_expires_at == now + 1.0
+        assert reg.grant_lease("w", 1.0, now).expires_at == now + 1.0
+        assert reg.keep_alive("w", now).expires_at == now + 1.0
         assert reg.expire_leases(now) == ()
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import inspect
 
 from relax_glue.actor import AsyncRegistryClient
-from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
+from relax_glue.registry import PUBLIC_OPS, LoRAVersionRegistry
 from relax_glue.registry_ops import AsyncRegistryAPI, AsyncRegistryOps, RegistryOps
 
-OPS = (*MUTATING_OPS, *QUERY_OPS)
+OPS = PUBLIC_OPS
 
 
 def test_every_registry_operation_has_one_typed_sync_and_one_typed_async_form() -> None:

@@ -24,7 +24,7 @@ from lora_versions_dev.fault_injection import FaultInjectingClient
 from relax_glue.actor import AsyncRegistryClient
 from relax_glue.engine_client import OutcomeUnknown
 from relax_glue.publisher import Publisher
-from relax_glue.registry import MUTATING_OPS, QUERY_OPS, LoRAVersionRegistry
+from relax_glue.registry import PUBLIC_OPS, LoRAVersionRegistry
 from relax_glue.registry_types import SessionState, VersionKey
 from relax_glue.router import StickyRoundRobinRouter
 from relax_glue.sessions import Session, SessionManager, SessionPhase, TurnOutcomeUnknown
@@ -50,7 +50,7 @@ class GatedRegistry:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.inner, name)
-        if name not in (*MUTATING_OPS, *QUERY_OPS):
+        if name not in PUBLIC_OPS:
             return attr
 
         async def call(**kwargs: Any) -> Any:

@@ -60,14 +60,14 @@ def _compacting_states(
     through (after its own row, after its prune; a SIGKILL may land between) and its final state."""
     ref = DurableRegistry.open(tmp / "ref.db", EPOCH, ENGINES, 2, compact_every=every, session_window=window)
     seen: list[str] = []
-    original_apply = ref._apply
+    original_decide = ref._decide
 
-    def apply(op: str, /, **kwargs: object) -> object:
-        result = original_apply(op, **kwargs)  # each journaled row: the op's own, a prune's
-        seen.append(ref.dump())
+    def decide(op: str, kwargs: dict[str, object]) -> object:
+        result = original_decide(op, kwargs)  # each decided row: the op's own, a prune's
+        seen.append(ref.registry.dump())  # the store's lock is held here
         return result
 
-    ref._apply = apply  # type: ignore[method-assign]
+    ref._decide = decide  # type: ignore[method-assign]
     states: list[tuple[set[str], str]] = [(set(), ref.dump())]
     with ref:
         for _, (op, kwargs) in zip(range(n_ops), random_ops(ref, random.Random(seed)), strict=False):
