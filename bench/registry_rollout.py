@@ -40,6 +40,7 @@ EPOCH = "1"  # registry_ops.Workload's, which publishes the default
 ENGINES = ("E0", "E1")
 RESULTS = ROOT / "bench" / "results" / "registry_rollout.json"
 LEASE_TTL_S = 30.0
+HEARTBEAT_S = 1.0  # faster than the session layer's TTL / 3, so renewals show in a short run
 ACTOR_NAME = "bench-registry-rollout"
 
 
@@ -50,17 +51,20 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def _worker_main(gcs: str, n_sessions: int, turns: int, seconds: float, tag: str) -> dict[str, Any]:
+async def _worker_main(
+    gcs: str, n_sessions: int, turns: int, seconds: float, tag: str, batch: bool, once: bool, turn_ms: float
+) -> dict[str, Any]:
     import ray
 
     from relax_glue.actor import AsyncRegistryClient, get_registry_actor
     from relax_glue.registry_types import SessionKey
 
     ray.init(address=gcs, log_to_driver=False)
-    client = AsyncRegistryClient.for_actor(get_registry_actor(EPOCH, name=ACTOR_NAME), retries=0)
+    client = AsyncRegistryClient.for_actor(get_registry_actor(EPOCH, name=ACTOR_NAME), batch=batch, retries=0)
     await client.connect()
     lat: dict[str, list[float]] = defaultdict(list)
     lifecycles = 0
+    turn_calls = 0  # registry calls made on a turn after the bind (the session layer makes none)
     deadline = time.monotonic() + seconds
 
     async def call(op: str, **kw: Any) -> Any:
@@ -69,28 +73,93 @@ async def _worker_main(gcs: str, n_sessions: int, turns: int, seconds: float, ta
         lat[op].append((time.perf_counter() - t0) * 1e3)
         return out
 
+    # the session layer's shape: one lease per worker, renewed by a heartbeat, never per turn
+    lease_id = f"worker.{tag}.{uuid.uuid4().hex[:8]}"
+    await call("grant_lease", lease_id=lease_id, ttl_s=LEASE_TTL_S)
+
+    async def heartbeat() -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            await call("keep_alive", lease_id=lease_id)
+
     async def session_loop(i: int) -> None:
         nonlocal lifecycles
         while time.monotonic() < deadline:
             key = SessionKey(EPOCH, f"{tag}.{i}.{uuid.uuid4().hex[:8]}")
-            await call("open_session", session_key=key)
-            await call("renew_lease", session_key=key, ttl_s=LEASE_TTL_S)
+            await call("open_session", session_key=key, lease_id=lease_id)
             await call("bind_first", session_key=key)
-            for _ in range(turns):  # the session layer renews before every turn
-                await call("renew_lease", session_key=key, ttl_s=LEASE_TTL_S)
+            for _ in range(turns):  # a turn: generation and tools, no registry call
+                await asyncio.sleep(turn_ms / 1e3)
             await call("begin_close", session_key=key)
             await call("close_and_release", session_key=key)
             lifecycles += 1
+            if once:
+                return
 
+    beat = asyncio.ensure_future(heartbeat())
     t0 = time.monotonic()
     await asyncio.gather(*(session_loop(i) for i in range(n_sessions)))
     elapsed = time.monotonic() - t0
+    beat.cancel()
+    sends = getattr(getattr(client._acall, "__self__", None), "sends", None)
     ray.shutdown()
-    return {"lat": dict(lat), "lifecycles": lifecycles, "elapsed_s": elapsed}
+    return {
+        "lat": dict(lat),
+        "lifecycles": lifecycles,
+        "elapsed_s": elapsed,
+        "turn_calls": turn_calls,
+        "actor_calls": sends,
+    }
 
 
-def _worker(gcs: str, n_sessions: int, turns: int, seconds: float, tag: str, out: Any) -> None:
-    out.put(asyncio.run(_worker_main(gcs, n_sessions, turns, seconds, tag)))
+def _worker(out: Any, *args: Any) -> None:
+    out.put(asyncio.run(_worker_main(*args)))
+
+
+class _Publisher:
+    """The trainer beside the rollouts: publishes a new default every ``every_s`` and reclaims
+    each retired version once its sessions have closed (capacity 2: a publication needs the
+    retired one reclaimed first). Through the same actor, on a thread of the driver."""
+
+    def __init__(self, workload: Any, every_s: float) -> None:
+        import threading
+
+        self.workload, self.every_s = workload, every_s
+        self.published = self.reclaimed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        if self.every_s > 0:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+
+    def _run(self) -> None:
+        from lora_contract.errors import LoraVersionError
+        from relax_glue.registry_types import UnloadEvidence, VersionState
+
+        reg = self.workload.reg
+        while not self._stop.wait(self.every_s):
+            for v in reg.status().versions:
+                if v.state is VersionState.RETIRED and v.session_refs == 0:
+                    try:
+                        claim = reg.claim_reclaim(v.version_key)
+                        for engine in ENGINES:
+                            reg.confirm_reclaim(
+                                v.version_key, engine, UnloadEvidence(claim.reclaim_id, f"{engine}-i1")
+                            )
+                        self.reclaimed += 1
+                    except LoraVersionError:
+                        pass  # a session bound it meanwhile: next tick
+            try:
+                self.workload.publish()
+                self.published += 1
+            except LoraVersionError:
+                self.workload.n_versions -= 1  # CAPACITY_ERROR: the retired one still has sessions
 
 
 def _cpu_s(pid: int) -> float:
@@ -105,6 +174,10 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--synchronous", default="FULL")
+    parser.add_argument("--no-batch", action="store_true", help="one actor call per registry call")
+    parser.add_argument("--once", action="store_true", help="each session runs one lifecycle (a cohort run)")
+    parser.add_argument("--turn-ms", type=float, default=0.0, help="simulated generation time per turn")
+    parser.add_argument("--publish-every-s", type=float, default=1.0, help="publisher cadence (0: none)")
     parser.add_argument("--profile", action="store_true", help="py-spy record the actor process")
     parser.add_argument("--profile-out", type=Path, default=ROOT / "bench" / "results" / "registry_actor")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -134,7 +207,7 @@ def main() -> None:
     from relax_glue.actor import RegistryClient
 
     assert OPS_EPOCH == EPOCH
-    Workload(RegistryClient.for_actor(handle))
+    workload = Workload(RegistryClient.for_actor(handle))
 
     spy = None
     if args.profile:
@@ -164,15 +237,33 @@ def main() -> None:
     out = ctx.Queue()
     cpu0, t0 = _cpu_s(actor_pid), time.monotonic()
     procs = [
-        ctx.Process(target=_worker, args=(gcs, args.sessions, args.turns, args.seconds, f"w{i}", out))
+        ctx.Process(
+            target=_worker,
+            args=(
+                out,
+                gcs,
+                args.sessions,
+                args.turns,
+                args.seconds,
+                f"w{i}",
+                not args.no_batch,
+                args.once,
+                args.turn_ms,
+            ),
+        )
         for i in range(args.workers)
     ]
+    commits0 = ray.get(handle.describe.remote())["commits"]
     for p in procs:
         p.start()
-    results = [out.get(timeout=args.seconds + 300) for _ in procs]
+    publisher = _Publisher(workload, args.publish_every_s)
+    publisher.start()
+    results = [out.get(timeout=args.seconds + 600) for _ in procs]
+    publisher.stop()
     for p in procs:
         p.join(60)
     wall, cpu = time.monotonic() - t0, _cpu_s(actor_pid) - cpu0
+    commits = ray.get(handle.describe.remote())["commits"] - commits0  # the publisher's included
     if spy is not None:
         _, err = spy.communicate(timeout=120)
         if spy.returncode != 0:
@@ -186,6 +277,8 @@ def main() -> None:
     ops = sum(len(v) for v in lat.values())
     lifecycles = sum(r["lifecycles"] for r in results)
     every = [x for v in lat.values() for x in v]
+    renewals = len(lat.get("keep_alive", []))
+    writes = ops - renewals  # every other op of a lifecycle journals one row
     report = {
         "workers": args.workers,
         "sessions_per_worker": args.sessions,
@@ -198,6 +291,16 @@ def main() -> None:
         "p50_ms": round(_pct(every, 0.5), 2),
         "p99_ms": round(_pct(every, 0.99), 2),
         "actor_cpu_share": round(cpu / wall, 3),
+        "batched": not args.no_batch,
+        "turn_ms": args.turn_ms,
+        "actor_calls": sum(r["actor_calls"] or 0 for r in results) or None,
+        "commits": commits,
+        "fsyncs_per_op": round(commits / ops, 4) if ops else None,
+        "fsyncs_per_journaled_op": round(commits / writes, 4) if writes else None,
+        "renewals": renewals,
+        "registry_calls_on_turns": sum(r["turn_calls"] for r in results),
+        "publications": publisher.published,
+        "reclaims": publisher.reclaimed,
         "per_op": {
             op: {"n": len(v), "p50_ms": round(_pct(v, 0.5), 2), "p99_ms": round(_pct(v, 0.99), 2)}
             for op, v in sorted(lat.items())
@@ -263,6 +366,11 @@ def _print(r: dict[str, Any]) -> None:
     print(
         f"{r['ops_per_s']:>10} {r['lifecycles_per_s']:>13} {r['p50_ms']:>8} {r['p99_ms']:>8} "
         f"{r['actor_cpu_share']:>10.0%}"
+    )
+    print(
+        f"fsyncs/op {r['fsyncs_per_op']}  fsyncs/journaled op {r['fsyncs_per_journaled_op']}  "
+        f"renewals {r['renewals']} (0 fsync each)  registry calls on turns {r['registry_calls_on_turns']}  "
+        f"actor calls {r['actor_calls']}  publications {r['publications']}  reclaims {r['reclaims']}"
     )
     print(f"\n{'op':<20} {'n':>8} {'p50 ms':>8} {'p99 ms':>8}")
     for op, v in r["per_op"].items():

@@ -7,9 +7,17 @@ Single writer, three ways:
 
 * the actor is **named** and created with ``get_if_exists=True``: every process asking for the
   registry of an epoch gets the same actor, never a second one;
-* Ray runs its calls **one at a time** (``max_concurrency=1``), so the pure registry needs no lock;
+* the pure registry decides **one call at a time**: an in-memory actor runs one call at a time
+  (``max_concurrency=1``); a durable actor runs calls on a few threads, and the store decides
+  them in order under its lock and commits them in groups (one transaction for every call that
+  arrived while the previous group was being written; no reply before its group is durable);
 * a durable actor holds the store's **flock** on the database, so even a stray second actor or
   process pointed at the same file is refused (``StoreLockedError``).
+
+Batching: a client through Ray keeps at most one actor call in flight and sends every registry
+call made meanwhile in the next one (``call_many``): at low load a call goes at once, alone; at
+high load a rollout worker's sessions share one Ray round trip. Each op in a batch keeps its own
+answer or typed refusal.
 
 A durable actor is restarted by Ray if its process dies (``max_restarts=-1``): the new process
 reopens the database (the OS released the lock with the dead process) and replays the journal,
@@ -58,6 +66,11 @@ __all__ = [
 ]
 
 DEFAULT_NAMESPACE = "relax_lora_versions"
+# Actor threads of a durable registry: enough for every rollout worker's one batch in flight to
+# join the group being formed; more would only add threads waiting on the same commit.
+DURABLE_CONCURRENCY = 16
+# Most calls one Ray round trip carries (a bound on the reply's size, not on throughput).
+MAX_BATCH = 256
 _ALLOWED = frozenset(PUBLIC_OPS)
 Envelope = tuple[Any, ...]
 
@@ -104,6 +117,10 @@ async def _acall_envelope(registry: Any, op: str, kwargs: dict[str, Any]) -> Env
     return envelope
 
 
+def _outcome_envelope(outcome: Any) -> Envelope:
+    return _refused(outcome) if isinstance(outcome, LoraVersionError) else ("ok", outcome)
+
+
 def _unwrap(envelope: Envelope) -> Any:
     if envelope[0] == "ok":
         return envelope[1]
@@ -124,7 +141,8 @@ class RegistryActor:
         lease_reaper_s: float | None = None,
     ) -> None:
         self._db_path = db_path
-        # Ray runs one method at a time; the lease reaper thread is the only other caller.
+        # Serialises an in-memory registry's calls (the reaper thread is another caller); a
+        # durable store has its own lock and group commit.
         self._lock = threading.Lock()
         # The cohort the actor was opened with (an engine declared lost later leaves the
         # registry's cohort, not the identity this actor is started and found under).
@@ -151,10 +169,23 @@ class RegistryActor:
             ).start()
 
     def call(self, op: str, kwargs: dict[str, Any]) -> Envelope:
+        return self.call_many([(op, kwargs)])[0]
+
+    def call_many(self, calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Envelope]:
+        """Run ``calls`` in order; one envelope (answer or refusal) each. On a durable registry
+        they are decided together and made durable as (part of) one group commit."""
         if self._refusal is not None:
-            return _refused(self._refusal)
-        with self._lock:
-            return _call_envelope(self._registry, op, kwargs)
+            return [_refused(self._refusal)] * len(calls)
+        reg = self._registry
+        if not isinstance(reg, DurableRegistry):
+            with self._lock:
+                return [_call_envelope(reg, op, kwargs) for op, kwargs in calls]
+        unknown = {i for i, (op, _) in enumerate(calls) if op not in _ALLOWED}
+        outcomes = iter(reg.dispatch_many([c for i, c in enumerate(calls) if i not in unknown]))
+        return [
+            _call_envelope(reg, op, kwargs) if i in unknown else _outcome_envelope(next(outcomes))
+            for i, (op, kwargs) in enumerate(calls)
+        ]
 
     def _reap_forever(self, interval_s: float) -> None:
         """Close every session whose lease ran out, by the actor's own clock, every
@@ -177,6 +208,7 @@ class RegistryActor:
             return {**where, "refused": self._refusal.parts()}
         return {
             **where,
+            "commits": reg.commits if isinstance(reg, DurableRegistry) else 0,
             "epoch": reg.epoch,
             "engines": self._opened_with,
             "cohort": tuple(reg.engines),
@@ -251,7 +283,9 @@ def start_registry_actor(
             namespace=namespace,
             get_if_exists=True,
             lifetime="detached" if detached else None,
-            max_concurrency=1,  # one call at a time: the single writer
+            # a durable store decides calls one at a time under its own lock; threads let calls
+            # arrive while a group is being written (group commit). In memory: one at a time.
+            max_concurrency=DURABLE_CONCURRENCY if durable else 1,
             num_cpus=0,  # bookkeeping only; never takes a CPU slot from engines or trainers
             max_restarts=-1 if durable else 0,
             max_task_retries=0,
@@ -292,7 +326,9 @@ class _Backend:
 class _LocalBackend(_Backend):
     def __init__(self, registry: Any) -> None:
         self.registry = registry
-        self._lock = threading.Lock()  # the registry is single-threaded; clients may not be
+        # The pure registry is single-threaded and clients may not be; a durable store has its
+        # own lock (and groups the commits of calls made concurrently).
+        self._lock = contextlib.nullcontext() if isinstance(registry, DurableRegistry) else threading.Lock()
 
     def call(self, op: str, kwargs: dict[str, Any]) -> Envelope:
         with self._lock:
@@ -371,6 +407,43 @@ class RegistryUnavailable(Exception):
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, OSError)
 
 
+class _Coalescer:
+    """At most one ``send_many`` in flight; every call made meanwhile goes in the next one.
+
+    Nothing waits to fill a batch (no timer): a call on an idle client is sent at the loop's next
+    step, alone. A failed send fails each of its calls with the same error (each caller then
+    retries on its own: every registry op is idempotent)."""
+
+    def __init__(self, send_many: Callable[[list[tuple[str, dict[str, Any]]]], Any]) -> None:
+        self._send_many = send_many
+        self._queue: list[tuple[str, dict[str, Any], asyncio.Future[Envelope]]] = []
+        self._pump: asyncio.Task[None] | None = None
+        self.sends = 0  # actor calls made (for benches: calls per round trip)
+
+    async def call(self, op: str, kwargs: dict[str, Any]) -> Envelope:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Envelope] = loop.create_future()
+        self._queue.append((op, kwargs, future))
+        if self._pump is None or self._pump.done():
+            self._pump = loop.create_task(self._send_all(), name="registry-batch")
+        return await future
+
+    async def _send_all(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+            self.sends += 1
+            try:
+                envelopes = await self._send_many([(op, kwargs) for op, kwargs, _ in batch])
+            except Exception as exc:
+                for *_, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (*_, future), envelope in zip(batch, envelopes, strict=True):
+                if not future.done():
+                    future.set_result(envelope)
+
+
 class AsyncRegistryClient(_Describe, AsyncRegistryOps):
     """THE async face of the registry for the publisher and the session layer: the registry's
     typed operations, in process or through the Ray actor, with an explicit :meth:`connect`.
@@ -415,7 +488,8 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         executor: ThreadPoolExecutor | None = None
         if offload:
             backend = _LocalBackend(registry)
-            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-registry")
+            # several threads: calls made while a group is being written join the next group
+            executor = ThreadPoolExecutor(max_workers=DURABLE_CONCURRENCY, thread_name_prefix="lora-registry")
 
             async def call(op: str, kwargs: dict[str, Any]) -> Envelope:
                 return await asyncio.get_running_loop().run_in_executor(executor, backend.call, op, kwargs)
@@ -431,9 +505,16 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         return cls(call, describe, executor, **retry)
 
     @classmethod
-    def for_actor(cls, handle: Any, **retry: Any) -> AsyncRegistryClient:
-        async def call(op: str, kwargs: dict[str, Any]) -> Envelope:
-            return await handle.call.remote(op, kwargs)
+    def for_actor(cls, handle: Any, *, batch: bool = True, **retry: Any) -> AsyncRegistryClient:
+        """``batch``: the calls this client makes while one actor call is in flight go together
+        in the next (one Ray round trip); False: one actor call per registry call."""
+        if batch:
+            coalescer = _Coalescer(lambda calls: handle.call_many.remote(calls))
+            call = coalescer.call
+        else:
+
+            async def call(op: str, kwargs: dict[str, Any]) -> Envelope:
+                return await handle.call.remote(op, kwargs)
 
         async def describe() -> dict[str, Any]:
             return raise_if_refused(await handle.describe.remote())

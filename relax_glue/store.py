@@ -53,7 +53,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lora_contract.errors import LoraVersionError
+from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.names import MANAGED_CAPACITY
 from relax_glue.registry import DERIVED_OPS, MUTATING_OPS, LoRAVersionRegistry, stamp_now
 from relax_glue.registry_ops import RegistryOps
@@ -258,6 +258,8 @@ class DurableRegistry(RegistryOps):
                     outcomes.append(self._decide(op, stamp_now(op, kwargs)))
                 except LoraVersionError as exc:
                     outcomes.append(exc)
+                except TypeError as exc:  # wrong arguments: refused before any change
+                    outcomes.append(LoraVersionError(ErrorCode.INVALID_REQUEST, f"{op}: {exc}"))
             seen = self._registry.seq
         self._flush(until=seen)
         return outcomes

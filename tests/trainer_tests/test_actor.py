@@ -192,3 +192,44 @@ def test_a_restarted_actor_that_finds_no_database_refuses_and_never_starts_empty
         assert not db.exists()  # nothing was created in its place
     finally:
         _kill(handle)
+
+
+def test_concurrent_calls_through_the_durable_actor_share_round_trips_and_commits(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """Issue 26: 64 sessions' calls from one batching client travel in few actor calls and are
+    committed in groups (far fewer transactions than journaled calls); each op keeps its own
+    answer, a refusal in the middle of a batch refuses only that op, and a keep-alive commits
+    nothing. The state is then exactly what the same calls make one by one."""
+    handle = start_registry_actor(EPOCH, ENGINES, db_path=tmp_path / "registry.db", name="group-test")
+    try:
+        Publisher(RegistryClient.for_actor(handle)).publish("A")
+        commits0 = ray.get(handle.describe.remote())["commits"]
+
+        async def run() -> tuple[list[Any], int]:
+            client = await AsyncRegistryClient.for_actor(handle, retries=0).connect()
+            await client.grant_lease(lease_id="w", ttl_s=30.0)
+            keys = [sk(f"s{i}") for i in range(64)]
+            await asyncio.gather(*(client.open_session(session_key=k, lease_id="w") for k in keys))
+            outs = await asyncio.gather(
+                *(client.bind_first(session_key=k) for k in keys),
+                client.keep_alive(lease_id="nobody"),  # refused, alone
+                client.keep_alive(lease_id="w"),
+                return_exceptions=True,
+            )
+            await asyncio.gather(*(client.close_and_release(session_key=k) for k in keys[:32]))
+            return outs, client._acall.__self__.sends
+
+        outs, sends = asyncio.run(run())
+        assert [o.version_key for o in outs[:64]] == [vk("A")] * 64
+        assert isinstance(outs[64], LoraVersionError) and outs[64].code is ErrorCode.INVALID_REQUEST
+        assert outs[65].live
+        commits = ray.get(handle.describe.remote())["commits"] - commits0
+        journaled = 1 + 64 + 64 + 32  # grant, opens, binds, closes (the keep-alives write nothing)
+        assert sends < 20 and commits < journaled / 4, (sends, commits)
+        client = RegistryClient.for_actor(handle)
+        assert client.version(vk("A")).session_refs == 32
+        client_view = LoRAVersionRegistry.load(client.dump())
+        client_view.check_invariants(full=True)
+    finally:
+        _kill(handle)
