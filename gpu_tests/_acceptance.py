@@ -38,6 +38,11 @@ COHORT = ("E0", "E1")
 RELAX_ANCHOR = {"throughput_ratio": 0.98, "max_gap_s": 0.05, "hardware": "RTX 6000 Ada"}
 
 
+# An aborted stream's length: long enough that the abort always lands before it ends (the
+# trainer-side abort tests use the same figure).
+ABORT_STREAM_TOKENS = 160
+
+
 def greedy(n: int) -> dict[str, Any]:
     return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
 
@@ -217,23 +222,27 @@ class Cohort:
 
     async def abort_and_resume(self, s: Session, prefix: Sequence[int], n: int, after: int = 3) -> Turn:
         """Stream a turn, abort it by rid after ``after`` tokens (a temporary abort: the binding
-        stays), then resume it with the partial output appended to the prefix. The partial is
-        kept as a "partial" turn (its tokens must be the baseline's first ones), the resumed turn
-        as a "resume" turn with its full prefix."""
+        stays), then resume it for ``n`` more tokens with the partial output appended to the
+        prefix. The partial is kept as a "partial" turn (its tokens must be the baseline's first
+        ones), the resumed turn as a "resume" turn with its full prefix.
+
+        The aborted stream asks for ``ABORT_STREAM_TOKENS``, far more than ``after``: the abort
+        travels to the engine while it keeps decoding, and a tiny CPU model can finish a short
+        turn before the abort lands (seen in CI: all 12 of 12 tokens streamed)."""
         rid = f"{s.name}-abort-{uuid.uuid4().hex[:8]}"
         partial: list[int] = []
         aborted = False
         async for chunk in s.generate_stream(
-            {"input_ids": list(prefix), "sampling_params": greedy(n)}, rid=rid
+            {"input_ids": list(prefix), "sampling_params": greedy(ABORT_STREAM_TOKENS)}, rid=rid
         ):
             partial = list(chunk.get("output_ids") or partial)
             if not aborted and len(partial) >= after:
                 aborted = await s.abort(rid)
-        assert aborted and 0 < len(partial) < n, (aborted, len(partial))
+        assert aborted and 0 < len(partial) < ABORT_STREAM_TOKENS, (aborted, len(partial))
         assert s.lora_path is not None
         engine = s.requests[-1].engine_id
         self.turns.append(Turn(s.name, "partial", engine, s.lora_path, list(prefix), partial, [], 0))
-        return await self.turn(s, [*prefix, *partial], n - len(partial), kind="resume")
+        return await self.turn(s, [*prefix, *partial], n, kind="resume")
 
     async def check(self, t: Turn, adapter: str | None = None) -> Comparison:
         """``t`` against the clean baseline of ``adapter`` (default: of the version it carried). A
