@@ -54,7 +54,13 @@ from relax_glue.store import DurableRegistry, StoreError, StoreMissingError
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
+# How often the registry's host ends the leases that ran out, by default: the actor's reaper
+# thread and an in-process client's reaper task. A second is small against any lease TTL worth
+# having (the session layer's default is 30 s) and an idle expiry writes nothing.
+DEFAULT_LEASE_REAPER_S = 1.0
+
 __all__ = [
+    "DEFAULT_LEASE_REAPER_S",
     "DEFAULT_NAMESPACE",
     "AsyncRegistryClient",
     "RegistryActor",
@@ -252,7 +258,7 @@ def start_registry_actor(
     namespace: str = DEFAULT_NAMESPACE,
     synchronous: str = "FULL",
     detached: bool = False,
-    lease_reaper_s: float | None = None,
+    lease_reaper_s: float | None = DEFAULT_LEASE_REAPER_S,
     node_id: str | None = None,
 ) -> ActorHandle:
     """Get the epoch's registry actor, creating it if nobody has yet (``ray.init`` first).
@@ -265,6 +271,9 @@ def start_registry_actor(
     there and nowhere else (hard node affinity): on another node ``db_path`` would name another,
     empty file. A restart that finds its database missing or empty refuses every call with
     REGISTRY_STATE_LOST, naming the path.
+
+    ``lease_reaper_s``: the actor ends the leases that ran out every so often, by its own clock
+    (on by default; None turns it off, for a registry whose leases someone else reaps).
     """
     ray = _ray()
     name = name or actor_name(epoch)
@@ -466,6 +475,7 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         retries: int = 2,
         retry_delay_s: float = 0.05,
         transient: tuple[type[BaseException], ...] = TRANSIENT_ERRORS,
+        lease_reaper_s: float | None = None,
     ) -> None:
         self._acall = call
         self._adescribe = describe
@@ -474,15 +484,28 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         self.retries = retries
         self.retry_delay_s = retry_delay_s
         self.transient = transient
+        # In process, this client is the registry's host: it reaps the leases granted through
+        # it (started with the first grant, so a registry without leases never sees a reaper).
+        self.lease_reaper_s = lease_reaper_s
+        self._reaper: asyncio.Task[None] | None = None
 
     def _cached_only(self) -> dict[str, Any]:
         raise RuntimeError("await client.connect() before reading epoch / engines / capacity")
 
     @classmethod
-    def in_process(cls, registry: Any, *, offload: bool | None = None, **retry: Any) -> AsyncRegistryClient:
+    def in_process(
+        cls,
+        registry: Any,
+        *,
+        offload: bool | None = None,
+        lease_reaper_s: float | None = DEFAULT_LEASE_REAPER_S,
+        **retry: Any,
+    ) -> AsyncRegistryClient:
         """``registry``: the in-memory registry, a durable store, or any object with the
         registry's operations (sync or async). ``offload`` (default: for a durable store) runs the
-        calls on a worker thread."""
+        calls on a worker thread. ``lease_reaper_s``: once a lease is granted through this
+        client, it ends the leases that ran out every so often, by this host's clock, until
+        :meth:`close` (None: the caller reaps, e.g. with :meth:`reap_leases_forever`)."""
         if offload is None:
             offload = isinstance(registry, DurableRegistry)
         executor: ThreadPoolExecutor | None = None
@@ -502,7 +525,7 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         async def describe() -> dict[str, Any]:
             return _local_describe(registry)()
 
-        return cls(call, describe, executor, **retry)
+        return cls(call, describe, executor, lease_reaper_s=lease_reaper_s, **retry)
 
     @classmethod
     def for_actor(cls, handle: Any, *, batch: bool = True, **retry: Any) -> AsyncRegistryClient:
@@ -533,8 +556,22 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         return self
 
     def close(self) -> None:
+        if self._reaper is not None:
+            with contextlib.suppress(RuntimeError):  # its event loop already ended (and the task)
+                self._reaper.cancel()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+    @property
+    def reaping(self) -> bool:
+        """Whether this client's own lease reaper runs (in process, after the first grant)."""
+        return self._reaper is not None and not self._reaper.done()
+
+    def _start_reaper(self) -> None:
+        if self.lease_reaper_s is not None and self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(
+                self.reap_leases_forever(self.lease_reaper_s), name="lease-reaper"
+            )
 
     async def reap_leases_forever(self, interval_s: float = 1.0) -> None:
         """The in-process counterpart of the actor's ``lease_reaper_s`` thread: one
@@ -552,6 +589,8 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         return isinstance(exc, self.transient) or type(exc).__module__.startswith("ray.")
 
     async def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
+        if op == "grant_lease":
+            self._start_reaper()
         last: BaseException | None = None
         for attempt in range(self.retries + 1):
             if attempt:

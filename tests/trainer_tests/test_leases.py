@@ -271,6 +271,39 @@ async def test_the_heartbeat_keeps_an_idle_session_alive_and_a_dead_worker_loses
         await cluster.aclose()
 
 
+async def test_an_in_process_client_reaps_the_leases_granted_through_it_with_no_reaper_started() -> None:
+    """Safe default: nobody starts a reaper, yet a dead worker's sessions end one TTL later. The
+    in-process client is the registry's host and reaps from the first lease granted through it;
+    a client through which no lease was granted runs none (nothing to reap)."""
+    reg, cluster, _pub, _client, _mgr = await _world(ttl=0.3, heartbeat=0.05)
+    client = AsyncRegistryClient.in_process(reg, retries=0, lease_reaper_s=0.02)
+    try:
+        unleased = SessionManager(client, cluster.clients, lease_ttl_s=None)
+        s = await unleased.open("no-lease")
+        await s.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        await asyncio.sleep(0.1)
+        assert not client.reaping
+        dead_mgr = SessionManager(client, cluster.clients, lease_ttl_s=0.3, heartbeat_s=0.05)
+        dead = await dead_mgr.open("dead")
+        await dead.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        assert client.reaping
+        await dead_mgr.aclose()  # the worker "dies": no heartbeat, no close
+        t0 = time.monotonic()
+        while not reg.session(dead.key).expired:
+            assert time.monotonic() - t0 < 3.0, "the default reaper never ended the dead worker's lease"
+            await asyncio.sleep(0.02)
+        assert reg.session(dead.key).state is SessionState.CLOSED
+        assert reg.session(s.key).state is SessionState.OPEN  # no lease: never expired
+        assert reg.version(vk("A")).session_refs == 1
+        await s.close()
+    finally:
+        client.close()
+        await asyncio.sleep(0)  # the cancellation lands
+        assert not client.reaping
+        await _mgr.aclose()
+        await cluster.aclose()
+
+
 async def test_the_default_heartbeat_is_a_third_of_the_ttl_and_keeps_an_idle_session() -> None:
     """No heartbeat given (as the README's quickstart does): the manager renews every TTL / 3,
     so a session idle for several TTLs is never expired while its worker lives."""
