@@ -15,6 +15,10 @@ class ErrorCode(StrEnum):
     # identity and publication
     VERSION_CONFLICT = "VERSION_CONFLICT"
     CAPACITY_ERROR = "CAPACITY_ERROR"
+    # An engine of the cohort has fewer managed slots than the epoch's capacity K (its
+    # --max-loras-per-batch / --max-loaded-loras leave fewer than K + 1 LoRA slots): a setup
+    # error, refused before anything is published, never mistaken for CAPACITY_ERROR's "full now"
+    CAPACITY_MISMATCH = "CAPACITY_MISMATCH"
     PUBLICATION_IN_PROGRESS = "PUBLICATION_IN_PROGRESS"
     DEFAULT_REVISION_CONFLICT = "DEFAULT_REVISION_CONFLICT"
     STALE_ATTEMPT = "STALE_ATTEMPT"
@@ -70,6 +74,7 @@ class ErrorCode(StrEnum):
 HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.VERSION_CONFLICT: 409,
     ErrorCode.CAPACITY_ERROR: 409,
+    ErrorCode.CAPACITY_MISMATCH: 409,
     ErrorCode.PUBLICATION_IN_PROGRESS: 409,
     ErrorCode.DEFAULT_REVISION_CONFLICT: 409,
     ErrorCode.STALE_ATTEMPT: 409,

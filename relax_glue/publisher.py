@@ -138,6 +138,29 @@ def base_mismatch(statuses: Mapping[str, protocol.EngineStatus]) -> LoraVersionE
     )
 
 
+def capacity_mismatch(
+    statuses: Mapping[str, protocol.EngineStatus], capacity: int
+) -> LoraVersionError | None:
+    """The refusal for a cohort with an engine that cannot hold the epoch's ``capacity`` (K)
+    managed versions at once, or None. A setup error, told apart from CAPACITY_ERROR's "every
+    slot is in use now" so that no backpressure loop waits on it."""
+    small = {
+        e: s.managed_capacity
+        for e, s in sorted(statuses.items())
+        if s.managed_capacity is not None and s.managed_capacity < capacity
+    }
+    if not small:
+        return None
+    return LoraVersionError(
+        ErrorCode.CAPACITY_MISMATCH,
+        f"engines {small} hold fewer managed versions than the epoch's capacity {capacity}: start "
+        f"them with --max-loras-per-batch and --max-loaded-loras of {capacity + 1} or more (K "
+        "pinned versions and one free slot), or open the epoch with a smaller capacity",
+        engine_capacity=small,
+        capacity=capacity,
+    )
+
+
 class PublishOutcome(StrEnum):
     PUBLISHED = "PUBLISHED"  # committed by this call: the version is the default
     ALREADY_PUBLISHED = "ALREADY_PUBLISHED"  # a replay of a version committed earlier
@@ -339,7 +362,7 @@ class Publisher(CohortDriver):
         # default can only move by a commit, and only the pending attempt can commit.
         status = await self.registry.status()
         att.expected_revision = status.default_revision
-        refused = await self._epoch_base(att, status.base_fingerprint)
+        refused = await self._check_cohort(att, status.base_fingerprint)
         if refused is not None:
             return await self._result(att, PublishOutcome.REFUSED, error=refused, query=False)
         if self.store is not None:
@@ -363,17 +386,24 @@ class Publisher(CohortDriver):
         self._snapshots[att.token] = snapshot
         return await self._run(att, list(self._cohort))
 
-    async def _epoch_base(self, att: _Attempt, recorded: str | None) -> LoraVersionError | None:
-        """Set ``att.base`` to the epoch's base model: the registry's record, or, before the
-        epoch's first publication, the fingerprint every answering engine reports, recorded
-        now. A cohort whose engines disagree (or one that reports none) is refused here, before
-        anything is reserved or sent. No engine answering leaves it unknown: their begins will
-        say, and the commit needs every engine's fresh status anyway."""
+    async def _check_cohort(self, att: _Attempt, recorded: str | None) -> LoraVersionError | None:
+        """Before anything is reserved or sent, from one read of the engines' statuses (only
+        while something is still to be learnt): every engine can hold the epoch's K versions
+        (each engine once), and the epoch's base model, which sets ``att.base``: the registry's
+        record, or, before the epoch's first publication, the fingerprint every answering
+        engine reports, recorded now. A cohort whose engines disagree (or one that reports
+        none) is refused here. No engine answering leaves both unknown: their begins will say,
+        and the commit needs every engine's fresh status anyway."""
         if recorded is not None:
             att.base = recorded
+        if recorded is not None and self.cohort.capacity_checked >= set(self._cohort):
             return None
         statuses = {e: s for e, s in (await self._read_statuses(att)).items() if s is not None}
-        if not statuses:
+        too_small = capacity_mismatch(statuses, self.registry.capacity)
+        if too_small is not None:
+            return too_small
+        self.cohort.capacity_checked.update(statuses)
+        if recorded is not None or not statuses:
             return None
         bases = {e: (s.base.fingerprint if s.base is not None else None) for e, s in statuses.items()}
         if None in bases.values() or len(set(bases.values())) > 1:

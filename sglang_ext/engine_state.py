@@ -21,6 +21,7 @@ from lora_contract.protocol import BaseIdentity, EngineStatus
 from sglang_ext import settings
 from sglang_ext.metrics import NO_METRICS, Metrics
 from sglang_ext.plugin_log import log_line
+from sglang_ext.setup_checks import managed_slots
 from sglang_ext.staging import local_source_dir
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ def staging_limits(server_args: Any, hf_config: Any) -> StagingLimits:
     targets = server_args.lora_target_modules
     normalized = normalized_target_modules(targets) if targets else {"all"}
     return StagingLimits(
-        managed_capacity=min(MANAGED_CAPACITY, int(server_args.max_loras_per_batch) - 1),
+        managed_capacity=managed_slots(server_args),
         lora=EngineLoraShape(
             geometry=ModelGeometry.from_hf_config(hf_config),
             max_lora_rank=int(server_args.max_lora_rank),

@@ -25,6 +25,17 @@ def overlap_proof_active(cfg: Any, env: Mapping[str, str] | None = None) -> bool
 MIN_LORAS_PER_BATCH = MANAGED_CAPACITY + 1
 
 
+def managed_slots(cfg: Any) -> int:
+    """How many managed versions this engine can hold pinned at once: every LoRA slot but one,
+    of the smaller of the GPU pool (``--max-loras-per-batch``) and the host's loaded adapters
+    (``--max-loaded-loras``, unset: no bound of its own). The one left is what SGLang's pin rule
+    keeps free, for the probe's batch or a stock adapter. An epoch's capacity K needs at least K
+    here on every engine of its cohort (checked by the trainer side at setup)."""
+    mlpb = int(getattr(cfg, "max_loras_per_batch", 0) or 0)
+    mll = getattr(cfg, "max_loaded_loras", None)
+    return max(0, min(mlpb, int(mll) if mll is not None else mlpb) - 1)
+
+
 def setup_problems(cfg: Any, env: Mapping[str, str] | None = None) -> list[str]:
     """Every reason this configuration is refused; empty when it is supported."""
     problems: list[str] = []

@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_ext.setup_checks import setup_problems
+from sglang_ext.setup_checks import managed_slots, setup_problems
 
 GOOD = dict(
     enable_lora=True,
@@ -134,3 +134,13 @@ def test_the_overlap_proof_switch_opens_on_every_cuda_device_and_nowhere_else(de
     assert overlap_proof_active(cfg, {OVERLAP_PROOF_ENV: "1"}) is proof
     assert (setup_problems(cfg, {OVERLAP_PROOF_ENV: "1"}) == []) is proof
     assert not overlap_proof_active(cfg, {})
+
+
+@pytest.mark.parametrize(
+    ("per_batch", "loaded", "slots"),
+    [(3, None, 2), (5, None, 4), (5, 5, 4), (8, 5, 4), (5, 8, 4), (3, 3, 2), (5, 3, 2)],
+)
+def test_managed_slots_are_every_slot_of_the_smaller_pool_but_one(per_batch, loaded, slots):
+    """What the engine reports as its managed capacity: an epoch of capacity K needs K here."""
+    cfg = SimpleNamespace(**{**GOOD, "max_loras_per_batch": per_batch, "max_loaded_loras": loaded})
+    assert managed_slots(cfg) == slots

@@ -378,10 +378,16 @@ def make_cluster(
     *,
     timeouts: ClientTimeouts | None = None,
     bases: dict[str, str] | None = None,
+    capacity: int | dict[str, int] = 2,
 ) -> Cluster:
-    """``bases``: engine -> base label for engines that run another base model than the rest."""
+    """``bases``: engine -> base label for engines that run another base model than the rest;
+    ``capacity``: the managed slots of every engine, or per engine."""
     log: list[tuple[str, str, str]] = []
     audit = AuditLog()
-    fakes = {e: FakeEngine(e, shared_log=log, base=(bases or {}).get(e, "base")) for e in engines}
+    slots = capacity if isinstance(capacity, dict) else dict.fromkeys(engines, capacity)
+    fakes = {
+        e: FakeEngine(e, shared_log=log, base=(bases or {}).get(e, "base"), capacity=slots[e])
+        for e in engines
+    }
     clients = {e: f.client(audit=audit, timeouts=timeouts) for e, f in fakes.items()}
     return Cluster(fakes, clients, audit, log)

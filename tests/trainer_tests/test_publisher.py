@@ -231,6 +231,46 @@ async def test_engine_clients_must_match_the_registry_cohort(world: World) -> No
 # -------------------------------------------------------------------------------- capacity
 
 
+@pytest.mark.parametrize("k", [2, 4])
+async def test_capacity_k_holds_k_versions_and_refuses_the_next_before_any_begin(k: int) -> None:
+    """Capacity is the epoch's K: K versions live at once (each held by a session), the K+1th
+    is CAPACITY_ERROR before any engine sees it, and one reclaim makes room for exactly one."""
+    cluster = make_cluster(capacity=k)
+    w = World(new_registry(capacity=k), cluster)
+    snaps = [make_snapshot(seed=100 + i) for i in range(k + 1)]
+    for i in range(k):
+        assert (await w.pub.publish(snaps[i], f"v{i}")).outcome is PublishOutcome.PUBLISHED
+        w.reg.bind_first(sk(f"S{i}"))
+    seen = len(w.cluster.log)
+    over = await w.pub.publish(snaps[k], f"v{k}")
+    assert over.outcome is PublishOutcome.REFUSED and over.error.code is ErrorCode.CAPACITY_ERROR
+    assert len(w.cluster.log) == seen and w.reg.version(vk(f"v{k}")) is None
+    w.reg.close_and_release(sk("S0"))
+    (res,) = await w.pub.reclaim_ready()
+    assert res.done and res.version_key == vk("v0")
+    assert (await w.pub.publish(snaps[k], f"v{k}")).outcome is PublishOutcome.PUBLISHED
+    assert all(f.unloads[snaps[0].lora_name("relax_policy_lora", EPOCH, "v0")] == 1 for f in w.fakes.values())
+
+
+async def test_an_engine_with_fewer_slots_than_the_epochs_capacity_is_refused_before_anything_moves() -> None:
+    """K = 4 on a cohort where E1 holds only 2 managed versions: the first publication is
+    refused with CAPACITY_MISMATCH (not CAPACITY_ERROR, which backpressure loops wait on),
+    naming E1 and both figures; nothing is reserved and no engine sees a begin. Once every engine
+    passed, the check is not repeated."""
+    cluster = make_cluster(capacity={"E0": 4, "E1": 2})
+    w = World(new_registry(capacity=4), cluster)
+    r = await w.publish("A")
+    assert r.outcome is PublishOutcome.REFUSED and r.error.code is ErrorCode.CAPACITY_MISMATCH
+    assert r.error.details == {"engine_capacity": {"E1": 2}, "capacity": 4}
+    assert w.version("A") is None and w.status().default_lora_name is None
+    assert not [op for f in w.fakes.values() for op in f.ops() if op != "status"]
+    cluster.fakes["E1"].capacity = 4  # the operator restarts E1 with more slots
+    cluster.fakes["E1"].restart()
+    assert w.pub.cohort.capacity_checked == set()  # a refused cohort is read again next time
+    assert (await w.publish("A")).outcome is PublishOutcome.PUBLISHED
+    assert w.pub.cohort.capacity_checked == {"E0", "E1"}
+
+
 async def test_capacity_refusal_before_any_begin_then_reclaim_frees_the_slot(world: World) -> None:
     """RFC 5.2: A RETIRED + B PUBLISHED -> C is CAPACITY_ERROR and no engine sees anything."""
     await world.publish("A")
