@@ -40,6 +40,10 @@ INIT_REQ_STATE = f"{_TM}._init_req_state"
 VALIDATE_ONE_REQUEST = f"{_TM}._validate_one_request"
 RESOLVE_LORA_PATH = f"{_TM}._resolve_lora_path"
 RELEASE_LORA_ONCE = f"{_TM}._release_lora_once"
+# Parallel sampling (n > 1): _handle_batch_request gives the prefix request and each sample a new
+# rid through this method (its only callers in 0.5.23), and /abort_request reaches abort_request.
+REGENERATE_RID = "sglang.srt.managers.io_struct.GenerateReqInput.regenerate_rid"
+ABORT_REQUEST = f"{_TM}.abort_request"
 LRU_LORA_NAME = "sglang.srt.lora.lora_registry.LoRARegistry.lru_lora_name"
 SERVE_GENERATE = "sglang.srt.entrypoints.http_server.serve_generate_request"
 OPENAI_HANDLE_REQUEST = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
@@ -72,6 +76,8 @@ MAIN_PROCESS_TARGETS = (
     VALIDATE_ONE_REQUEST,
     RESOLVE_LORA_PATH,
     RELEASE_LORA_ONCE,
+    REGENERATE_RID,
+    ABORT_REQUEST,
     LRU_LORA_NAME,
     SERVE_GENERATE,
     OPENAI_HANDLE_REQUEST,

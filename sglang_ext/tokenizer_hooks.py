@@ -147,6 +147,7 @@ def refuse_what_normalisation_lets_through(self: Any, obj: Any, *args: Any, **kw
     for field in PER_PROMPT_LISTS:
         check_one_entry_per_prompt(obj, field)
     check_rid_names_one_request(obj)
+    check_parallel_rids(obj)
     check_stop_regexes(self, obj)
     return None
 
@@ -185,6 +186,68 @@ def check_rid_names_one_request(obj: Any) -> None:
     but not this: a list becomes the request's key in ``rid_to_state`` (unhashable, a TypeError)."""
     if getattr(obj, "is_single", False) and isinstance(getattr(obj, "rid", None), list):
         raise refuse(ErrorCode.INVALID_REQUEST, "rid must be a string for a single prompt, not a list")
+
+
+def check_parallel_rids(obj: Any) -> None:
+    """With n > 1, ``rid`` is one string (or none). Normalisation expands a string into one rid
+    per prompt and sample, but keeps a list as sent (one per prompt): then ``_init_req_state``
+    makes one state per prompt while the acquire takes a LoRA count per sample, and every
+    failure before the samples take over (a long prompt, a refusal, a disconnect) releases only
+    the prompts' counts. The rest would hold the version's native count above 0 forever, so
+    its unload would never happen."""
+    samples = parallel_samples(obj)
+    rid = getattr(obj, "rid", None)
+    if samples > 1 and isinstance(rid, list) and len(rid) != getattr(obj, "batch_size", 1) * samples:
+        raise refuse(
+            ErrorCode.INVALID_REQUEST,
+            f"rid as a list with n={samples}: send one rid string (each sample's rid starts with it)",
+        )
+
+
+# A sample's rid under parallel sampling: the per-prompt rid ``{rid}_{i}`` (normalisation's),
+# then ``-`` and the fresh hex id SGLang gives it (sample_rids_under_the_request_rid).
+_SAMPLE_RID_TAIL = re.compile(r"_\d+(-[0-9a-f]{32})?")
+
+
+def sample_rids_under_the_request_rid(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND GenerateReqInput.regenerate_rid, which 0.5.23 calls only for n > 1
+    (``TokenizerManager._handle_batch_request``: the prefix request and each sample get a new
+    rid). Stock's new rid is a bare uuid, unrelated to the request's: an abort by the rid the
+    client sent then reaches nothing, so a session could not abort its own turn. Here the new rid
+    keeps the old one in front (``{rid}-{uuid}``), so every sample of request ``r`` is named
+    ``r_{i}-{uuid}`` (see abort_every_sample_of_a_parallel_request)."""
+    old = getattr(self, "rid", None)
+    new = original(self, *args, **kwargs)
+    if isinstance(old, str) and isinstance(new, str):
+        self.rid = f"{old}-{new}"
+        return self.rid
+    return new
+
+
+def abort_every_sample_of_a_parallel_request(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND TokenizerManager.abort_request(rid, abort_all). A request with n > 1 has no state
+    under the rid the client sent (only its prompts ``r_{i}`` and samples ``r_{i}-{uuid}`` do),
+    and stock returns without sending anything for a rid it has no state of. An abort of such a
+    rid aborts each of them through the stock path (one abort each, sent once). Any other abort
+    keeps stock behaviour; an abort of one sample's own rid aborts that sample alone."""
+    rid = kwargs.get("rid", args[0] if args else "")
+    abort_all = kwargs.get("abort_all", args[1] if len(args) > 1 else False)
+    if abort_all or not isinstance(rid, str) or not rid or rid in self.rid_to_state:
+        return original(self, *args, **kwargs)
+    samples = [k for k in list(self.rid_to_state) if _is_sample_of(k, rid)]
+    if not samples:
+        return original(self, *args, **kwargs)
+    for k in samples:
+        original(self, rid=k, abort_all=False)
+    return None
+
+
+def _is_sample_of(state_rid: Any, rid: str) -> bool:
+    return (
+        isinstance(state_rid, str)
+        and state_rid.startswith(rid)
+        and _SAMPLE_RID_TAIL.fullmatch(state_rid, len(rid)) is not None
+    )
 
 
 def check_stop_regexes(tm: Any, obj: Any) -> None:

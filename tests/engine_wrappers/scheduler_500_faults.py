@@ -16,6 +16,7 @@ its ``run_scheduler_process_func`` and installs the hooks inside the scheduler p
 
 from __future__ import annotations
 
+import re
 import sys
 from http import HTTPStatus
 from typing import Any
@@ -25,6 +26,12 @@ AT_ADMISSION = ":500@admit"
 MID_DECODE = ":500@decode"
 DECODE_TOKENS_BEFORE_FAULT = 4
 LOG_LINE = "scheduler-500 fault injected"
+
+
+def _marked(rid: str, marker: str) -> bool:
+    """``rid`` ends with ``marker``, or is a parallel sample of such a request (n > 1: the
+    plugin names each sample ``{rid}_{i}-{uuid}``)."""
+    return rid.endswith(marker) or re.search(re.escape(marker) + r"_\d+-[0-9a-f]{32}$", rid) is not None
 
 
 def _note(rid: str, where: str) -> None:
@@ -43,7 +50,7 @@ def install() -> None:
     add_to_queue = Scheduler._add_request_to_queue
 
     def _add_request_to_queue(self: Any, req: Any, is_retracted: bool = False) -> Any:
-        if not is_retracted and req.rid.endswith(AT_ADMISSION) and req.to_finish is None:
+        if not is_retracted and _marked(req.rid, AT_ADMISSION) and req.to_finish is None:
             req.set_finish_with_abort(
                 "injected scheduler fault (tests): 500 at admission",
                 status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
@@ -59,7 +66,7 @@ def install() -> None:
     def process_batch_result_decode(self: Any, batch: Any, result: Any) -> Any:
         for req in batch.reqs:
             if (
-                req.rid.endswith(MID_DECODE)
+                _marked(req.rid, MID_DECODE)
                 and not req.finished()
                 and req.to_finish is None
                 and len(req.output_ids) >= DECODE_TOKENS_BEFORE_FAULT

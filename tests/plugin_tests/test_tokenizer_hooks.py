@@ -18,6 +18,7 @@ from sglang_ext.native_lora import managed_call
 from sglang_ext.tokenizer_hooks import (
     INTERNAL_FIELDS,
     RequestRefused,
+    abort_every_sample_of_a_parallel_request,
     check_servable,
     forbidden_fields,
     lora_names,
@@ -29,6 +30,7 @@ from sglang_ext.tokenizer_hooks import (
     refuse_inputs_that_crash_the_scheduler,
     refuse_what_normalisation_lets_through,
     release_only_what_was_acquired,
+    sample_rids_under_the_request_rid,
     serve_only_ready_managed_versions,
 )
 
@@ -278,6 +280,69 @@ def test_a_rid_string_or_a_batchs_rid_list_is_admitted() -> None:
     assert shape_guard(normalized(input_ids=PROMPT, rid="a")) is None
     assert shape_guard(normalized(input_ids=[PROMPT, PROMPT], rid=["a", "b"])) is None
     assert shape_guard(normalized(input_ids=PROMPT, rid="a", sampling_params={"n": 2})) is None
+
+
+@pytest.mark.parametrize(("prompts", "n"), [(SINGLE, 2), (SINGLE, 8), (2, 2)])
+def test_a_rid_list_with_parallel_sampling_is_refused(prompts: int, n: int) -> None:
+    """Normalisation keeps a rid list as sent (one per prompt) while the acquire takes a count
+    per sample: refused, whatever the batch."""
+    rid = ["a"] if prompts == SINGLE else [f"r{i}" for i in range(prompts)]
+    obj = normalized(
+        input_ids=PROMPT if prompts == SINGLE else [PROMPT] * prompts, rid=rid, sampling_params={"n": n}
+    )
+    err = refused(lambda: shape_guard(obj))
+    assert err.message == f"rid as a list with n={n}: send one rid string (each sample's rid starts with it)"
+
+
+HEX = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    ("state_rid", "sample"),
+    [
+        ("r_0", True),
+        ("r_11", True),
+        (f"r_0-{HEX}", True),
+        ("r", False),
+        ("rx_0", False),
+        ("r_", False),
+        ("r_a", False),
+        (f"r_0-{HEX[:-1]}", False),
+        (f"r_0-{HEX}x", False),
+        (f"q_0-{HEX}", False),
+    ],
+)
+def test_an_abort_of_a_parallel_requests_rid_aborts_exactly_its_prompts_and_samples(
+    state_rid: str, sample: bool
+) -> None:
+    aborted: list[tuple[str, bool]] = []
+
+    def original(tm: Any, rid: str = "", abort_all: bool = False) -> None:
+        aborted.append((rid, abort_all))
+
+    tm = types.SimpleNamespace(rid_to_state={state_rid: object(), "other": object()})
+    abort_every_sample_of_a_parallel_request(original, tm, "r")
+    assert aborted == ([(state_rid, False)] if sample else [("r", False)])
+
+
+def test_an_abort_of_a_known_rid_or_of_all_keeps_stock_behaviour() -> None:
+    aborted: list[tuple[Any, ...]] = []
+
+    def original(tm: Any, *args: Any, **kwargs: Any) -> None:
+        aborted.append((args, kwargs))
+
+    tm = types.SimpleNamespace(rid_to_state={"r": object(), "r_0": object()})
+    abort_every_sample_of_a_parallel_request(original, tm, rid="r")
+    abort_every_sample_of_a_parallel_request(original, tm, "", True)
+    abort_every_sample_of_a_parallel_request(original, tm, rid="q")
+    assert aborted == [((), {"rid": "r"}), (("", True), {}), ((), {"rid": "q"})]
+
+
+def test_a_samples_new_rid_starts_with_the_rid_it_replaces() -> None:
+    obj = normalized(input_ids=PROMPT, rid="turn-7", sampling_params={"n": 2})[0]
+    assert obj.rid == "turn-7_0"
+    new = sample_rids_under_the_request_rid(type(obj).regenerate_rid, obj)
+    assert new == obj.rid and new.startswith("turn-7_0-") and len(new) == len("turn-7_0-") + 32
 
 
 def with_stop_regex(stop_regex: Any) -> Any:
