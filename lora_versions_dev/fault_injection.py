@@ -27,7 +27,7 @@ from lora_contract.protocol import (
     UnloadedReceipt,
     VersionStatus,
 )
-from relax_glue.engine_client import EngineAPI, OutcomeUnknown, outcome_label
+from relax_glue.engine_client import EngineAPI, GenerationReply, OutcomeUnknown, outcome_label
 
 
 class FaultKind(StrEnum):
@@ -175,7 +175,7 @@ class FaultInjectingClient:
     async def version_status(self, lora_name: str) -> VersionStatus:
         return await self._run("version_status", lora_name)
 
-    async def generate(self, body: Mapping[str, Any]) -> dict[str, Any]:
+    async def generate(self, body: Mapping[str, Any]) -> GenerationReply:
         return await self._run("generate", body)
 
     def generate_stream(self, body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:

@@ -67,6 +67,7 @@ __all__ = [
     "ClientTimeouts",
     "EngineAPI",
     "EngineClient",
+    "GenerationReply",
     "OutcomeUnknown",
     "PoolLimits",
     "classify_outcome",
@@ -75,6 +76,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+# What ``/generate`` answers: one object, or with ``n > 1`` (parallel sampling) one per sample.
+GenerationReply = dict[str, Any] | list[dict[str, Any]]
 
 GENERATE_PATH = "/generate"
 ABORT_PATH = "/abort_request"
@@ -117,8 +120,10 @@ def outcome_label(exc: LoraVersionError | OutcomeUnknown) -> str:
     return CallOutcome.UNKNOWN
 
 
-def generation_outcome(reply: Mapping[str, Any]) -> CallOutcome:
-    return CallOutcome.ABORTED if generation_aborted(reply) else CallOutcome.OK
+def generation_outcome(reply: GenerationReply) -> CallOutcome:
+    """ABORTED when the generation (or, with ``n > 1``, any of its samples) was aborted."""
+    replies = reply if isinstance(reply, list) else [reply]
+    return CallOutcome.ABORTED if any(generation_aborted(r) for r in replies) else CallOutcome.OK
 
 
 class OutcomeUnknown(Exception):
@@ -334,7 +339,7 @@ class EngineAPI(Protocol):
     async def reclaim(self, req: ReclaimRequest) -> UnloadedReceipt | DrainingReply: ...
     async def status(self) -> EngineStatus: ...
     async def version_status(self, lora_name: str) -> VersionStatus: ...
-    async def generate(self, body: Mapping[str, Any]) -> dict[str, Any]: ...
+    async def generate(self, body: Mapping[str, Any]) -> GenerationReply: ...
     def generate_stream(self, body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
     async def abort_request(self, rid: str) -> None: ...
 
@@ -361,6 +366,16 @@ def _json_object(body: bytes) -> dict[str, Any]:
     data = json.loads(body)
     if not isinstance(data, dict):
         raise ValueError("expected a JSON object")
+    return data
+
+
+def _generation_reply(body: bytes) -> GenerationReply:
+    """``/generate``'s reply: one object, or with ``n > 1`` a list of one object per sample."""
+    data = json.loads(body)
+    if isinstance(data, list) and data and all(isinstance(d, dict) for d in data):
+        return data
+    if not isinstance(data, dict):
+        raise ValueError("expected a JSON object or a list of them")
     return data
 
 
@@ -679,17 +694,18 @@ class EngineClient:
         *,
         headers: Mapping[str, str] | None = None,
         on_reply: Callable[[httpx.Response], None] | None = None,
-    ) -> dict[str, Any]:
+    ) -> GenerationReply:
         """One ``POST /generate``, sent exactly once. The body is sent as given (the session
         layer puts ``lora_path`` and ``rid`` in it). ``headers`` and ``on_reply`` (called with
         the response before it is read as an outcome) serve a gateway in front of the engines:
-        the routing key out, the engine that served it back."""
+        the routing key out, the engine that served it back. With ``n > 1`` the reply is a list
+        (one object per sample)."""
         return await self._call(
             "generation",
             "generate",
             "POST",
             GENERATE_PATH,
-            _json_object,
+            _generation_reply,
             read_timeout=self.timeouts.generate,
             detail=str(body.get("rid", "")),
             json_body=dict(body),

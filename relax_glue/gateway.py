@@ -32,7 +32,14 @@ from typing import Any
 import httpx
 
 from lora_contract.errors import LoraVersionError
-from relax_glue.engine_client import AuditLog, ClientTimeouts, EngineAPI, EngineClient, OutcomeUnknown
+from relax_glue.engine_client import (
+    AuditLog,
+    ClientTimeouts,
+    EngineAPI,
+    EngineClient,
+    GenerationReply,
+    OutcomeUnknown,
+)
 
 __all__ = [
     "GATEWAY_ID",
@@ -200,7 +207,7 @@ class GatewayRoute:
             err.details["engine_id"] = engine_id
         return err
 
-    async def generate(self, body: Mapping[str, Any]) -> dict[str, Any]:
+    async def generate(self, body: Mapping[str, Any]) -> GenerationReply:
         rid = str(body.get("rid", ""))
         try:
             return await self.gateway.client.generate(

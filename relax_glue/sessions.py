@@ -24,6 +24,13 @@
   caller decides: :meth:`Session.resend` (abort that rid, send the same body again under a new
   rid, same binding) or :meth:`Session.discard` (abort it and go on). A duplicated trajectory
   turn is never the session layer's doing.
+* **Groups of completions** (GRPO and its relatives sample G completions per prompt).
+  :meth:`Session.sample` asks for ``n`` completions of one prompt in ONE request (SGLang's parallel
+  sampling: the prompt is prefilled once, every completion runs on the bound version, the engine
+  counts one in-flight request per completion, and an abort by the turn's rid ends all of
+  them). Several sessions may also declare one ``group`` at open: they route by the group's key
+  (one engine for the group, so its shared prompt prefix is computed once there) while each keeps
+  its own binding and close.
 * **Close** (RFC 4.3), exactly once however many callers ask: FINALIZING (no new dispatch) ->
   ``registry.begin_close`` (late open/bind are refused) -> wait for the binding task, abort the
   requests already sent (by rid, never abort-all) -> ``registry.close_and_release`` (the session
@@ -34,12 +41,13 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
@@ -49,6 +57,7 @@ from relax_glue.actor import AsyncRegistryClient, RegistryUnavailable
 from relax_glue.engine_client import (
     CallOutcome,
     EngineAPI,
+    GenerationReply,
     OutcomeUnknown,
     generation_aborted,
     generation_outcome,
@@ -135,6 +144,20 @@ def _invalid(message: str, **details: Any) -> LoraVersionError:
     return LoraVersionError(ErrorCode.INVALID_REQUEST, message, **details)
 
 
+def _positive_int(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
+def samples_asked(body: Mapping[str, Any]) -> int:
+    """The completions a request body asks for (``sampling_params.n``, 1 when absent); refused
+    unless a positive int."""
+    params = body.get("sampling_params") or {}
+    n = params.get("n", 1) if isinstance(params, Mapping) else 1
+    if not _positive_int(n):
+        raise _invalid(f"sampling_params.n must be a positive int, not {n!r}")
+    return int(n)
+
+
 def _retrieve(task: asyncio.Task[Any]) -> None:
     # Mark a failed shared task's exception as retrieved: every waiter may have been cancelled,
     # and the error was (or will be) delivered through shield to whoever still waits.
@@ -145,10 +168,13 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
 class Session:
     """One agent session. Create through :meth:`SessionManager.open`."""
 
-    def __init__(self, manager: SessionManager, key: SessionKey, name: str) -> None:
+    def __init__(self, manager: SessionManager, key: SessionKey, name: str, group: str | None = None) -> None:
         self._m = manager
         self.key = key
         self.name = name
+        self.group = group
+        # What its requests are routed by: its own key, or its group's (one engine for the group).
+        self.route_key: Hashable = key if group is None else f"{key.epoch}/group:{group}"
         self.phase = SessionPhase.OPEN
         self.lease_id: str | None = None  # the worker lease it hangs on (None: leases off)
         self.bind_calls = 0  # bind_first calls this session made (one, unless a bind failed)
@@ -231,9 +257,7 @@ class Session:
             value = body.get(field)
             if isinstance(value, list) and (field == "text" or (value and isinstance(value[0], list))):
                 raise _invalid(f"batched {field}: one request per session turn (n=1)")
-        params = body.get("sampling_params") or {}
-        if isinstance(params, Mapping) and params.get("n", 1) != 1:
-            raise _invalid("parallel sampling (n > 1) is not supported by versioned sessions")
+        samples_asked(body)  # n, when given, is a positive int
         rid = rid or body.get("rid") or uuid.uuid4().hex
         if not isinstance(rid, str) or rid in self._in_flight:
             raise _invalid(f"rid {rid!r} is not a fresh request id")
@@ -255,7 +279,7 @@ class Session:
         await self._m._check_lease()  # no registry call while the worker's lease is fresh
         # Close (or expiry) may have come while we waited: no new dispatch after that.
         self._check_open()
-        return req, self._m.router.pick(self.key)
+        return req, self._m.router.pick(self.route_key)
 
     def _finish(self, flight: _InFlight, lora_path: str, outcome: str, started: float, t0: float) -> None:
         flight.done.set()
@@ -266,7 +290,33 @@ class Session:
         )
 
     async def generate(self, body: Mapping[str, Any], *, rid: str | None = None) -> dict[str, Any]:
-        """One backend generation with the bound ``lora_path``, sent exactly once."""
+        """One backend generation with the bound ``lora_path``, sent exactly once (one
+        completion; ``n`` completions of one prompt: :meth:`sample`)."""
+        if samples_asked(body) != 1:
+            raise _invalid("n > 1 answers n completions: use sample(body, n)")
+        reply = await self._generate(body, rid)
+        assert isinstance(reply, dict)
+        return reply
+
+    async def sample(
+        self, body: Mapping[str, Any], n: int, *, rid: str | None = None
+    ) -> list[dict[str, Any]]:
+        """``n`` completions of one prompt in one request, sent exactly once (SGLang's parallel
+        sampling, ``sampling_params.n``): the prompt is prefilled once, every completion runs on
+        the bound ``lora_path``, and an abort of ``rid`` (or the session's close) ends them all.
+        One completion per sample, in order; each ``meta_info.id`` starts with ``rid``."""
+        if not _positive_int(n):
+            raise _invalid(f"n must be a positive int, not {n!r}")
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, Mapping):
+            raise _invalid("sampling_params must be an object")
+        reply = await self._generate({**body, "sampling_params": {**params, "n": n}}, rid)
+        replies = reply if isinstance(reply, list) else [reply]
+        if len(replies) != n:
+            raise _invalid(f"the engine answered {len(replies)} completions for n={n}")
+        return replies
+
+    async def _generate(self, body: Mapping[str, Any], rid: str | None) -> GenerationReply:
         if body.get("stream"):
             raise _invalid("use generate_stream for streaming")
         self._check_open()
@@ -277,7 +327,7 @@ class Session:
         try:
             while True:
                 try:
-                    result = await self._m._target(self.key, engine_id).generate(req)
+                    result = await self._m._target(self.route_key, engine_id).generate(req)
                     break
                 except (LoraVersionError, OutcomeUnknown) as err:
                     if not await self._wait_to_resend(err, engine_id, req["lora_path"], deadline):
@@ -298,22 +348,23 @@ class Session:
         req, engine_id = await self._dispatch_ready(body, rid)
         flight = self._in_flight[req["rid"]] = _InFlight(req["rid"], engine_id)
         started, t0, outcome = time.time(), time.monotonic(), CallOutcome.CANCELLED
-        aborted = False
+        aborted_samples: dict[int, bool] = {}
         deadline = t0 + self._m.not_ready_wait_s
         try:
             while True:
                 streamed = False
                 try:
-                    async for chunk in self._m._target(self.key, engine_id).generate_stream(req):
+                    async for chunk in self._m._target(self.route_key, engine_id).generate_stream(req):
                         streamed = True
-                        aborted = generation_aborted(chunk)
+                        # with n > 1 the samples' chunks interleave, each with its "index"
+                        aborted_samples[chunk.get("index", 0)] = generation_aborted(chunk)
                         yield chunk
                     break
                 except (LoraVersionError, OutcomeUnknown) as err:
                     # Only a refusal before the first chunk: nothing was admitted.
                     if streamed or not await self._wait_to_resend(err, engine_id, req["lora_path"], deadline):
                         raise self._settled_by_caller(err, engine_id, req) from None
-            outcome = CallOutcome.ABORTED if aborted else CallOutcome.OK
+            outcome = CallOutcome.ABORTED if any(aborted_samples.values()) else CallOutcome.OK
         except (LoraVersionError, OutcomeUnknown) as exc:
             outcome = outcome_label(exc)
             raise
@@ -379,7 +430,7 @@ class Session:
                 f"{rid!r} is not a turn with an unknown outcome", unknown_rids=list(self._unknown_turns)
             )
         try:
-            await self._m._target(self.key, turn.engine_id).abort_request(rid)
+            await self._m._target(self.route_key, turn.engine_id).abort_request(rid)
         except OutcomeUnknown as exc:
             # Refused connection: no engine process listens there, so nothing of ours runs. Any
             # other failure leaves the turn unsettled (it may still run): the caller asks again.
@@ -394,7 +445,7 @@ class Session:
         flight = self._in_flight.get(rid)
         if flight is None:
             return False
-        await self._m._target(self.key, flight.engine_id).abort_request(rid)
+        await self._m._target(self.route_key, flight.engine_id).abort_request(rid)
         return True
 
     # ---------------------------------------------------------------------------- close
@@ -439,7 +490,7 @@ class Session:
         while self._in_flight:
             flights = list(self._in_flight.values())
             results = await asyncio.gather(
-                *(self._m._target(self.key, f.engine_id).abort_request(f.rid) for f in flights),
+                *(self._m._target(self.route_key, f.engine_id).abort_request(f.rid) for f in flights),
                 return_exceptions=True,
             )
             for r in results:
@@ -524,12 +575,13 @@ class SessionManager:
         self.renewals = 0
         self._epoch: str | None = None
         self._sessions: dict[SessionKey, Session] = {}
+        self._routed: collections.Counter[Hashable] = collections.Counter()  # open sessions per route key
 
-    def _target(self, session_key: SessionKey, engine_id: str) -> EngineAPI:
-        """Where a session's request (or an abort of one) goes: its route through the gateway,
-        or the engine the router picked."""
+    def _target(self, route_key: Hashable, engine_id: str) -> EngineAPI:
+        """Where a session's request (or an abort of one) goes: its route through the gateway
+        (by its route key: its own, or its group's), or the engine the router picked."""
         if self.gateway is not None:
-            return self.gateway.route(session_key)  # type: ignore[return-value]
+            return self.gateway.route(route_key)  # type: ignore[return-value]
         return self.engines[engine_id]
 
     def _served_by(self, rid: str, engine_id: str) -> str:
@@ -542,18 +594,23 @@ class SessionManager:
     def sessions(self) -> Mapping[SessionKey, Session]:
         return MappingProxyType(self._sessions)
 
-    async def open(self, name: str = "session") -> Session:
+    async def open(self, name: str = "session", *, group: str | None = None) -> Session:
         """A new OPEN session without a version, on this worker's lease (when leases are on).
         The key carries a fresh nonce, so a reused name is a new lifecycle and never meets the
-        tombstone of an earlier one."""
+        tombstone of an earlier one. ``group``: sessions of one group (a GRPO group: G
+        completions of one prompt) are routed together, to one engine, so the shared prompt
+        prefix is computed once there; each keeps its own binding, refs and close."""
+        if group is not None and (not isinstance(group, str) or not group):
+            raise _invalid(f"group must be a non-empty string, not {group!r}")
         if self._epoch is None:
             self._epoch = (await self.registry.connect()).epoch
         key = SessionKey(self._epoch, f"{name}.{uuid.uuid4().hex}")
         lease_id = await self._lease()
         await self.registry.open_session(session_key=key, lease_id=lease_id)
-        session = Session(self, key, name)
+        session = Session(self, key, name, group)
         session.lease_id = lease_id
         self._sessions[key] = session
+        self._routed[session.route_key] += 1
         return session
 
     async def _lease(self) -> str | None:
@@ -630,5 +687,9 @@ class SessionManager:
         return list(results)
 
     def _drop(self, session: Session) -> None:
-        self._sessions.pop(session.key, None)
-        self.router.forget(session.key)
+        if self._sessions.pop(session.key, None) is None:
+            return
+        self._routed[session.route_key] -= 1
+        if self._routed[session.route_key] <= 0:  # the group's last session: its route goes
+            del self._routed[session.route_key]
+            self.router.forget(session.route_key)

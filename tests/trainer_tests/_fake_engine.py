@@ -301,7 +301,9 @@ class FakeEngine:
         rid = str(body.get("rid") or uuid.uuid4().hex)
         self.generations.append(body)
         finish = "length"
-        lora_id = native.acquire(lora) if lora is not None else None
+        # n > 1 as SGLang serves it: one count per sample, samples named {rid}_0-{hex}
+        samples = int((body.get("sampling_params") or {}).get("n", 1))
+        lora_ids = [native.acquire(lora) if lora is not None else None for _ in range(samples)]
         signal = self._running[rid] = asyncio.Event()
         try:
             hold = self._hold_generations
@@ -313,18 +315,25 @@ class FakeEngine:
             if signal.is_set():
                 finish = "abort"
         finally:
-            native.release(lora_id)
+            for lora_id in lora_ids:
+                native.release(lora_id)
             self._running.pop(rid, None)
-        out = {
-            "text": f"out:{lora}",
-            "output_ids": [1, 2, 3],
-            "meta_info": {
-                "id": rid,
-                "finish_reason": {"type": finish},
-                "lora_path": lora,
-                "engine_id": self.engine_id,
-            },
-        }
+        outs = [
+            {
+                "text": f"out:{lora}",
+                "output_ids": [1, 2, 3],
+                "meta_info": {
+                    "id": rid if samples == 1 else f"{rid}_0-{uuid.uuid4().hex}",
+                    "finish_reason": {"type": finish},
+                    "lora_path": lora,
+                    "engine_id": self.engine_id,
+                },
+            }
+            for _ in range(samples)
+        ]
+        out = outs[0]
+        if samples > 1 and not body.get("stream"):
+            return JSONResponse(outs)
         if body.get("stream"):
             chunks = [{**out, "text": "out:"}, out]
             text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"

@@ -134,6 +134,48 @@ async def test_sessions_through_the_gateway_stay_on_one_engine_with_their_exact_
                 assert via.json()["error"]["code"] in {"VERSION_RECLAIMED", "FORBIDDEN_FIELD"}, via.text
 
 
+async def test_groups_of_completions_through_the_gateway_share_one_engine_and_one_prefix(
+    engines, stock_engine, fixtures, snaps, gateway, run_dir
+) -> None:
+    """Issue 27, a GRPO group of G = 4 completions of one prompt, two ways through smg: one
+    session with ``sample(n=4)``, and four sessions of one ``group``. Either way the group runs
+    on one engine, its prompt is computed there once (the others find it in the KV cache),
+    every completion carries the exact bound version (greedy: each equals the stock baseline of
+    A), and after close and reclaim the engines' native counts are 0 and A is unloaded."""
+    g = 4
+    prompt = [*PROMPTS[2], *PROMPTS[3], *PROMPTS[0]]  # fresh in every cache of this module
+    async with World(engines, stock_engine, fixtures, gateway=gateway.url) as w:
+        assert w.gw is not None
+        assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED
+        one = await w.sm.open("one")
+        outs = await one.sample({"input_ids": prompt, "sampling_params": greedy(N)}, g)
+        assert len(outs) == g and len({r.engine_id for r in one.requests}) == 1
+        for out in outs:
+            w.tx.add(one, "turn", prompt, out["output_ids"], N)
+
+        group_prompt = [*PROMPTS[3], *PROMPTS[2], *PROMPTS[1]]
+        members = [await w.sm.open(f"grp{i}", group="prompt-1") for i in range(g)]
+        cached = []
+        for m in members:
+            out = await m.generate({"input_ids": group_prompt, "sampling_params": greedy(N)})
+            w.tx.add(m, "turn", group_prompt, out["output_ids"], N)
+            cached.append(int(out["meta_info"].get("cached_tokens") or 0))
+        served = {r.engine_id for m in members for r in m.requests}
+        assert len(served) == 1 and served <= {"E0", "E1"}, served
+        # the first member computed the prompt; every later one found it on that engine
+        assert cached[0] == 0 and all(c >= len(group_prompt) - 1 for c in cached[1:]), cached
+        assert {m.lora_path for m in [one, *members]} == {w.name_of["A"]}
+        bad = await w.tx.mismatches(w.refs, w.adapter_of)
+        assert not bad, f"completions differ from the single-version baseline: {bad}"
+
+        for m in [one, *members]:
+            await m.close()
+        assert (await w.publish(snaps, "B")).outcome is PublishOutcome.PUBLISHED  # A retires
+        (done,) = await w.pub.reclaim_ready()
+        assert done.done and {str(e.state) for e in done.engines.values()} == {"UNLOADED"}, done
+        write_json(run_dir / "gateway_groups.json", {"engine": sorted(served), "cached_tokens": cached})
+
+
 async def test_the_gateway_default_resends_an_admitted_turn_and_our_launch_does_not(engines, run_dir) -> None:
     """smg 1.13.0 resends a request whose reply was a 502/503/504 (five attempts in all); it does
     not resend a 500. A turn the engine admitted and served, whose reply was lost on the way

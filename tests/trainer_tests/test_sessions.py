@@ -346,13 +346,86 @@ async def test_bodies_that_would_escape_the_binding_are_refused_before_anything(
     s = await world.mgr.open()
     await expect(ErrorCode.FORBIDDEN_FIELD, s.generate({**BODY, "lora_id": "victim"}))
     await expect(ErrorCode.INVALID_REQUEST, s.generate({"text": ["a", "b"]}))
-    await expect(ErrorCode.INVALID_REQUEST, s.generate({**BODY, "sampling_params": {"n": 2}}))
+    await expect(ErrorCode.INVALID_REQUEST, s.generate({**BODY, "sampling_params": {"n": 2}}))  # sample()
     await expect(ErrorCode.INVALID_REQUEST, s.generate({**BODY, "stream": True}))
     assert world.reg.calls["bind_first"] == 0  # nothing bound for a refused request
     await expect(ErrorCode.INVALID_REQUEST, s.generate({**BODY, "lora_path": name_of("B")}))
     out = await s.generate({**BODY, "lora_path": name_of("A")})  # the bound name itself is fine
     assert out["meta_info"]["lora_path"] == name_of("A")
     assert [b["lora_path"] for b in world.sent(s)] == [name_of("A")]
+
+
+# ------------------------------------------------------------------- groups of completions
+
+
+async def test_sample_sends_one_request_for_n_completions_all_on_the_bound_version(world: World) -> None:
+    await world.publish("A")
+    s = await world.mgr.open()
+    outs = await s.sample(BODY, 4, rid="g1")
+    assert len(outs) == 4 and all(o["meta_info"]["lora_path"] == name_of("A") for o in outs)
+    assert all(o["meta_info"]["id"].startswith("g1_0-") for o in outs)
+    (sent,) = world.sent(s)  # one request, not four
+    assert sent["sampling_params"]["n"] == 4 and sent["lora_path"] == name_of("A")
+    assert world.reg.calls["bind_first"] == 1
+    await world.publish("B")  # the session keeps A for every later group
+    again = await s.sample(BODY, 2)
+    assert [o["meta_info"]["lora_path"] for o in again] == [name_of("A")] * 2
+    assert all(f.native.in_flight_by_name == collections.Counter() for f in world.fakes.values())
+
+
+@pytest.mark.parametrize("n", [0, -1, True, 2.0, "2"])
+async def test_a_bad_n_is_refused_before_anything(world: World, n: Any) -> None:
+    await world.publish("A")
+    s = await world.mgr.open()
+    await expect(ErrorCode.INVALID_REQUEST, s.sample(BODY, n))
+    await expect(ErrorCode.INVALID_REQUEST, s.generate({**BODY, "sampling_params": {"n": n}}))
+    assert world.reg.calls["bind_first"] == 0 and world.sent(s) == []
+
+
+async def test_close_aborts_a_group_in_flight_by_its_rid_and_releases(world: World) -> None:
+    await world.publish("A")
+    s = await world.mgr.open()
+    await s.generate(BODY)
+    engine = world.mgr.router.pick(s.route_key)
+    world.fakes[engine].hold_generations()
+    group = asyncio.create_task(s.sample(BODY, 3, rid="grp"))
+    await eventually(lambda: world.fakes[engine].native.in_flight_by_name[name_of("A")] == 3)
+    view = await s.close()
+    outs = await group
+    world.fakes[engine].release_generations()
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort"] * 3
+    assert world.fakes[engine].aborts == [{"rid": "grp", "abort_all": False}]
+    assert s.requests[-1].outcome == "aborted"
+    assert view.released and world.refs("A") == 0
+    assert world.fakes[engine].native.in_flight_by_name[name_of("A")] == 0
+
+
+async def test_sessions_of_one_group_share_one_engine_and_keep_their_own_binding_and_close(
+    world: World,
+) -> None:
+    """A GRPO group as G sessions: routed together (one engine, one prefix), bound and closed
+    each on its own; the group's route is forgotten only with its last session."""
+    await world.publish("A")
+    members = [await world.mgr.open(f"m{i}", group="prompt-7") for i in range(4)]
+    loner = await world.mgr.open("loner")
+    for m in members[:2]:
+        await m.generate(BODY)
+    await world.publish("B")  # members binding later get B: a binding stays per session
+    for m in [*members[2:], loner]:
+        await m.generate(BODY)
+    engines = {r.engine_id for m in members for r in m.requests}
+    assert len(engines) == 1 and {m.route_key for m in members} == {members[0].route_key}
+    assert [m.lora_path for m in members] == [name_of("A")] * 2 + [name_of("B")] * 2
+    await members[0].close()
+    later = await members[1].generate(BODY)
+    assert {r.engine_id for r in members[1].requests} == engines and later["meta_info"][
+        "lora_path"
+    ] == name_of("A")
+    for m in members[1:]:
+        await m.close()
+    assert world.refs("A") == 0 and world.refs("B") == 1  # the loner still holds B
+    assert members[0].route_key not in world.mgr.router._assigned  # the last member took the route
+    await expect(ErrorCode.INVALID_REQUEST, world.mgr.open("x", group=""))
 
 
 def test_router_is_sticky_round_robin() -> None:
