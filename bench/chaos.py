@@ -40,6 +40,9 @@ def main() -> int:
     parser.add_argument(
         "--transport", choices=("http", "collective"), default="http", help="how the buckets travel"
     )
+    parser.add_argument(
+        "--capacity", type=int, default=2, help="the epoch's K: up to K versions live at a fault (<= 4)"
+    )
     args = parser.parse_args()
     out = ROOT / ".runs" / "bench" / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = ChaosConfig(
@@ -49,8 +52,10 @@ def main() -> int:
         out_dir=out,
         overlap=not args.no_overlap,
         transport=args.transport,
+        capacity=args.capacity,
     )
     report = run_campaign(cfg)
+    report["capacity"] = cfg.capacity
     report["overlap"] = cfg.overlap
     report["transport"] = cfg.transport
     report["machine"] = platform.platform()

@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lora_contract.names import MANAGED_CAPACITY
 from lora_contract.protocol import EngineVersionState
 from lora_versions_demo.lifecycle import PROMPTS, TOOL_IDS
 from lora_versions_dev.engine_log import UNLOAD_LOG_LINE
@@ -152,6 +153,9 @@ class ChaosConfig:
     # engines shared with other campaigns (started when needed, purged first, left running);
     # None: the campaign starts its own and stops them at the end
     engines: ChaosEngines | None = None
+    # the epoch's capacity K: sessions of the K-1 newest versions stay open across rounds, so up
+    # to K versions are live when a fault hits (the engines have 5 slots: K <= 4)
+    capacity: int = MANAGED_CAPACITY
 
 
 @dataclasses.dataclass
@@ -198,6 +202,8 @@ class Campaign:
         self.history: dict[str, list[int]] = {}
         self.sessions: dict[str, Any] = {}
         self.next_vid = 0
+        self.published: list[str] = []  # lora names, in the order they were committed
+        self.max_live = 0  # the most versions live (published or retired) seen before a round
         self.adapter_of: dict[str, str] = {}  # lora_name -> fixture adapter
         self.reclaimed_on: dict[str, dict[str, str | None]] = {}  # lora_name -> engine -> lora_id
         self.t0 = time.monotonic()
@@ -261,7 +267,9 @@ class Campaign:
         from relax_glue.snapshot_store import SnapshotStore
 
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-        self.actor = start_registry_actor(self.epoch, COHORT, db_path=self.out / f"{self.epoch}.db")
+        self.actor = start_registry_actor(
+            self.epoch, COHORT, self.cfg.capacity, db_path=self.out / f"{self.epoch}.db"
+        )
         self.registry = AsyncRegistryClient.for_actor(self.actor, retries=3, retry_delay_s=0.2)
         self._record_registry(self.registry)
         from relax_glue.bucket_transport import CollectiveTransport
@@ -379,9 +387,15 @@ class Campaign:
             await self.turn(label)
 
     async def close_retired_sessions(self) -> None:
+        """Close the sessions of every version but the K-1 newest live ones (K = 2: all but the
+        default's), so the next publication finds a free slot once they are reclaimed."""
         st = await self.registry.status()
+        live = {v.lora_name for v in st.versions if v.state in (VersionState.PUBLISHED, VersionState.RETIRED)}
+        self.max_live = max(self.max_live, len(live))
+        newest = [n for n in reversed(self.published) if n in live and n != st.default_lora_name]
+        keep = {st.default_lora_name, *newest[: self.cfg.capacity - 2]}
         for label, s in list(self.sessions.items()):
-            if s.lora_path is None or s.lora_path != st.default_lora_name:
+            if s.lora_path is None or s.lora_path not in keep:
                 with contextlib.suppress(Exception):
                     await s.close()
                 del self.sessions[label]
@@ -401,8 +415,12 @@ class Campaign:
         vid = f"v{self.next_vid}"
         self.next_vid += 1
         snap = self.snaps[adapter]
-        self.adapter_of[snap.lora_name(self.pub.prefix, self.epoch, vid)] = adapter
-        return await self.pub.publish(snap, vid)
+        name = snap.lora_name(self.pub.prefix, self.epoch, vid)
+        self.adapter_of[name] = adapter
+        res = await self.pub.publish(snap, vid)
+        if res.outcome is PublishOutcome.PUBLISHED:
+            self.published.append(name)
+        return res
 
     async def round(self, n: int, kind: str) -> None:
         from relax_glue.actor import RegistryUnavailable
@@ -587,7 +605,9 @@ class Campaign:
     async def check(self) -> dict[str, Any]:
         from lora_versions_dev.reference import greedy_tokens
 
-        counts: dict[str, Any] = {}
+        counts: dict[str, Any] = {"max_live_versions": self.max_live}
+        if self.max_live > self.cfg.capacity:
+            self.violations.append(f"{self.max_live} versions live at once, capacity {self.cfg.capacity}")
         # 1. commit evidence
         bad_commits = []
         st = await self.registry.status()

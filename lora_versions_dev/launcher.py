@@ -26,17 +26,25 @@ import httpx
 
 from lora_versions_dev import cpu
 from sglang_ext.settings import PLUGIN_SWITCH_ENV
+from sglang_ext.setup_checks import MIN_LORAS_PER_BATCH
+
+# LoRA slots of a development engine: K = 4 managed versions plus the free slot SGLang keeps,
+# so one engine serves an epoch of any capacity up to 4 (the RFC's K = 2 and issue 27's K = 4);
+# the minimum an engine accepts is setup_checks.MIN_LORAS_PER_BATCH.
+DEV_LORA_SLOTS = 5
 
 
-# LoRA serving flags the managed lifecycle needs (see setup_checks.MIN_LORAS_PER_BATCH).
-def lora_flags(max_lora_rank: int = 8, backend: str | None = None) -> tuple[str, ...]:
-    """LoRA on, room for two pinned managed versions plus one free slot, every linear module."""
+def lora_flags(
+    max_lora_rank: int = 8, backend: str | None = None, slots: int = DEV_LORA_SLOTS
+) -> tuple[str, ...]:
+    """LoRA on, room for ``slots - 1`` pinned managed versions plus one free slot, every
+    linear module."""
     flags = (
         "--enable-lora",
         "--max-loras-per-batch",
-        "3",
+        str(slots),
         "--max-loaded-loras",
-        "3",
+        str(slots),
         "--max-lora-rank",
         str(max_lora_rank),
         "--lora-target-modules",
@@ -246,7 +254,7 @@ def gpu_launch_command(
         "sglang.launch_server",
         "--model-path",
         str(model),
-        *lora_flags(max_lora_rank),
+        *lora_flags(max_lora_rank, slots=MIN_LORAS_PER_BATCH),  # the RFC's K = 2; K + 1 for more
         "--disable-overlap-schedule",
         "--enable-metrics",
         "--host",

@@ -34,6 +34,7 @@ from _engine_helpers import (
 
 from lora_contract.protocol import Routes, read_peft_dir
 from lora_versions_dev.farm import PROMPT
+from lora_versions_dev.launcher import DEV_LORA_SLOTS
 
 pytestmark = pytest.mark.engine
 
@@ -275,10 +276,14 @@ def test_cleanup_racing_a_late_end_unloads_the_candidate(engines, snaps, cleanup
     assert seen_states[-1] == "LOADING", f"the cleanup never raced the load: states seen {seen_states}"
 
 
-def test_engine_capacity_refuses_a_third_managed_version(engines, snaps, cleanup_after):
+def test_engine_capacity_refuses_one_managed_version_past_its_slots(engines, snaps, cleanup_after):
+    """The engine's own bound (every LoRA slot but one): one more begin is CAPACITY_ERROR with
+    nothing changed, whatever the registry's K (the trainer side refuses past K before this)."""
     url = engines[1].url
-    for name in ("A", "B"):
-        s = Staged(url, snaps[name])
+    capacity = httpx.get(f"{url}/lora_versions", headers=ADMIN, timeout=10).json()["managed_capacity"]
+    assert capacity == DEV_LORA_SLOTS - 1
+    for i in range(capacity):
+        s = Staged(url, snaps[("A", "B")[i % 2]])
         cleanup_after.append(s)
         s.publish()
     before = visible_state(url)

@@ -289,9 +289,13 @@ def test_terminal_paths_release_exactly_once(publish, snaps, engines):
 def test_managed_versions_survive_max_loaded_loras_pressure(publish, snaps, engines, fixtures):
     url = engines[1].url
     a = publish(snaps["A"], engines[1])
+    # max_loaded_loras is the engine's managed capacity + 1: one unmanaged load more than that
+    # (with the managed version loaded) makes SGLang's LRU evict twice
+    slots = httpx.get(f"{url}/lora_versions", headers=ADMIN, timeout=10).json()["managed_capacity"] + 1
     loaded = []
     try:
-        for i, name in enumerate(("B", "C", "A", "B")):  # 4 unmanaged loads through max_loaded_loras=3
+        for i in range(slots + 1):
+            name = ("B", "C", "A")[i % 3]
             lname = f"plain-{i}-{name}"
             r = httpx.post(
                 f"{url}/load_lora_adapter",
