@@ -26,6 +26,16 @@ def main(argv: list[str] | None = None) -> int:
         "--engines", type=int, default=d.engines, help=f"engines in the cohort (default {d.engines})"
     )
     ap.add_argument("--max-staleness", type=int, default=d.max_staleness, help=f"(default {d.max_staleness})")
+    ap.add_argument("--capacity", type=int, default=d.capacity, help=f"the epoch's K (default {d.capacity})")
+    ap.add_argument(
+        "--correction",
+        choices=("tis", "none"),
+        default=d.correction,
+        help="off-policy correction of stale episodes (default: truncated importance ratio)",
+    )
+    ap.add_argument(
+        "--no-group-routing", action="store_true", help="route each episode by its own key, not its prompt's"
+    )
     ap.add_argument(
         "--out",
         type=Path,
@@ -41,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         engines=args.engines,
         max_staleness=args.max_staleness,
+        capacity=args.capacity,
+        correction=args.correction,
+        group_routing=not args.no_group_routing,
     )
     from examples.online_rl.run import run_online_rl
 

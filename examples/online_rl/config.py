@@ -17,8 +17,18 @@ class RunConfig:
     lr: float = 3e-2  # Adam on the LoRA parameters (measured offline: reward takes off in 5-9 steps)
     rank: int = 8  # the engines run with --max-lora-rank 8
     temperature: float = 1.0
-    # Staleness and backpressure (see policy.py).
+    # Staleness and backpressure (see policy.py). Episodes of the last max_staleness + 1 policies
+    # may be in flight at once, so the epoch's capacity K = max_staleness + 1 publishes every step
+    # without waiting for old episodes (the engines have 5 LoRA slots: K <= 4).
     max_staleness: int = 2
+    capacity: int = 3
+    # Off-policy correction of stale episodes (trainer.py): "tis" = per-token truncated importance
+    # ratio pi_trainer / pi_engine (the engine's recorded logprobs), capped at tis_cap; "none".
+    correction: str = "tis"
+    tis_cap: float = 2.0
+    # Route the episodes of one prompt together (sessions.open(..., group=prompt)): one engine per
+    # group, so the group's shared prompt is prefilled once there.
+    group_routing: bool = True
     reclaim_wait_s: float = 1.0
     forced_wait_s: float = 60.0
     # The scripted tool: most calls answer fast, a few are slow (a straggler episode holds its
@@ -34,6 +44,10 @@ class RunConfig:
             raise ValueError("steps, workers and engines must be >= 1, group_size >= 2")
         if not 1 <= self.rank <= 8:
             raise ValueError("the engines serve LoRA ranks up to 8 (--max-lora-rank 8)")
+        if not 2 <= self.capacity <= 4:
+            raise ValueError("capacity must be 2..4 (the CPU engines hold 4 managed versions)")
+        if self.correction not in ("tis", "none") or self.tis_cap < 1.0:
+            raise ValueError("correction is 'tis' (tis_cap >= 1) or 'none'")
         if self.max_staleness < 1:
             raise ValueError(
                 "max_staleness must be >= 1 (0 would forbid any overlap of rollout and training)"

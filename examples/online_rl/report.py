@@ -255,8 +255,23 @@ def summarize(rec: RunRecord, window: int = 3) -> dict[str, Any]:
         "policy_lag_stale_mean": statistics.fmean(stale_mean) if stale_mean else None,
         "slots_max_registry": max((s.registry for s in rec.slots), default=0),
         "slots_max_engine": max((n for s in rec.slots for n in s.engines.values()), default=0),
+        "correction": rec.config.get("correction"),
+        "stale_weight_mean": _mean([s.stale_weight_mean for s in steps if s.stale_weight_mean is not None]),
+        "stale_weight_truncated": _mean(
+            [s.stale_weight_truncated for s in steps if s.stale_weight_truncated is not None]
+        ),
+        # first turns: the prompt's tokens the engine found in its KV cache (a group's later
+        # episodes on the engine that already prefilled that prompt)
+        "first_turn_cache_share": _share(
+            sum(e.turns[0].cached_tokens for e in rec.episodes if e.turns),
+            sum(e.turns[0].input_len for e in rec.episodes if e.turns),
+        ),
         "run_s": rec.run_s,
     }
+
+
+def _share(part: int, whole: int) -> float | None:
+    return round(part / whole, 4) if whole else None
 
 
 def to_json(rec: RunRecord, invariants: Sequence[Invariant]) -> dict[str, Any]:

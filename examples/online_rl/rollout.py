@@ -100,7 +100,8 @@ async def run_episode(
     """One episode: assistant turn, the scripted tool (its latency, then its reply), assistant
     turn. Never raises: a failure is recorded in ``error`` (the run's invariants count it)."""
     p = prompt_of(index, len(task.prompts))
-    session = await sessions.open(f"ep{index}")
+    # a prompt's episodes are one GRPO group: routed together, they share its prefix on one engine
+    session = await sessions.open(f"ep{index}", group=f"prompt{p}" if cfg.group_routing else None)
     ep = Episode(index, worker, p, str(session.key), tool_latency(cfg, index), clock())
     ep.prompt_ids, ep.tool_ids = list(task.prompts[p]), list(task.tool_replies[p])
     params = task.sampling_params(cfg.temperature)

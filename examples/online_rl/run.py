@@ -59,7 +59,7 @@ class OnlineRL:
         self.engines = {e.name: e for e in engines}
         self.cohort = [e.name for e in engines]
         self.policy = StalenessPolicy(cfg.max_staleness, cfg.reclaim_wait_s, cfg.forced_wait_s)
-        self.reg = LoRAVersionRegistry(EPOCH, tuple(self.cohort))
+        self.reg = LoRAVersionRegistry(EPOCH, tuple(self.cohort), capacity=cfg.capacity)
         self.clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
         self.pub = Publisher(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
         # Generation goes through the gateway (routing key = session key); control calls go to
@@ -255,7 +255,9 @@ class OnlineRL:
     async def one_update(self, t: int) -> None:
         t_start = self.clock()
         used, dropped = await self.collect(self.trainer.step)
-        stats = await asyncio.to_thread(self.trainer.train_step, self.samples(used))
+        stats = await asyncio.to_thread(
+            self.trainer.train_step, self.samples(used), self.cfg.correction, self.cfg.tis_cap
+        )
         pub = await self.publish(t)
         rec = rp.StepRecord(
             stats,
@@ -399,6 +401,11 @@ def print_summary(doc: dict[str, Any], out_dir: Path) -> None:
         ],
         ["policy lag, stale episodes (mean |diff|)", _e(s["policy_lag_stale_mean"])],
         ["slots in use, max (registry / engine)", f"{s['slots_max_registry']} / {s['slots_max_engine']}"],
+        [
+            f"off-policy correction: {s['correction']} (stale tokens: mean weight / truncated)",
+            f"{s['stale_weight_mean']} / {s['stale_weight_truncated']}",
+        ],
+        ["first turns: prompt tokens from the KV cache (groups)", s["first_turn_cache_share"]],
     ]
     print(table(["figure", "value"], figures))
     print("\n[online-rl] invariants:")

@@ -8,10 +8,17 @@ policy gradient (GRPO-style advantages, REINFORCE loss).
 * **Group baseline.** The episodes of one prompt in the batch form a group; an episode's
   advantage is its reward minus the group mean, divided by the group's standard deviation (0 for
   a group whose rewards are all equal: nothing to learn from it).
-* **The engine's log-probabilities are measured, not used.** Per step the trainer reports the
-  absolute difference between its log-probability of every sampled token and the engine's, split
-  into episodes of the trainer's current weights (staleness 0: the same weights on both sides, so
-  this is the serving mismatch, about 1e-6 in fp32) and stale ones (the policy lag).
+* **The engine's log-probabilities measure the lag and correct it.** Per step the trainer
+  reports the absolute difference between its log-probability of every sampled token and the
+  engine's, split into episodes of the trainer's current weights (staleness 0: the same weights on
+  both sides, so this is the serving mismatch, about 1e-6 in fp32) and stale ones (the policy
+  lag). With ``correction="tis"`` each token's term is weighted by the truncated importance ratio
+  ``w_t = min(pi_theta(y_t) / mu(y_t), C)`` (detached), ``mu`` the engine's recorded probability
+  under the version that generated it: the policy-gradient estimator for samples of another
+  policy, with the ratio truncated at C (2 here) to bound its variance, per token rather than as
+  a product over the episode (whose variance grows exponentially with its length). This is
+  IMPALA's truncated ratio without the value function, and the "TIS" fix that verl and slime
+  apply to the rollout/trainer mismatch. Fresh episodes get w = 1 up to the serving mismatch.
 
 The LoRA config is what the engines serve: rank <= 8, alpha 2r, no dropout, the seven projection
 modules of the fixture adapters.
@@ -56,6 +63,9 @@ class StepStats:
     stale_abs_diff_mean: float | None  # the same for stale episodes: the policy lag
     stale_abs_diff_max: float | None
     seconds: float
+    # the truncated importance weights of stale tokens (correction "tis"; None without stale ones)
+    stale_weight_mean: float | None = None
+    stale_weight_truncated: float | None = None  # share of stale tokens whose ratio hit the cap
 
 
 def group_advantages(rewards: Sequence[float], groups: Sequence[Hashable], eps: float = 1e-6) -> list[float]:
@@ -73,6 +83,14 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[Hashable], eps: 
         mean, std = stats[g]
         out.append(0.0 if std < eps else (r - mean) / (std + eps))
     return out
+
+
+def truncated_ratio(logp: Any, behaviour_logp: Any, cap: float) -> Any:
+    """Per token ``min(exp(logp - behaviour_logp), cap)``: the importance ratio of the trainer's
+    policy over the one that sampled the token, truncated (no gradient flows through it)."""
+    import torch
+
+    return torch.clamp(torch.exp(logp - behaviour_logp), max=cap)
 
 
 def _mean_max(xs: list[float]) -> tuple[float | None, float | None]:
@@ -118,8 +136,11 @@ class Trainer:
 
         return Snapshot.from_peft_model(self.model)
 
-    def train_step(self, samples: Sequence[Sample]) -> StepStats:
-        """One update on ``samples`` (blocking; run it in a thread so rollouts go on)."""
+    def train_step(
+        self, samples: Sequence[Sample], correction: str = "none", tis_cap: float = 2.0
+    ) -> StepStats:
+        """One update on ``samples`` (blocking; run it in a thread so rollouts go on);
+        ``correction``: "tis" weights each token by its truncated importance ratio, "none" not."""
         import torch
 
         t0 = time.monotonic()
@@ -137,12 +158,21 @@ class Trainer:
         loss = logits.new_zeros(())
         fresh: list[float] = []
         stale: list[float] = []
+        weights: list[float] = []
         for i, s in enumerate(samples):
             pos = torch.tensor([j for b, e in s.spans for j in range(b, e)])
             lp = logp_all[i, pos - 1].gather(-1, ids[i, pos].unsqueeze(-1)).squeeze(-1)
-            loss = loss - advantages[i] * lp.sum() / n_tokens
-            diffs = (lp.detach() - torch.tensor(s.engine_logprobs)).abs().tolist()
+            behaviour = torch.tensor(s.engine_logprobs)
+            w = (
+                truncated_ratio(lp.detach(), behaviour, tis_cap)
+                if correction == "tis"
+                else torch.ones_like(lp)
+            )
+            loss = loss - advantages[i] * (w * lp).sum() / n_tokens
+            diffs = (lp.detach() - behaviour).abs().tolist()
             (fresh if s.staleness == 0 else stale).extend(diffs)
+            if s.staleness:
+                weights.extend(w.tolist())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in self.params if p.grad is not None))
@@ -150,6 +180,9 @@ class Trainer:
         self.step += 1
         fm, fx = _mean_max(fresh)
         sm, sx = _mean_max(stale)
+        truncated = (
+            sum(x >= tis_cap for x in weights) / len(weights) if weights and correction == "tis" else None
+        )
         return StepStats(
             step=self.step,
             loss=float(loss.detach()),
@@ -164,4 +197,6 @@ class Trainer:
             stale_abs_diff_mean=sm,
             stale_abs_diff_max=sx,
             seconds=time.monotonic() - t0,
+            stale_weight_mean=statistics.fmean(weights) if weights else None,
+            stale_weight_truncated=truncated,
         )

@@ -193,3 +193,23 @@ def test_the_report_renders_from_a_record(tmp_path: Path) -> None:
     assert "step1 PUBLISHED after 2x CAPACITY_ERROR" in line
     rp.plot(rec, tmp_path / "online_rl.png")
     assert (tmp_path / "online_rl.png").stat().st_size > 10_000
+
+
+def test_the_truncated_importance_ratio_is_the_probability_ratio_capped_and_detached() -> None:
+    import torch
+
+    from examples.online_rl.trainer import truncated_ratio
+
+    logp = torch.tensor([-1.0, -1.0, -0.5, -3.0], requires_grad=True)
+    behaviour = torch.tensor([-1.0, -1.5, -3.0, -2.0])  # same, likelier now, far likelier, less likely
+    w = truncated_ratio(logp.detach(), behaviour, 2.0)
+    expected = [1.0, float(torch.exp(torch.tensor(0.5))), 2.0, float(torch.exp(torch.tensor(-1.0)))]
+    assert w.tolist() == pytest.approx(expected)
+    assert not w.requires_grad
+
+
+def test_the_run_config_keeps_capacity_and_correction_in_range() -> None:
+    assert (RunConfig().capacity, RunConfig().max_staleness, RunConfig().correction) == (3, 2, "tis")
+    for bad in ({"capacity": 1}, {"capacity": 5}, {"correction": "ppo"}, {"tis_cap": 0.5}):
+        with pytest.raises(ValueError):
+            RunConfig(**bad)
