@@ -382,12 +382,18 @@ async def test_a_bad_n_is_refused_before_anything(world: World, n: Any) -> None:
     assert world.reg.calls["bind_first"] == 0 and world.sent(s) == []
 
 
-async def test_close_aborts_a_group_in_flight_by_its_rid_and_releases(world: World) -> None:
+async def bound_session_on_a_held_engine(world: World) -> tuple[Session, str]:
+    """A session bound to A whose engine holds every generation from now on (until released)."""
     await world.publish("A")
     s = await world.mgr.open()
     await s.generate(BODY)
     engine = world.mgr.router.pick(s.route_key)
     world.fakes[engine].hold_generations()
+    return s, engine
+
+
+async def test_close_aborts_a_group_in_flight_by_its_rid_and_releases(world: World) -> None:
+    s, engine = await bound_session_on_a_held_engine(world)
     group = asyncio.create_task(s.sample(BODY, 3, rid="grp"))
     await eventually(lambda: world.fakes[engine].native.in_flight_by_name[name_of("A")] == 3)
     view = await s.close()
@@ -491,11 +497,7 @@ async def test_close_while_the_binding_is_in_flight(world: World, where: str) ->
 
 @pytest.mark.timeout(30)  # a broken close rule hangs here: fail in seconds, not at the suite's 900 s
 async def test_close_aborts_requests_already_sent_then_releases(world: World) -> None:
-    await world.publish("A")
-    s = await world.mgr.open()
-    await s.generate(BODY)
-    engine = world.mgr.router.pick(s.key)
-    world.fakes[engine].hold_generations()
+    s, engine = await bound_session_on_a_held_engine(world)
     turn = asyncio.create_task(s.generate(BODY, rid="long"))
     await asyncio.sleep(0.01)
     view = await s.close()
