@@ -292,7 +292,7 @@ class ControlFuzzer:
         admin_key: str | None = None,
         log_path: Path | None = None,
         alive: Callable[[], bool] | None = None,
-        capacity: int = 2,
+        capacity: int | None = None,
         bucket_cap: int = 16 * 1024,
         health_every: int = 10,
     ) -> None:
@@ -304,12 +304,13 @@ class ControlFuzzer:
         self.auth = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.log_path = log_path
         self.alive = alive or (lambda: True)
-        self.capacity = capacity
+        self.client = httpx.Client(timeout=120)
+        # the engine's own bound on managed versions (its LoRA slots but one), unless given
+        self.capacity = capacity if capacity is not None else self._engine_capacity()
         self.bucket_cap = bucket_cap
         self.health_every = health_every
         self.report = FuzzReport(seed)
         self.pubs: list[Publication] = []
-        self.client = httpx.Client(timeout=120)
         self._log_start = log_path.stat().st_size if log_path else 0
         self._state: dict = {}
         self._count = threading.Lock()  # concurrent ops send from several threads
@@ -358,6 +359,12 @@ class ControlFuzzer:
         except ValueError:
             body = None
         return Reply(r.status_code, body, r.text[:300])
+
+    def _engine_capacity(self) -> int:
+        capacity = self.status().get("managed_capacity")
+        if not isinstance(capacity, int):
+            raise RuntimeError(f"the engine at {self.url} reports no managed_capacity")
+        return capacity
 
     def status(self) -> dict:
         r = self.client.get(self.url + Routes.STATUS, headers=self.auth)

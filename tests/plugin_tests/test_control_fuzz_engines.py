@@ -72,5 +72,5 @@ def test_the_fuzzer_detects_a_violation(fuzz_engine, adapters):
         log_path=fuzz_engine.log_path,
         alive=fuzz_engine.alive,
     )
-    report = fuzzer.run(60)
+    report = fuzzer.run(200)  # enough that A is published and generated on at least once
     assert any("served" in v or "generate on READY" in v for v in report.violations), report.violations
