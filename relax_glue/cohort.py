@@ -56,9 +56,6 @@ class Cohort:
     incarnations: dict[str, str] = dataclasses.field(default_factory=dict)
     publication_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     reclaim_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
-    # engines whose managed slots were found to hold the epoch's capacity (checked once each)
-    capacity_checked: set[str] = dataclasses.field(default_factory=set)
-
     @classmethod
     def of(
         cls,

@@ -387,23 +387,21 @@ class Publisher(CohortDriver):
         return await self._run(att, list(self._cohort))
 
     async def _check_cohort(self, att: _Attempt, recorded: str | None) -> LoraVersionError | None:
-        """Before anything is reserved or sent, from one read of the engines' statuses (only
-        while something is still to be learnt): every engine can hold the epoch's K versions
-        (each engine once), and the epoch's base model, which sets ``att.base``: the registry's
-        record, or, before the epoch's first publication, the fingerprint every answering
-        engine reports, recorded now. A cohort whose engines disagree (or one that reports
-        none) is refused here. No engine answering leaves both unknown: their begins will say,
-        and the commit needs every engine's fresh status anyway."""
+        """Set ``att.base`` to the epoch's base model: the registry's record, or, before the
+        epoch's first publication, from one read of the engines' statuses: every answering
+        engine can hold the epoch's K versions, and they all report one base fingerprint,
+        recorded now. A cohort with a smaller engine, or whose engines disagree (or one that
+        reports none), is refused here, before anything is reserved or sent. No engine answering
+        leaves both unknown: their begins will say (an engine's own CAPACITY_ERROR past its
+        slots, BASE_MISMATCH), and the commit needs every engine's fresh status anyway."""
         if recorded is not None:
             att.base = recorded
-        if recorded is not None and self.cohort.capacity_checked >= set(self._cohort):
             return None
         statuses = {e: s for e, s in (await self._read_statuses(att)).items() if s is not None}
         too_small = capacity_mismatch(statuses, self.registry.capacity)
         if too_small is not None:
             return too_small
-        self.cohort.capacity_checked.update(statuses)
-        if recorded is not None or not statuses:
+        if not statuses:
             return None
         bases = {e: (s.base.fingerprint if s.base is not None else None) for e, s in statuses.items()}
         if None in bases.values() or len(set(bases.values())) > 1:
