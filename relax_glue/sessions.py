@@ -295,7 +295,8 @@ class Session:
         if samples_asked(body) != 1:
             raise _invalid("n > 1 answers n completions: use sample(body, n)")
         reply = await self._generate(body, rid)
-        assert isinstance(reply, dict)
+        if not isinstance(reply, dict):  # SGLang answers one object for n = 1
+            raise TypeError(f"the engine answered {type(reply).__name__} for one completion")
         return reply
 
     async def sample(
