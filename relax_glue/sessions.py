@@ -144,16 +144,12 @@ def _invalid(message: str, **details: Any) -> LoraVersionError:
     return LoraVersionError(ErrorCode.INVALID_REQUEST, message, **details)
 
 
-def _positive_int(n: object) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
-
-
 def samples_asked(body: Mapping[str, Any]) -> int:
     """The completions a request body asks for (``sampling_params.n``, 1 when absent); refused
     unless a positive int."""
     params = body.get("sampling_params") or {}
     n = params.get("n", 1) if isinstance(params, Mapping) else 1
-    if not _positive_int(n):
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise _invalid(f"sampling_params.n must be a positive int, not {n!r}")
     return int(n)
 
@@ -305,9 +301,8 @@ class Session:
         """``n`` completions of one prompt in one request, sent exactly once (SGLang's parallel
         sampling, ``sampling_params.n``): the prompt is prefilled once, every completion runs on
         the bound ``lora_path``, and an abort of ``rid`` (or the session's close) ends them all.
-        One completion per sample, in order; each ``meta_info.id`` starts with ``rid``."""
-        if not _positive_int(n):
-            raise _invalid(f"n must be a positive int, not {n!r}")
+        One completion per sample, in order; each ``meta_info.id`` starts with ``rid``. ``n`` is
+        checked with every other field, before anything is bound or sent."""
         params = body.get("sampling_params") or {}
         if not isinstance(params, Mapping):
             raise _invalid("sampling_params must be an object")
