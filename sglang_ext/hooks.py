@@ -119,6 +119,7 @@ def register_all(role: str) -> None:
         (upstream.RELEASE_LORA_ONCE, th.release_only_what_was_acquired, "AROUND"),
         (upstream.REGENERATE_RID, th.sample_rids_under_the_request_rid, "AROUND"),
         (upstream.ABORT_REQUEST, th.abort_every_sample_of_a_parallel_request, "AROUND"),
+        (upstream.SEND_ONE_REQUEST, th.abort_samples_sent_after_their_request_was_aborted, "AROUND"),
         (upstream.LRU_LORA_NAME, th.lru_never_picks_managed, "REPLACE"),
         (upstream.SERVE_GENERATE, th.precheck_generate, "AROUND"),
         (upstream.OPENAI_HANDLE_REQUEST, th.precheck_openai, "AROUND"),

@@ -44,6 +44,8 @@ RELEASE_LORA_ONCE = f"{_TM}._release_lora_once"
 # rid through this method (its only callers in 0.5.23), and /abort_request reaches abort_request.
 REGENERATE_RID = "sglang.srt.managers.io_struct.GenerateReqInput.regenerate_rid"
 ABORT_REQUEST = f"{_TM}.abort_request"
+# Every request reaches the scheduler through this (a sample of a parallel request included).
+SEND_ONE_REQUEST = f"{_TM}._send_one_request"
 LRU_LORA_NAME = "sglang.srt.lora.lora_registry.LoRARegistry.lru_lora_name"
 SERVE_GENERATE = "sglang.srt.entrypoints.http_server.serve_generate_request"
 OPENAI_HANDLE_REQUEST = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
@@ -78,6 +80,7 @@ MAIN_PROCESS_TARGETS = (
     RELEASE_LORA_ONCE,
     REGENERATE_RID,
     ABORT_REQUEST,
+    SEND_ONE_REQUEST,
     LRU_LORA_NAME,
     SERVE_GENERATE,
     OPENAI_HANDLE_REQUEST,

@@ -237,9 +237,62 @@ def abort_every_sample_of_a_parallel_request(original: Any, self: Any, *args: An
     samples = [k for k in list(self.rid_to_state) if _is_sample_of(k, rid)]
     if not samples:
         return original(self, *args, **kwargs)
+    # The samples live now are not all of them: until the prefix request has finished, and between
+    # two sample sends, some are not yet sent. Their prompt is remembered, so that each one sent
+    # later is aborted as it is sent (abort_samples_sent_after_their_request_was_aborted).
+    aborted = _aborted_prompts(self)
+    for k in samples:
+        aborted[_prompt_rid(k)] = None
     for k in samples:
         original(self, rid=k, abort_all=False)
     return None
+
+
+async def abort_samples_sent_after_their_request_was_aborted(
+    original: Any, self: Any, tokenized_obj: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND TokenizerManager._send_one_request(tokenized_obj). _handle_batch_request sends a
+    parallel request's samples only after its prefix request has finished, whatever happened
+    meanwhile: an abort of the request that arrived before (or between sample sends) reached
+    only the states that existed then, and stock sends the rest, which decode to the end. A
+    sample of a prompt whose request was aborted is aborted through the stock path right after
+    its send (the scheduler receives both in order, so it never decodes)."""
+    result = await original(self, tokenized_obj, *args, **kwargs)
+    aborted = getattr(self, _ABORTED_PROMPTS, None)
+    if aborted:
+        rid = getattr(tokenized_obj, "rid", None)
+        if isinstance(rid, str) and _prompt_rid(rid) != rid and _prompt_rid(rid) in aborted:
+            self.abort_request(rid=rid)
+        _forget_ended_prompts(aborted, self.rid_to_state)
+    return result
+
+
+# TokenizerManager attribute (the plugin's own) holding the prompt rids of aborted parallel
+# requests; empty unless an abort of a parallel request is in progress.
+_ABORTED_PROMPTS = "_lora_versions_aborted_parallel_prompts"
+_SAMPLE_UUID_TAIL = re.compile(r"-[0-9a-f]{32}$")
+
+
+def _aborted_prompts(tm: Any) -> dict[str, None]:
+    aborted = getattr(tm, _ABORTED_PROMPTS, None)
+    if aborted is None:
+        aborted = {}
+        setattr(tm, _ABORTED_PROMPTS, aborted)
+    return aborted
+
+
+def _prompt_rid(rid: str) -> str:
+    """``r_0`` for a sample ``r_0-{uuid}`` (and for the prompt state ``r_0`` itself)."""
+    return _SAMPLE_UUID_TAIL.sub("", rid)
+
+
+def _forget_ended_prompts(aborted: dict[str, None], rid_to_state: Any) -> None:
+    """A prompt is remembered while any state of its request lives: its own (until the prefix
+    request has finished) or a sample's. _handle_batch_request drops the prompt's state and makes
+    the first sample's without an await between, so no moment between them is seen here."""
+    live = {_prompt_rid(k) for k in list(rid_to_state) if isinstance(k, str)}
+    for prompt in [p for p in aborted if p not in live]:
+        del aborted[prompt]
 
 
 def _is_sample_of(state_rid: Any, rid: str) -> bool:

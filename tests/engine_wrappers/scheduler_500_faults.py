@@ -7,7 +7,8 @@ sets the abort and queues the request anyway), or a grammar that rejects a sampl
 exactly those two upstream paths for requests whose rid carries a marker, and pass every other
 request through untouched (fail only the marked call). What follows is SGLang's own: the abort
 travels through the output streamer and the tokenizer manager, which release the native LoRA
-count and answer HTTP 500.
+count and answer HTTP 500. One more marker is not a fault but a delay of the marked call alone:
+the prefix request of a parallel request (n > 1) is held in the scheduler (``HOLD_PREFIX``).
 
 The scheduler runs in a process started with ``spawn``, so a patch made in the launching process
 would not reach it: :func:`run_scheduler_process_with_500s` is handed to ``launch_server`` as
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from http import HTTPStatus
 from typing import Any
 
@@ -25,6 +27,11 @@ from typing import Any
 AT_ADMISSION = ":500@admit"
 MID_DECODE = ":500@decode"
 DECODE_TOKENS_BEFORE_FAULT = 4
+# Not a 500: the prefix request of a marked parallel request (n > 1; max_new_tokens = 0) is held
+# this long in the scheduler before its result is processed, so an abort sent meanwhile reaches
+# the tokenizer manager while the request's samples are not yet sent.
+HOLD_PREFIX = ":hold@prefix"
+HOLD_PREFIX_S = 2.0
 LOG_LINE = "scheduler-500 fault injected"
 
 
@@ -79,7 +86,23 @@ def install() -> None:
                 _note(req.rid, "mid-decode")
         return decode(self, batch, result)
 
+    # Upstream: SchedulerBatchResultProcessor.process_batch_result_prefill(batch, result), where
+    # a prefix request (max_new_tokens = 0) finishes.
+    prefill = SchedulerBatchResultProcessor.process_batch_result_prefill
+
+    def process_batch_result_prefill(self: Any, batch: Any, result: Any) -> Any:
+        held = [
+            r.rid
+            for r in batch.reqs
+            if _marked(r.rid, HOLD_PREFIX) and r.sampling_params.max_new_tokens == 0
+        ]
+        if held:
+            _note(held[0], f"prefix held {HOLD_PREFIX_S} s")
+            time.sleep(HOLD_PREFIX_S)
+        return prefill(self, batch, result)
+
     Scheduler._add_request_to_queue = _add_request_to_queue
+    SchedulerBatchResultProcessor.process_batch_result_prefill = process_batch_result_prefill
     SchedulerBatchResultProcessor.process_batch_result_decode = process_batch_result_decode
 
 

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.engine
 
 WRAPPERS = Path(__file__).parents[1] / "engine_wrappers"
 sys.path.insert(0, str(WRAPPERS))
-from scheduler_500_faults import MID_DECODE  # noqa: E402
+from scheduler_500_faults import HOLD_PREFIX, MID_DECODE  # noqa: E402
 
 N = 3
 # Tokens of a request that is still decoding when the test acts on it. All N samples must fit
@@ -140,6 +140,24 @@ def test_an_abort_by_the_request_rid_ends_every_sample(engine, version) -> None:
     outputs = out["response"].json()
     reasons = [o["meta_info"]["finish_reason"]["type"] for o in outputs]
     assert reasons == ["abort"] * N, reasons
+    assert all(len(o["output_ids"]) < LONG for o in outputs)
+
+
+def test_an_abort_before_the_samples_are_sent_ends_every_sample(engine, version) -> None:
+    """SGLang sends the samples only after the prefix request has finished. An abort that arrives
+    before (here: while the scheduler holds the prefix request, the counts already taken) found
+    no sample to abort, and stock then sent all N, which decoded to the end (seen in CI:
+    ``['length', 'length', 'length']``). The plugin aborts each sample as it is sent."""
+    rid = f"pre-{uuid.uuid4().hex[:8]}{HOLD_PREFIX}"
+    out: dict = {}
+    t = post_in_thread(engine.url, body(version.name, rid, LONG), out)
+    wait_in_flight(engine.url, version.name, N)  # acquired at arrival; the prefix is held 2 s
+    abort(engine.url, rid)
+    wait_in_flight(engine.url, version.name, 0, timeout_s=30)
+    t.join(60)
+    assert not t.is_alive()
+    outputs = out["response"].json()
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outputs] == ["abort"] * N, outputs
     assert all(len(o["output_ids"]) < LONG for o in outputs)
 
 
