@@ -16,10 +16,16 @@ p95 latency of a whole group. Every completion's ``lora_path`` is the version bo
 prompts no other way used (fresh in every cache), and the groups of one way run ``--concurrency``
 at a time.
 
+Each way runs on a cohort per engine schedule policy (``--policies``): with SGLang's default
+``fcfs`` the members of a group that arrive together are all prefilled (none is cached yet when
+the others are scheduled); ``lpm`` (longest prefix match) holds back a waiting request whose
+prefix another waiting request already shares (SGLang's in-batch prefix caching), so the prompt
+is computed once and the others find it cached.
+
 Prints a table and writes ``bench/results/grpo_groups.json``.
 
     .venv/bin/python bench/grpo_groups.py [--groups 12] [--g 8] [--prompt-tokens 256]
-                                          [--tokens 16] [--concurrency 4]
+                                          [--tokens 16] [--concurrency 4] [--policies fcfs,lpm]
 """
 
 from __future__ import annotations
@@ -169,13 +175,21 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--policies",
+        default="fcfs,lpm",
+        help="SGLang --schedule-policy of the engines, one cohort each (comma-separated)",
+    )
     args = ap.parse_args()
-    with (
-        tempfile.TemporaryDirectory(prefix="grpo-groups-") as tmp,
-        local_cohort(Path(tmp), 2, "groups") as cohort,
-    ):
-        rows = asyncio.run(_bench(cohort, args))
+    rows: list[dict[str, Any]] = []
+    for policy in args.policies.split(","):
+        with (
+            tempfile.TemporaryDirectory(prefix="grpo-groups-") as tmp,
+            local_cohort(Path(tmp), 2, "groups", engine_args=["--schedule-policy", policy]) as cohort,
+        ):
+            rows += [{"schedule_policy": policy, **r} for r in asyncio.run(_bench(cohort, args))]
     header = (
+        "schedule policy",
         "way",
         "computed prompt tokens",
         "prompt computations / group",
@@ -187,7 +201,8 @@ def main() -> int:
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for r in rows:
         print(
-            f"| {r['way']} | {r['computed_prompt_tokens']:,} | {r['prompt_computations_per_group']} | "
+            f"| {r['schedule_policy']} | {r['way']} | {r['computed_prompt_tokens']:,} | "
+            f"{r['prompt_computations_per_group']} | "
             f"{r['cache_hit_share']:.0%} | {r['completions_per_s']} | {r['group_latency_p50_s']} / "
             f"{r['group_latency_p95_s']} | {r['engines_per_group']:.2f} |"
         )

@@ -34,9 +34,11 @@ class LocalCohort:
 
 
 @contextlib.contextmanager
-def local_cohort(out_dir: Path, n_engines: int, tag: str) -> Iterator[LocalCohort]:
-    """Fixtures, ``n_engines`` CPU engines in parallel and smg in front of them; everything is
-    stopped on the way out (also on Ctrl-C or SIGTERM unwinding)."""
+def local_cohort(
+    out_dir: Path, n_engines: int, tag: str, engine_args: Sequence[str] = ()
+) -> Iterator[LocalCohort]:
+    """Fixtures, ``n_engines`` CPU engines in parallel (each also given ``engine_args``) and smg
+    in front of them; everything is stopped on the way out (also on Ctrl-C or SIGTERM unwinding)."""
     from lora_versions_dev.fixtures import ensure_fixtures
     from lora_versions_dev.gateway_process import running_gateway
     from lora_versions_dev.launcher import EngineSpec, running_engines
@@ -52,7 +54,7 @@ def local_cohort(out_dir: Path, n_engines: int, tag: str) -> Iterator[LocalCohor
             name=n,
             model_path=fx.model_dir,
             log_path=out_dir / f"{n}.log",
-            extra_args=["--admin-api-key", admin_key],
+            extra_args=["--admin-api-key", admin_key, *engine_args],
         )
         for n in cohort
     ]
