@@ -1,11 +1,12 @@
 """The registry at rollout scale, through the real Ray actor (issue 26's "before" and "after").
 
 Several rollout-worker processes (``--workers``), each with ``--sessions`` concurrent sessions,
-drive the durable registry actor as the session layer does with leases on: open, renew, bind,
-then per turn a renewal (``--turns``), then begin_close and close_and_release. A publisher in
-the driver keeps a default published. Each worker reports per-op latencies; the driver reports
-ops/s, session lifecycles/s, p50/p99 per op, and the actor's CPU time over the run (from its
-/proc entry, so what the single writer costs is seen beside what the calls wait).
+drive the durable registry actor as the session layer does with leases on: one lease per worker
+renewed by a heartbeat; per session open, bind, ``--turns`` turns with no registry call, then
+close_and_release (an idle session's close). A publisher in the driver keeps a default published.
+Each worker reports per-op latencies; the driver reports ops/s, session lifecycles/s, p50/p99 per
+op, and the actor's CPU time over the run (from its /proc entry, so what the single writer costs is
+seen beside what the calls wait).
 
 ``--profile`` also records the actor process with py-spy for the run (``--profile-out``, a
 speedscope/flame file and the top frames' share) to say where its time goes.
@@ -90,7 +91,7 @@ async def _worker_main(
             await call("bind_first", session_key=key)
             for _ in range(turns):  # a turn: generation and tools, no registry call
                 await asyncio.sleep(turn_ms / 1e3)
-            await call("begin_close", session_key=key)
+            # an idle session's close (its last turn done) is one call (Session._close_once)
             await call("close_and_release", session_key=key)
             lifecycles += 1
             if once:

@@ -33,9 +33,11 @@
   its own binding and close.
 * **Close** (RFC 4.3), exactly once however many callers ask: FINALIZING (no new dispatch) ->
   ``registry.begin_close`` (late open/bind are refused) -> wait for the binding task, abort the
-  requests already sent (by rid, never abort-all) -> ``registry.close_and_release`` (the session
-  ref is released once) -> drop the local record. Requests already admitted by an engine stay
-  protected by SGLang's native refcount; the session ref is about future requests.
+  requests already sent (by rid, never abort-all) -> ``registry.close_and_release`` (the session ref
+  is released once) -> drop the local record. A session with nothing in flight and no bind under way
+  has nothing to fence: its close is ``close_and_release`` alone (one registry call). Requests
+  already admitted by an engine stay protected by SGLang's native refcount; the session ref is about
+  future requests.
 """
 
 from __future__ import annotations
@@ -465,13 +467,16 @@ class Session:
             self._close_task = None
 
     async def _close_once(self) -> SessionView:
-        self.phase = SessionPhase.FINALIZING
-        await self._m.registry.begin_close(session_key=self.key)
+        self.phase = SessionPhase.FINALIZING  # from here no request of ours is dispatched
         task = self._bind_task
-        if task is not None:
-            # Wait for the binding to land or fail; after begin_close it cannot start anew.
-            await asyncio.wait([task])
-        await self._abort_in_flight()
+        if self._in_flight or (task is not None and not task.done()):
+            # Something may still land: fence the registry first (a late bind is refused), let
+            # the binding finish or fail, abort what was sent. An idle session (the usual close,
+            # after its last turn) has nothing to fence, so its close is one registry call.
+            await self._m.registry.begin_close(session_key=self.key)
+            if task is not None:
+                await asyncio.wait([task])
+            await self._abort_in_flight()
         view: SessionView = await self._m.registry.close_and_release(session_key=self.key)
         self.close_view = view
         self.phase = SessionPhase.CLOSED
