@@ -16,7 +16,9 @@ from lora_versions_demo.chaos import ChaosConfig, ChaosEngines, print_report, ru
 
 pytestmark = pytest.mark.engine
 
-SHORT_KINDS = ("kill_before_commit", "drop_reply", "kill_registry", "kill_reclaim_drain")
+# kill_before_commit has its round in the collective campaign below (and the lifecycle tests);
+# each family is injected once in CI, the long runs (bench/chaos.py) mix them all.
+SHORT_KINDS = ("drop_reply", "kill_registry", "kill_reclaim_drain")
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +60,8 @@ def test_short_seeded_chaos_campaign_keeps_every_invariant_at_capacity_4(run_dir
     assert inv["final_publication_ok"] is True
     assert inv["commits"] >= len(SHORT_KINDS) and inv["turns_served"] > 0
     assert_each_family_injected_once(report, SHORT_KINDS)
-    # kill_before_commit and kill_reclaim_drain each restart one engine
-    assert sum(report["engine_restarts"].values()) >= 2, report["engine_restarts"]
+    # kill_reclaim_drain restarts one engine (which restores every live version of the K)
+    assert sum(report["engine_restarts"].values()) >= 1, report["engine_restarts"]
     assert inv["max_live_versions"] > 2, inv  # more than the RFC's two were live at once
 
 
