@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One bootstrap for both README commands: creates .venv if missing and installs the project
-# (editable, with its test and ray extras). Skips all work when nothing that shapes the
+# (editable, with its test, ray, gateway and trl extras). Skips all work when nothing that shapes the
 # environment changed, so a second run starts in seconds. Needs only Python 3.11 and pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=.venv
 STAMP="$VENV/.lora-versions-bootstrap"
-EXTRAS="engine,trainer,test,ray,gateway"
+EXTRAS="engine,trainer,test,ray,gateway,trl"
 
 find_python() {
   for candidate in "${PYTHON:-}" python3.11 python3 python; do
