@@ -747,8 +747,21 @@ class GRPOVersions:
 
     # ---------------------------------------------------------------------------- the end
 
+    def registry_states(self) -> dict[str, str]:
+        """Rank 0: every version of the epoch and its registry state (empty on other ranks)."""
+        if self.publisher is None:
+            return {}
+
+        async def read() -> dict[str, str]:
+            status = await self.publisher.registry.status()  # type: ignore[union-attr]
+            return {v.lora_name: v.state.value for v in status.versions}
+
+        return self.loop.call(read(), self.config.setup_timeout_s)
+
     def report(self) -> dict[str, Any]:
-        """This rank's record of the run (JSON-able)."""
+        """This rank's record of the run (JSON-able): the agreed outcomes, rank 0's publications,
+        reclaims and registry states, this rank's episodes and the calls that did not succeed."""
+        failed = [dataclasses.asdict(e) for e in self.audit_entries() if e.outcome != "ok"]
         return {
             "rank": self.rank.rank,
             "world_size": self.rank.world_size,
@@ -761,6 +774,9 @@ class GRPOVersions:
             "reclaims": [dataclasses.asdict(r) for r in self.reclaims],
             "completions": [c.summary() for c in self.completions],
             "failures": self.failures,
+            "registry_states": self.registry_states(),
+            "failed_requests": failed,
+            "forbidden_calls": [dataclasses.asdict(e) for e in self.forbidden_calls()],
         }
 
     def audit_entries(self) -> list[Any]:
