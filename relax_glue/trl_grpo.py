@@ -91,6 +91,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+RAY_AUTH = "RAY_AUTH_MODE"  # how a process joins the Ray cluster rank 0 started
 EnvTurn = Callable[[Any, list[list[int]]], "Sequence[int] | Awaitable[Sequence[int]]"]
 
 
@@ -931,27 +932,51 @@ def _registry(
         from relax_glue.registry import LoRAVersionRegistry
 
         return LoRAVersionRegistry(epoch, cohort, capacity=config.capacity), False
-    import ray
-
-    from relax_glue.actor import AsyncRegistryClient, get_registry_actor, start_registry_actor
-
-    started = False
-    answer: dict[str, str] = {}
+    handle, started, answer = None, False, {}
     if rank.is_main:
         try:
-            if not ray.is_initialized():
-                ray.init(num_cpus=config.ray_num_cpus, include_dashboard=False, log_to_driver=False)
-                started = True
-            start_registry_actor(epoch, cohort, config.capacity)
-            answer = {"address": ray.get_runtime_context().gcs_address}
+            handle, started, answer = _start_ray_registry(epoch, cohort, config)
         except Exception as exc:  # every rank learns it and raises: nobody waits for a registry
             answer = {"error": f"{type(exc).__name__}: {exc}"}
     answer = broadcast_from_main(answer, rank)
     if "error" in answer:
         raise RuntimeError(f"rank 0 could not start the registry actor: {answer['error']}")
-    if not rank.is_main and not ray.is_initialized():
+    if not rank.is_main:
+        handle = _join_ray_registry(epoch, answer)
+    from relax_glue.actor import AsyncRegistryClient
+
+    return AsyncRegistryClient.for_actor(handle), started
+
+
+def _start_ray_registry(
+    epoch: str, cohort: tuple[str, ...], config: VersionsConfig
+) -> tuple[Any, bool, dict]:
+    import ray
+
+    from relax_glue.actor import start_registry_actor
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=config.ray_num_cpus, include_dashboard=False, log_to_driver=False)
+    # the handle is kept (by the client): a non-detached actor dies with its last handle
+    handle = start_registry_actor(epoch, cohort, config.capacity)
+    # Ray turns token auth on for a new local cluster (RAY_AUTH_MODE in this process only): the
+    # other ranks must join in the same mode (the token itself: ~/.ray/auth_token, one host)
+    answer = {"address": ray.get_runtime_context().gcs_address, "auth": os.environ.get(RAY_AUTH, "")}
+    return handle, started, answer
+
+
+def _join_ray_registry(epoch: str, answer: Mapping[str, str]) -> Any:
+    # Ray reads its auth mode when it is imported: set it first
+    if answer["auth"]:
+        os.environ.setdefault(RAY_AUTH, answer["auth"])
+    import ray
+
+    from relax_glue.actor import get_registry_actor
+
+    if not ray.is_initialized():
         ray.init(address=answer["address"], log_to_driver=False)
-    return AsyncRegistryClient.for_actor(get_registry_actor(epoch)), started
+    return get_registry_actor(epoch)
 
 
 async def _build(
