@@ -139,7 +139,11 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     steps = [int(k) for k in s["reward_by_step"]]
     a.plot(steps, list(s["reward_by_step"].values()), marker="o")
-    a.set(xlabel="trainer step (the version the completions bound)", ylabel="mean reward", ylim=(0, 1.05))
+    a.set(
+        xlabel="trainer step t (its rollouts: version step{t}, or older)",
+        ylabel="mean reward",
+        ylim=(0, 1.05),
+    )
     a.set_title("reward: share of digit tokens in the assistant turns")
     outcomes = ck.main_report(doc["ranks"])["outcomes"]
     colors = {"PUBLISHED": "tab:green", "SKIPPED": "tab:orange", "FAILED": "tab:red"}
