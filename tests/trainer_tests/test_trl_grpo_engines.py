@@ -7,6 +7,8 @@ tokens around a tool turn.
   bound version and the reward functions got it; each step published one new version; every
   retired version was unloaded exactly once per engine, after its last session closed; no pause,
   flush or abort-all; the trainer's log-probabilities equal the engine's on the same weights.
+* The README's "Use it from TRL" block, run as written (1 step) with the example's task pieces
+  defined around it: it publishes and trains, and closes cleanly.
 * Two processes under ``accelerate launch`` (gloo), publication in the background, the
   publication of ``step2`` made to fail on E1 (its bucket corrupted in the real engine client's
   fault wrapper, so E1 refuses it): both ranks record the same typed failure and go on, nothing
@@ -17,6 +19,11 @@ tokens around a tool turn.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -32,6 +39,7 @@ from relax_glue.engine_client import EngineClient
 
 pytestmark = pytest.mark.engine
 
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 TIMEOUT_S = 420.0  # inside pytest's 900 s: the launcher then stops every rank itself
 # fp32 on both sides; the example measured a max of 3.3e-6 (the showcase 6.7e-6): well above noise,
@@ -165,3 +173,58 @@ def test_two_training_processes_agree_on_every_outcome_and_a_failed_publication_
     # each process ran its own slice of the rollouts through its own sessions
     by_rank = {r["rank"]: {c["session"] for c in r["completions"]} for r in reports}
     assert all(len(s) == STEPS * 4 for s in by_rank.values()) and not by_rank[0] & by_rank[1]
+
+
+# What a user's script has before the README's lines: the engines, the gateway, the model, and the
+# TRL pieces of the example's task (a 1-step GRPOConfig for CPU).
+README_PRELUDE = """
+import json, os, sys
+os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+import torch
+torch.set_num_threads(1)
+from transformers import AutoTokenizer
+from trl import GRPOTrainer
+from examples.trl_grpo.task import ToolTurn, digit_reward, grpo_config, lora_config, train_dataset
+ENGINES, GATEWAY_URL, ADMIN_KEY, MODEL, OUT = json.loads(sys.argv[1])
+tokenizer = AutoTokenizer.from_pretrained(MODEL)
+reward, tool_turn = digit_reward(tokenizer), ToolTurn(tokenizer)
+dataset, lora = train_dataset(2), lora_config()
+args = grpo_config(OUT, per_device_train_batch_size=4, num_generations=4, max_steps=1, learning_rate=3e-2)
+"""
+README_EPILOGUE = """
+print(json.dumps({"epoch": versions.epoch, "outcomes": [o.kind.value for o in versions.outcomes]}))
+"""
+
+
+def readme_block() -> str:
+    """The README's block between its trl markers (README_TRL_SECTION.md until it is merged)."""
+    for name in ("README.md", "README_TRL_SECTION.md"):
+        m = re.search(
+            r"<!-- trl:begin -->\n```python\n(.*?)```\n<!-- trl:end -->", (REPO / name).read_text(), re.S
+        )
+        if m:
+            return m.group(1)
+    raise AssertionError("no <!-- trl:begin --> block in README.md or README_TRL_SECTION.md")
+
+
+def test_the_readme_section_runs_as_written(engines, gateway, fixtures, tmp_path) -> None:
+    assert not any(asyncio.run(_live(engines, "")).values()), "the farm engines must start clean"
+    where = [{e.name: e.url for e in engines}, gateway.url, ADMIN_KEY, str(fixtures.model_dir), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    code = README_PRELUDE + readme_block() + README_EPILOGUE
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(where)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+        assert p.returncode == 0, p.stderr[-4000:]
+        done = json.loads(p.stdout.strip().splitlines()[-1])
+        assert done["outcomes"] == ["PUBLISHED", "PUBLISHED"], done  # step0, then step1
+        live = asyncio.run(_live(engines, f"@{done['epoch']}-"))
+        assert all(len(names) == 1 and "-step1-" in names[0] for names in live.values()), live
+    finally:
+        asyncio.run(_live(engines, "@trl", remove=True))  # the block's epoch: trl<hex> (the default)
