@@ -30,16 +30,19 @@ from typing import Any
 
 import pytest
 
-from examples.trl_grpo import checks as ck
-from examples.trl_grpo.train import TrainSpec, launch
-from lora_versions_dev.farm import ADMIN_KEY
-from lora_versions_dev.gateway_process import running_gateway
-from lora_versions_dev.teardown import live_versions, purge
-from relax_glue.engine_client import EngineClient
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # examples/ is run from the repository root, not installed
+    sys.path.insert(0, str(REPO))
+
+from examples.trl_grpo import checks as ck  # noqa: E402
+from examples.trl_grpo.train import TrainSpec, launch  # noqa: E402
+from lora_versions_dev.farm import ADMIN_KEY  # noqa: E402
+from lora_versions_dev.gateway_process import running_gateway  # noqa: E402
+from lora_versions_dev.teardown import live_versions, purge  # noqa: E402
+from relax_glue.engine_client import EngineClient  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 TIMEOUT_S = 420.0  # inside pytest's 900 s: the launcher then stops every rank itself
 # fp32 on both sides; the example measured a max of 3.3e-6 (the showcase 6.7e-6): well above noise,
