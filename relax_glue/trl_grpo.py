@@ -401,7 +401,9 @@ class VersionsConfig:
     # capacity backpressure: reclaim and a bounded wait, a bounded skip, a bounded forced wait
     policy: StalenessPolicy = dataclasses.field(default_factory=StalenessPolicy)
     publish_timeout_s: float = 120.0  # rank 0 reaches the outcome broadcast within this
-    rollout_timeout_s: float = 600.0  # one process's batch of episodes
+    episode_timeout_s: float = 300.0  # one episode; then it is a recorded, masked failure
+    rollout_timeout_s: float = 900.0  # one process's batch (a last resort past the episodes')
+    keep_completions: bool = True  # keep every episode's record for report() (memory grows)
     setup_timeout_s: float = 120.0
     lease_ttl_s: float = 60.0  # a dead process's sessions close when their lease runs out
     version_prefix: str = "step"
@@ -665,7 +667,8 @@ class GRPOVersions:
             step = int(trainer.state.global_step)
             batch = self._rollout_batch(prompts, prompt_ids, step, params, env_turn, assistant_turns)
             records = self.loop.call(batch, self.config.rollout_timeout_s)
-            self.completions.extend(records)
+            if self.config.keep_completions:
+                self.completions.extend(records)
             fallback = tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id
             return rollout_output(records, int(fallback or 0))
 
@@ -701,36 +704,51 @@ class GRPOVersions:
         env_turn: EnvTurn,
         turns: int,
     ) -> CompletionRecord:
-        """One completion: assistant turn, environment turn, assistant turn, ... on one session
-        (every turn on the exact ``lora_path`` it bound at its first generation), then close.
-        Never raises: a failure is recorded in ``error``."""
+        """One completion on one session, then its close. Never raises: a failure (a typed
+        refusal, an unknown outcome, ``episode_timeout_s`` running out) is recorded in
+        ``error``; the close aborts by rid whatever the episode still had in flight."""
         rec = CompletionRecord(step, self.rank.rank, index, group, "", list(prompt_ids), t_open=time.time())
         session = None
         try:
-            session = await self.sessions.open(f"s{step}.r{self.rank.rank}.c{index}", group=group)
-            rec.session = str(session.key)
-            history = list(prompt_ids)
-            for k in range(turns):
-                if k:
-                    so_far = [list(s.ids) for s in rec.segments if s.is_model]
-                    env_ids = await _maybe_await(env_turn(prompt, so_far))
-                    rec.segments.append(Segment(tuple(int(t) for t in env_ids)))
-                    history += rec.segments[-1].ids
-                body = {"input_ids": history, "sampling_params": dict(params), "return_logprob": True}
-                reply = await session.generate(body)
-                out = [int(t) for t in reply["output_ids"]]
-                rec.segments.append(Segment(tuple(out), tuple(turn_logprobs(reply))))
-                sent = session.requests[-1]
-                cached = int((reply.get("meta_info") or {}).get("cached_tokens") or 0)
-                rec.turns.append(
-                    TurnRecord(sent.rid, sent.lora_path, sent.engine_id, sent.outcome, len(out), cached)
-                )
-                history += out
-        except Exception as exc:  # a typed refusal or an unknown outcome: recorded, never hidden
+            async with asyncio.timeout(self.config.episode_timeout_s):
+                session = await self.sessions.open(f"s{step}.r{self.rank.rank}.c{index}", group=group)
+                rec.session = str(session.key)
+                await self._turns(session, rec, prompt, params, env_turn, turns)
+        except Exception as exc:
             rec.error = f"{type(exc).__name__}: {exc}"[:500]
         finally:
             await self._close(session, rec)
         return rec
+
+    async def _turns(
+        self,
+        session: Any,
+        rec: CompletionRecord,
+        prompt: Any,
+        params: Mapping[str, Any],
+        env_turn: EnvTurn,
+        turns: int,
+    ) -> None:
+        """Assistant turn, environment turn, assistant turn, ...: every turn on the exact
+        ``lora_path`` the session bound at its first generation, with the engine's log-probs."""
+        history = list(rec.prompt_ids)
+        for k in range(turns):
+            if k:
+                so_far = [list(s.ids) for s in rec.segments if s.is_model]
+                env_ids = await _maybe_await(env_turn(prompt, so_far))
+                rec.segments.append(Segment(tuple(int(t) for t in env_ids)))
+                history += rec.segments[-1].ids
+            # a copy: the session layer keeps the body it sent (a resend must send those very ids)
+            body = {"input_ids": list(history), "sampling_params": dict(params), "return_logprob": True}
+            reply = await session.generate(body)
+            out = [int(t) for t in reply["output_ids"]]
+            rec.segments.append(Segment(tuple(out), tuple(turn_logprobs(reply))))
+            sent = session.requests[-1]  # what the session layer sent: rid, lora_path, engine
+            cached = int((reply.get("meta_info") or {}).get("cached_tokens") or 0)
+            rec.turns.append(
+                TurnRecord(sent.rid, sent.lora_path, sent.engine_id, sent.outcome, len(out), cached)
+            )
+            history += out
 
     async def _close(self, session: Any, rec: CompletionRecord) -> None:
         if session is None:
