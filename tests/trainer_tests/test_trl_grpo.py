@@ -281,3 +281,67 @@ async def test_an_episode_that_never_ends_is_a_recorded_masked_failure_and_its_s
     assert rec.error is not None and rec.error.startswith("TimeoutError") and s.closes == 1
     out = rollout_output([rec], fallback_id=3)
     assert (out["completion_ids"], out["env_mask"], out["rollout_error"]) == ([[3]], [[0]], [rec.error])
+
+
+# ----------------------------------------------------- backpressure (a fake publisher, rank 0)
+
+
+class FakePublisher:
+    """``publish`` answers each of ``results`` in turn (the last one forever); every slot stays
+    held (the registry's status) unless ``free_after`` reclaims happened."""
+
+    def __init__(self, results: list[PublishResult], free_after: int | None = None) -> None:
+        self.results, self.free_after = results, free_after
+        self.published = self.reclaims = 0
+        self.registry = SimpleNamespace(status=self._status)
+
+    async def _status(self) -> SimpleNamespace:
+        free = self.free_after is not None and self.reclaims >= self.free_after
+        return SimpleNamespace(slots_used=1 if free else 2, capacity=2)
+
+    async def resolve(self, snapshot: Any = None) -> None:
+        return None
+
+    async def reclaim_ready(self) -> tuple:
+        self.reclaims += 1
+        return ()
+
+    async def publish(self, snapshot: Any, vid: str) -> PublishResult:
+        self.published += 1
+        return self.results[min(self.published, len(self.results)) - 1]
+
+
+CAPACITY = result(PublishOutcome.REFUSED, ErrorCode.CAPACITY_ERROR)
+PUBLISHED = result(PublishOutcome.PUBLISHED, state=VersionState.PUBLISHED)
+
+
+def publishing(pub: FakePublisher, last: int, forced_wait_s: float = 60.0) -> GRPOVersions:
+    policy = StalenessPolicy(max_staleness=2, reclaim_wait_s=0.2, forced_wait_s=forced_wait_s)
+    v = GRPOVersions(None, RankInfo(), "e", None, pub, {}, None, VersionsConfig(policy=policy))  # type: ignore[arg-type]
+    v.last_published = last
+    return v
+
+
+async def test_capacity_held_is_reclaimed_waited_for_then_a_counted_skip() -> None:
+    pub = FakePublisher([CAPACITY])
+    v = publishing(pub, last=4)
+    o = await v._publish_step(None, 5, required=False)
+    assert (o.kind, o.code) == (OutcomeKind.SKIPPED, "CAPACITY_ERROR")
+    assert o.capacity_refusals == pub.published >= 2 and pub.reclaims >= 2  # reclaimed, retried
+    assert v.last_published == 4 and v.publications[-1].outcome == o
+
+
+async def test_a_slot_freed_by_a_reclaim_is_used_by_the_retry() -> None:
+    pub = FakePublisher([CAPACITY, PUBLISHED], free_after=2)
+    v = publishing(pub, last=4)
+    o = await v._publish_step(None, 5, required=False)
+    assert (o.kind, o.capacity_refusals, o.attempts) == (OutcomeKind.PUBLISHED, 1, 2)
+    assert v.last_published == 5
+
+
+async def test_the_first_version_waits_within_the_forced_bound_and_then_fails_typed() -> None:
+    pub = FakePublisher([CAPACITY])
+    v = publishing(pub, last=-1, forced_wait_s=0.5)
+    o = await v._publish_step(None, 0, required=True)
+    assert (o.kind, o.code) == (OutcomeKind.FAILED, "CAPACITY_ERROR")
+    assert o.attempts >= 2  # it waited and tried again: the first version is never skipped
