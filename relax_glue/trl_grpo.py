@@ -449,12 +449,11 @@ class GRPOVersions:
         clients: Mapping[str, Any],
         gateway: Any,
         config: VersionsConfig,
-        ray_owner: bool = False,
+        ray: RayRole | None = None,
     ) -> None:
         self.loop, self.rank, self.epoch, self.config = loop, rank, epoch, config
         self.sessions, self.publisher, self.clients, self.gateway = sessions, publisher, clients, gateway
-        self.ray_owner = ray_owner  # this process started Ray (rank 0 of a multi-process run)
-        self.ray_joined = False
+        self.ray = ray or RayRole()  # what this process did with Ray (several processes only)
         self.outcomes: list[PublicationOutcome] = []  # every rank: the agreed outcomes, in order
         self.publications: list[PublishRecord] = []  # rank 0
         self.reclaims: list[ReclaimRecord] = []  # rank 0
@@ -484,7 +483,7 @@ class GRPOVersions:
         config = config or VersionsConfig()
         rank = RankInfo.current()
         epoch = broadcast_from_main(epoch or f"trl{uuid.uuid4().hex[:8]}", rank)
-        registry, ray_owner = _registry(rank, epoch, tuple(engines), config)
+        registry, ray = _registry(rank, epoch, tuple(engines), config)
         loop = _Loop()
         try:
             built = loop.call(
@@ -494,9 +493,7 @@ class GRPOVersions:
         except BaseException:
             loop.close()
             raise
-        versions = cls(loop, rank, epoch, *built, config=config, ray_owner=ray_owner)
-        versions.ray_joined = rank.world_size > 1
-        return versions
+        return cls(loop, rank, epoch, *built, config=config, ray=ray)
 
     def callback(self) -> PublishingHooks:
         """The publication callback for ``GRPOTrainer(callbacks=[...])``."""
@@ -822,7 +819,7 @@ class GRPOVersions:
             self.loop.call(self._aclose(), self.config.setup_timeout_s)
         finally:
             self.loop.close()
-            _leave_ray(self.rank, self.ray_owner, self.ray_joined)
+            _leave_ray(self.rank, self.ray)
 
     async def _aclose(self) -> None:
         await self.sessions.aclose()
@@ -940,17 +937,24 @@ def _unwrap(model: Any) -> Any:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
+@dataclasses.dataclass(frozen=True)
+class RayRole:
+    started: bool = False  # this process started the local Ray cluster: it stops it, last
+    joined: bool = False  # this process connected to it: it disconnects, first
+    used: bool = False  # several processes share the Ray registry (every rank leaves together)
+
+
 def _registry(
     rank: RankInfo, epoch: str, cohort: tuple[str, ...], config: VersionsConfig
-) -> tuple[Any, bool]:
+) -> tuple[Any, RayRole]:
     """One process: an in-process registry. Several: the epoch's Ray actor, started by rank 0 on
     a local Ray cluster of its own (its address reaches the others in one broadcast) and joined
-    by the other ranks. Returns the registry (or its client) and whether this process owns Ray."""
+    by the other ranks. Returns the registry (or its client) and what this process did with Ray."""
     if rank.world_size == 1:
         from relax_glue.registry import LoRAVersionRegistry
 
-        return LoRAVersionRegistry(epoch, cohort, capacity=config.capacity), False
-    handle, started, answer = None, False, {}
+        return LoRAVersionRegistry(epoch, cohort, capacity=config.capacity), RayRole()
+    handle, started, joined, answer = None, False, False, {}
     if rank.is_main:
         try:
             handle, started, answer = _start_ray_registry(epoch, cohort, config)
@@ -960,10 +964,10 @@ def _registry(
     if "error" in answer:
         raise RuntimeError(f"rank 0 could not start the registry actor: {answer['error']}")
     if not rank.is_main:
-        handle = _join_ray_registry(epoch, answer)
+        handle, joined = _join_ray_registry(epoch, answer)
     from relax_glue.actor import AsyncRegistryClient
 
-    return AsyncRegistryClient.for_actor(handle), started
+    return AsyncRegistryClient.for_actor(handle), RayRole(started, joined, used=True)
 
 
 def _start_ray_registry(
@@ -984,7 +988,7 @@ def _start_ray_registry(
     return handle, started, answer
 
 
-def _join_ray_registry(epoch: str, answer: Mapping[str, str]) -> Any:
+def _join_ray_registry(epoch: str, answer: Mapping[str, str]) -> tuple[Any, bool]:
     # Ray reads its auth mode when it is imported: set it first
     if answer["auth"]:
         os.environ.setdefault(RAY_AUTH, answer["auth"])
@@ -992,9 +996,10 @@ def _join_ray_registry(epoch: str, answer: Mapping[str, str]) -> Any:
 
     from relax_glue.actor import get_registry_actor
 
-    if not ray.is_initialized():
+    joined = not ray.is_initialized()
+    if joined:
         ray.init(address=answer["address"], log_to_driver=False)
-    return get_registry_actor(epoch)
+    return get_registry_actor(epoch), joined
 
 
 async def _build(
@@ -1024,16 +1029,17 @@ async def _build(
     return sessions, publisher, clients, gateway
 
 
-def _leave_ray(rank: RankInfo, owner: bool, joined: bool) -> None:
-    """The other ranks leave Ray first; the owner stops its cluster after a barrier."""
-    if not joined:
+def _leave_ray(rank: RankInfo, ray_role: RayRole) -> None:
+    """The ranks that joined leave Ray first; the one that started the cluster stops it after a
+    barrier. A Ray the user had started before is left as it was."""
+    if not ray_role.used:
         return
     import ray
 
-    if not owner:
+    if ray_role.joined:
         ray.shutdown()
     _barrier(rank)
-    if owner:
+    if ray_role.started:
         ray.shutdown()
 
 
