@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One bootstrap for both README commands: creates .venv if missing and installs the project
-# (editable, with its test, ray, gateway and trl extras). Skips all work when nothing that shapes the
+# (editable, with its test and ray extras). Skips all work when nothing that shapes the
 # environment changed, so a second run starts in seconds. Needs only Python 3.11 and pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
