@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 VENV=.venv
 STAMP="$VENV/.lora-versions-bootstrap"
-EXTRAS="engine,trainer,test,ray,gateway"
+EXTRAS="engine,trainer,test,ray,gateway,trl"
 
 find_python() {
   for candidate in "${PYTHON:-}" python3.11 python3 python; do

@@ -23,48 +23,8 @@ The policy, with ``S = max_staleness``:
 
 from __future__ import annotations
 
-import dataclasses
-from enum import StrEnum
+# The rule lives in the trainer-side package, so shipped integrations (relax_glue.trl_grpo) and
+# this showcase follow one and the same policy.
+from relax_glue.backpressure import Decision, PublishDecision, StalenessPolicy
 
-
-class PublishDecision(StrEnum):
-    RETRY = "RETRY"  # reclaim what nobody holds, then publish again
-    SKIP = "SKIP"  # give up this step's publication; the engines stay on the previous version
-    FAIL = "FAIL"  # the forced wait ran out: something holds a version forever
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    action: PublishDecision
-    wait_s: float = 0.0  # RETRY: wait at most this long for a reclaim, then try again
-
-
-@dataclasses.dataclass(frozen=True)
-class StalenessPolicy:
-    max_staleness: int = 2
-    reclaim_wait_s: float = 1.0
-    forced_wait_s: float = 60.0
-
-    @property
-    def max_publish_lag(self) -> int:
-        """How many optimizer steps the engines' default may be behind the trainer."""
-        return self.max_staleness - 1
-
-    @staticmethod
-    def staleness(trainer_step: int, version: int) -> int:
-        return trainer_step - version
-
-    def admits(self, trainer_step: int, version: int) -> bool:
-        return 0 <= self.staleness(trainer_step, version) <= self.max_staleness
-
-    def on_capacity_error(self, *, step: int, last_published: int, waited_s: float) -> Decision:
-        """``step``: the step whose weights are being published; ``last_published``: the step
-        of the engines' default; ``waited_s``: time since this step's first publication try.
-        A RETRY says how long to wait for a reclaim before the next try."""
-        if waited_s < self.reclaim_wait_s:
-            return Decision(PublishDecision.RETRY, self.reclaim_wait_s - waited_s)
-        if step - last_published <= self.max_publish_lag:
-            return Decision(PublishDecision.SKIP)
-        if waited_s < self.forced_wait_s:
-            return Decision(PublishDecision.RETRY, self.forced_wait_s - waited_s)
-        return Decision(PublishDecision.FAIL)
+__all__ = ["Decision", "PublishDecision", "StalenessPolicy"]
