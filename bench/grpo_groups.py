@@ -16,11 +16,9 @@ p95 latency of a whole group. Every completion's ``lora_path`` is the version bo
 prompts no other way used (fresh in every cache), and the groups of one way run ``--concurrency``
 at a time.
 
-Each way runs on a cohort per engine schedule policy (``--policies``): with SGLang's default
-``fcfs`` the members of a group that arrive together are all prefilled (none is cached yet when
-the others are scheduled); ``lpm`` (longest prefix match) holds back a waiting request whose
-prefix another waiting request already shares (SGLang's in-batch prefix caching), so the prompt
-is computed once and the others find it cached.
+Each way runs on a cohort per engine schedule policy (``--policies``, default SGLang's ``fcfs``;
+``fcfs,lpm`` also measures ``lpm``, whose in-batch prefix caching holds back a waiting request
+that shares a prefix with another one; measured here it saved nothing more for a group).
 
 Prints a table and writes ``bench/results/grpo_groups.json``.
 
@@ -177,7 +175,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--policies",
-        default="fcfs,lpm",
+        default="fcfs",
         help="SGLang --schedule-policy of the engines, one cohort each (comma-separated)",
     )
     args = ap.parse_args()

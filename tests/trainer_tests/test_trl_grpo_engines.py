@@ -200,14 +200,11 @@ print(json.dumps({"epoch": versions.epoch, "outcomes": [o.kind.value for o in ve
 
 
 def readme_block() -> str:
-    """The README's block between its trl markers (README_TRL_SECTION.md until it is merged)."""
-    for name in ("README.md", "README_TRL_SECTION.md"):
-        m = re.search(
-            r"<!-- trl:begin -->\n```python\n(.*?)```\n<!-- trl:end -->", (REPO / name).read_text(), re.S
-        )
-        if m:
-            return m.group(1)
-    raise AssertionError("no <!-- trl:begin --> block in README.md or README_TRL_SECTION.md")
+    """The README's block between its trl markers, as a user copies it."""
+    text = (REPO / "README.md").read_text()
+    m = re.search(r"<!-- trl:begin -->\n```python\n(.*?)```\n<!-- trl:end -->", text, re.S)
+    assert m, "no <!-- trl:begin --> python block in README.md"
+    return m.group(1)
 
 
 def test_the_readme_section_runs_as_written(engines, gateway, fixtures, tmp_path) -> None:
