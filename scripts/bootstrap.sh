@@ -57,7 +57,10 @@ install_with_uv() {
   "$VENV/bin/python" -m pip install --disable-pip-version-check -q "uv==$UV_VERSION" >>"$log" 2>&1 || return 1
   local args=()
   mapfile -t args < <(pip_config_for_uv)
-  "$VENV/bin/uv" pip install --python "$VENV/bin/python" --index-strategy unsafe-best-match \
+  # --compile-bytecode: pip writes every .pyc at install and uv does not by default; where
+  # PYTHONDONTWRITEBYTECODE is set (this machine), every engine process would otherwise compile
+  # SGLang and torch from source at each start.
+  "$VENV/bin/uv" pip install --python "$VENV/bin/python" --index-strategy unsafe-best-match --compile-bytecode \
     "${args[@]}" -e ".[$EXTRAS]" >>"$log" 2>&1
 }
 
