@@ -206,7 +206,8 @@ def check_parallel_rids(obj: Any) -> None:
 
 # A sample's rid under parallel sampling: the per-prompt rid ``{rid}_{i}`` (normalisation's),
 # then ``-`` and the fresh hex id SGLang gives it (sample_rids_under_the_request_rid).
-_SAMPLE_RID_TAIL = re.compile(r"_\d+(-[0-9a-f]{32})?")
+_SAMPLE_UUID = r"-[0-9a-f]{32}"
+_SAMPLE_RID_TAIL = re.compile(rf"_\d+({_SAMPLE_UUID})?")
 
 
 def sample_rids_under_the_request_rid(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -261,7 +262,8 @@ async def abort_samples_sent_after_their_request_was_aborted(
     aborted = getattr(self, _ABORTED_PROMPTS, None)
     if aborted:
         rid = getattr(tokenized_obj, "rid", None)
-        if isinstance(rid, str) and _prompt_rid(rid) != rid and _prompt_rid(rid) in aborted:
+        prompt = _prompt_rid(rid) if isinstance(rid, str) else None
+        if prompt is not None and prompt != rid and prompt in aborted:
             self.abort_request(rid=rid)
         _forget_ended_prompts(aborted, self.rid_to_state)
     return result
@@ -270,7 +272,7 @@ async def abort_samples_sent_after_their_request_was_aborted(
 # TokenizerManager attribute (the plugin's own) holding the prompt rids of aborted parallel
 # requests; empty unless an abort of a parallel request is in progress.
 _ABORTED_PROMPTS = "_lora_versions_aborted_parallel_prompts"
-_SAMPLE_UUID_TAIL = re.compile(r"-[0-9a-f]{32}$")
+_SAMPLE_UUID_TAIL = re.compile(_SAMPLE_UUID + "$")
 
 
 def _aborted_prompts(tm: Any) -> dict[str, None]:
