@@ -10,6 +10,11 @@ sample falls in one window by its stack: ``load`` (``Scheduler.load_lora_adapter
 unload windows the top frames say which part is the work itself (reading and copying weights into
 the slot), which is SGLang's overhead, and which is the plugin's.
 
+The scheduler thread's time per load and per unload (``held_ms``: its samples in that window /
+rate / SGLang's loads or unloads, counted from the engine log) is what decoding waits for; the
+plugin's worker thread (issue 29) is counted apart, as ``prepare (worker thread)`` and ``release
+(worker thread)``.
+
 Prints a table per size and writes ``bench/results/scheduler_profile.json`` (the raw py-spy files
 beside it). Not run in CI (minutes, and a 350 MiB adapter).
 
@@ -37,13 +42,23 @@ from _bench_fixtures import ensure_bench_fixtures, ensure_sized_adapters, rank_f
 RESULTS = ROOT / "bench" / "results" / "scheduler_profile.json"
 ADMIN_KEY = "scheduler-profile"
 
-# A sample's window, by the first of these its stack holds (innermost frames decide the leaf
-# summary; the window is the scheduler entry point the sample runs under).
+# A sample's window, by the first of these whose needle its stack holds (innermost frames decide
+# the leaf summary; the window is the scheduler entry point the sample runs under). py-spy samples
+# every thread of the process: the two worker windows are the plugin's worker thread (issue 29:
+# the reading and re-shaping of a load, the release of an unloaded adapter), checked first; every
+# other window is the scheduler thread itself. The plugin's hook frames are named too: an AROUND
+# wrapper's frame is not named after the method it wraps.
 WINDOWS = (
-    ("unload", "unload_lora_adapter"),
-    ("load", "load_lora_adapter"),
-    ("probe", "run_batch"),
+    ("prepare (worker thread)", ("prepare_off_the_loop",)),
+    ("release (worker thread)", ("release_off_the_loop",)),
+    ("unload", ("unload_lora_adapter", "complete_the_step_before_unload", "unload_releasing_off_the_loop")),
+    ("load", ("load_lora_adapter", "prepare_then_install", "load_installing_what_was_prepared")),
+    ("probe", ("run_batch",)),
 )
+# The scheduler thread's windows, whose time the scheduler is held (decoding waits).
+HELD = ("load", "unload")
+# SGLang's own log lines, one per load and per unload (counted to turn samples into ms per op).
+LOAD_LINE, UNLOAD_LINE = "LoRA adapter loading starts", "LoRA adapter unloading starts"
 # Whose Python frame a load/unload sample's innermost frame is (py-spy samples Python stacks: a
 # torch op shows as the frame that called it, so "sglang" includes the tensor work its LoRA code
 # does, such as fusing q/k/v and gate/up, copying into and zeroing the slot).
@@ -68,6 +83,24 @@ def scheduler_pid(engine_pid: int) -> int:
     raise RuntimeError(f"no scheduler process under pid {engine_pid}")
 
 
+def count_lines(log: Path, needle: str) -> int:
+    return sum(1 for line in log.read_text(errors="replace").splitlines() if needle in line)
+
+
+def operations(log: Path) -> dict[str, int]:
+    """SGLang's loads and unloads so far ("adapter loading" is not a part of "adapter unloading")."""
+    return {"load": count_lines(log, LOAD_LINE), "unload": count_lines(log, UNLOAD_LINE)}
+
+
+def held_ms(report: dict[str, Any], rate: int) -> dict[str, float]:
+    """Milliseconds per load and per unload that the scheduler thread spent in that window
+    (samples / rate / operations), and the worker's preparation per load."""
+    w, ops = report["windows"], report["operations"]
+    out = {k: 1e3 * w.get(k, 0) / rate / max(1, ops[k]) for k in HELD}
+    out["prepare_off_loop"] = 1e3 * w.get("prepare (worker thread)", 0) / rate / max(1, ops["load"])
+    return {k: round(v, 1) for k, v in out.items()}
+
+
 def summarise(raw: Path) -> dict[str, Any]:
     windows: dict[str, int] = defaultdict(int)
     leaves: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -79,7 +112,7 @@ def summarise(raw: Path) -> dict[str, Any]:
             continue
         n, frames = int(count), stack.split(";")
         total += n
-        window = next((w for w, needle in WINDOWS if any(needle in f for f in frames)), "idle")
+        window = next((w for w, needles in WINDOWS if any(n in f for n in needles for f in frames)), "idle")
         windows[window] += n
         if window in ("load", "unload"):
             leaves[window][frames[-1]] += n
@@ -153,7 +186,8 @@ def main() -> None:
         lora_flags=lora_flags(max(rank_for_mib(m) for m in sizes)),
         extra_args=["--admin-api-key", ADMIN_KEY, "--mem-fraction-static", "0.5"],
     )
-    report: dict[str, Any] = {"base": str(big.model_dir), "rounds": args.rounds, "sizes": {}}
+    report: dict[str, Any] = {"base": str(big.model_dir), "rounds": args.rounds, "rate": args.rate}
+    report["sizes"] = {}
     with running_engines([spec]) as (engine,):
         pid = scheduler_pid(engine.proc.pid)
         asyncio.run(publish_and_reclaim(engine.url, adapters[sizes[0]], 1))  # warm-up, not sampled
@@ -171,13 +205,17 @@ def main() -> None:
                 text=True,
             )
             time.sleep(1.0)
+            before = operations(spec.log_path)
             timings = asyncio.run(publish_and_reclaim(engine.url, adapters[mib], args.rounds))
             time.sleep(0.5)
+            after = operations(spec.log_path)
             spy.send_signal(2)  # py-spy writes its file on SIGINT
             _, err = spy.communicate(timeout=120)
             if not raw.exists():
                 raise RuntimeError(f"py-spy wrote nothing: {err[-800:]}")
-            report["sizes"][f"{mib:g}"] = {"timings": timings, **summarise(raw)}
+            r = {"timings": timings, "operations": {k: after[k] - before[k] for k in after}, **summarise(raw)}
+            r["held_ms"] = held_ms(r, args.rate)
+            report["sizes"][f"{mib:g}"] = r
     args.out.write_text(json.dumps(report, indent=2))
     print_report(report)
 
@@ -189,6 +227,12 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"\n{size} MiB adapter, {report['rounds']} publications + reclaims; scheduler samples:")
         print(
             "  " + ", ".join(f"{k} {v / busy:.0%}" for k, v in w.items() if k != "idle") + " of the busy ones"
+        )
+        ops, held = r["operations"], r["held_ms"]
+        print(
+            f"  scheduler thread held per load {held['load']} ms ({ops['load']} loads), per unload "
+            f"{held['unload']} ms ({ops['unload']} unloads); "
+            f"prepared off it per load {held['prepare_off_loop']} ms"
         )
         for window in ("load", "unload"):
             owners = ", ".join(f"{k} {v:.0%}" for k, v in r[window]["by_owner"].items())

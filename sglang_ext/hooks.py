@@ -1,5 +1,6 @@
 """Every hook the plugin places on SGLang, in :func:`register_all`: the main process's list,
-and the scheduler's one hook (the step fence at the physical unload, :mod:`sglang_ext.step_fence`).
+and the scheduler's (the step fence at the physical unload, :mod:`sglang_ext.step_fence`; the
+managed load prepared off the scheduler thread, :mod:`sglang_ext.prepared_load`).
 
 Each hook is small and named after what it guards; the upstream targets (SGLang 0.5.23) are
 named in :mod:`sglang_ext.lora_registry_patch`. Hooks go through SGLang's own ``HookRegistry``;
@@ -93,14 +94,22 @@ def register_all(role: str) -> None:
         # us); the first checks, before the scheduler reports ready, that the second was applied and
         # that the live scheduler has what it reads. The fence's log line at every unload is
         # asserted on every engine by the online run.
+        from sglang_ext import prepared_load
         from sglang_ext.step_fence import complete_the_step_before_unload as fence
         from sglang_ext.step_fence import refuse_a_scheduler_the_fence_cannot_read as check
 
         upstream.register_hook(upstream.SCHEDULER_INIT, check, "AFTER")
         upstream.register_hook(upstream.SCHEDULER_UNLOAD_ADAPTER, fence, "AROUND")
-        # No device-wide cache flush on the scheduler thread around a load or an unload (issue 29).
-        upstream.register_hook(upstream.LORA_MANAGER_LOAD, upstream.load_without_a_cache_flush, "REPLACE")
-        upstream.register_hook(upstream.LORA_MANAGER_UNLOAD, upstream.unload_without_a_cache_flush, "REPLACE")
+        # Issue 29: a managed load is read and re-shaped off the scheduler thread, which only
+        # installs it; an unloaded adapter's memory is released off it; and no device-wide cache
+        # flush on the scheduler thread around a load or an unload.
+        upstream.register_hook(upstream.SCHEDULER_LOAD_ADAPTER, prepared_load.prepare_then_install, "AROUND")
+        upstream.register_hook(
+            upstream.LORA_MANAGER_LOAD, prepared_load.load_installing_what_was_prepared, "REPLACE"
+        )
+        upstream.register_hook(
+            upstream.LORA_MANAGER_UNLOAD, prepared_load.unload_releasing_off_the_loop, "REPLACE"
+        )
         return
     if role != "main":
         return

@@ -56,16 +56,28 @@ METRICS_ROUTE = "sglang.srt.entrypoints.http_server.add_prometheus_middleware"
 # Scheduler process. Bound into the request dispatcher in Scheduler.__init__, which runs after
 # load_plugins() (run_scheduler_process), so the patched method is the one dispatched.
 SCHEDULER_UNLOAD_ADAPTER = "sglang.srt.managers.scheduler.Scheduler.unload_lora_adapter"
+# Bound into the same dispatcher (LoadLoRAAdapterReqInput): the plugin's managed load is prepared
+# off the scheduler thread and only installed here (sglang_ext.prepared_load).
+SCHEDULER_LOAD_ADAPTER = "sglang.srt.managers.scheduler.Scheduler.load_lora_adapter"
 # Its end is where the live scheduler's attributes first exist, before run_scheduler_process
 # reports it ready (see scheduler_problems).
 SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
 # LoRAManager's public load/unload only wrap _load_lora_adapter / _unload_lora_adapter in two log
 # lines, each computing get_available_gpu_memory(), which on CUDA first runs
 # torch.cuda.empty_cache() (a device-wide flush on the scheduler thread, twice per call). Replaced
-# by the same log lines read without the flush (load_without_a_cache_flush).
+# by the same log lines read without the flush (load_without_a_cache_flush). The load's
+# replacement also installs an adapter prepared off the scheduler thread (upstream's
+# _load_lora_adapter with its load_lora_weights step done beforehand: install_prepared), the
+# unload's releases the unloaded adapter's memory off it (sglang_ext.prepared_load).
 LORA_MANAGER_LOAD = "sglang.srt.lora.lora_manager.LoRAManager.load_lora_adapter"
 LORA_MANAGER_UNLOAD = "sglang.srt.lora.lora_manager.LoRAManager.unload_lora_adapter"
-SCHEDULER_PROCESS_TARGETS = (SCHEDULER_INIT, SCHEDULER_UNLOAD_ADAPTER, LORA_MANAGER_LOAD, LORA_MANAGER_UNLOAD)
+SCHEDULER_PROCESS_TARGETS = (
+    SCHEDULER_INIT,
+    SCHEDULER_UNLOAD_ADAPTER,
+    SCHEDULER_LOAD_ADAPTER,
+    LORA_MANAGER_LOAD,
+    LORA_MANAGER_UNLOAD,
+)
 
 MAIN_PROCESS_TARGETS = (
     CHECK_SERVER_ARGS,
@@ -123,6 +135,10 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "get_observability": ("sglang.srt.runtime_context", "get_observability"),
     # what mount_metrics_route mirrors (http_server imports it from here)
     "add_prometheus_middleware": ("sglang.srt.utils.common", "add_prometheus_middleware"),
+    # what a managed load prepares off the scheduler thread (adapter_builder, install_prepared)
+    "LoRAConfig": ("sglang.srt.lora.lora_config", "LoRAConfig"),
+    "LoRAAdapter": ("sglang.srt.lora.lora", "LoRAAdapter"),
+    "warn_if_adapter_targets_embeddings": ("sglang.srt.lora.utils", "warn_if_adapter_targets_embeddings"),
 }
 
 # (symbol, attribute) that must exist on the class itself.
@@ -136,6 +152,7 @@ CLASS_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("ConcurrentCounter", "wait_for_zero"),
     ("HookRegistry", "register"),
     ("HookRegistry", "_patched"),
+    ("LoRAAdapter", "initialize_weights"),
 )
 # Set in LoRARegistry.__init__ (checked on a fresh instance).
 LORA_REGISTRY_ATTRIBUTES = ("_registry", "_counters", "_registry_lock")
@@ -247,9 +264,16 @@ def step_reader_problems() -> list[str]:
 
 
 def scheduler_problems(scheduler: Any) -> list[str]:
-    """The instance attributes of the live Scheduler the step fence reads (set in its __init__, so
-    checked at its end, in the scheduler process, before the scheduler reports ready)."""
-    return [f"Scheduler.{a} is missing" for a in SCHEDULER_ATTRIBUTES if not hasattr(scheduler, a)]
+    """The instance attributes of the live Scheduler the step fence and the prepared load read
+    (set in its __init__, so checked at its end, in the scheduler process, before the scheduler
+    reports ready)."""
+    problems = [f"Scheduler.{a} is missing" for a in SCHEDULER_ATTRIBUTES if not hasattr(scheduler, a)]
+    try:
+        manager = lora_manager_of(scheduler)
+    except AttributeError as exc:
+        return [*problems, f"Scheduler.tp_worker.model_runner.lora_manager: {exc}"]
+    missing = [a for a in LORA_MANAGER_ATTRIBUTES if not hasattr(manager, a)]
+    return problems + [f"LoRAManager.{a} is missing" for a in missing]
 
 
 def tokenizer_manager_problems(tm: Any) -> list[str]:
@@ -374,12 +398,29 @@ def unload_refused(message: str) -> Any:
     return symbol("LoRAUpdateOutput")(success=False, error_message=message)
 
 
-def load_from_dir_request(ref: Any, adapter_dir: str) -> Any:
+def load_from_dir_request(ref: Any, adapter_dir: str, rid: str | None = None) -> Any:
     """SGLang's stock path load (``Scheduler.load_lora_adapter`` -> ``LoRAManager.load_lora_adapter``,
-    weights through ``DefaultModelLoader``) of ``adapter_dir`` under ``ref``'s name and id, pinned."""
+    weights through ``DefaultModelLoader``) of ``adapter_dir`` under ``ref``'s name and id, pinned.
+    ``rid`` (``BaseReq.rid``, unused by a LoRA update upstream) carries the plugin's op
+    (``prepared_load``)."""
     return symbol("LoadLoRAAdapterReqInput")(
-        lora_name=ref.lora_name, lora_path=adapter_dir, pinned=True, lora_id=ref.lora_id
+        lora_name=ref.lora_name, lora_path=adapter_dir, pinned=True, lora_id=ref.lora_id, rid=rid
     )
+
+
+def load_request_fields(recv_req: Any) -> tuple[Any, Any, Any, Any]:
+    """(rid, lora_name, lora_path, lora_id) of a LoadLoRAAdapterReqInput, as the scheduler got it."""
+    return recv_req.rid, recv_req.lora_name, recv_req.lora_path, recv_req.lora_id
+
+
+def ref_fields(lora_ref: Any) -> tuple[Any, Any, Any]:
+    """(lora_id, lora_name, lora_path) of a LoRARef (``LoadLoRAAdapterReqInput.to_ref()``)."""
+    return lora_ref.lora_id, lora_ref.lora_name, lora_ref.lora_path
+
+
+def lora_update_output(success: bool, message: str | None = None) -> Any:
+    """A scheduler's reply to a LoRA update (merged by the tokenizer like any rank's)."""
+    return symbol("LoRAUpdateOutput")(success=success, error_message=message)
 
 
 def unload_request(lora_name: str, lora_id: str) -> Any:
@@ -546,11 +587,15 @@ def _log_lora_update(what: str, manager: Any, lora_ref: Any) -> None:
     )
 
 
-def load_without_a_cache_flush(manager: Any, lora_ref: Any) -> Any:
+def load_without_a_cache_flush(manager: Any, lora_ref: Any, prepared: Any = None) -> Any:
     """LoRAManager.load_lora_adapter (0.5.23) with the same two log lines, their memory read
-    without a cache flush; the load itself is upstream's _load_lora_adapter."""
+    without a cache flush; the load itself is upstream's _load_lora_adapter, or, for an adapter
+    prepared off the scheduler thread, its install (:func:`install_prepared`)."""
     _log_lora_update("loading starts", manager, lora_ref)
-    result = manager._load_lora_adapter(lora_ref)
+    if prepared is None:
+        result = manager._load_lora_adapter(lora_ref)
+    else:
+        result = install_prepared(manager, lora_ref, prepared)
     _log_lora_update("loading completes", manager, lora_ref)
     return result
 
@@ -561,3 +606,90 @@ def unload_without_a_cache_flush(manager: Any, lora_ref: Any) -> Any:
     result = manager._unload_lora_adapter(lora_ref)
     _log_lora_update("unloading completes", manager, lora_ref)
     return result
+
+
+# ------------------------------------------------------------- a load prepared off the loop
+# LoRAManager (sglang.srt.lora.lora_manager, 0.5.23): the attributes the prepared load reads.
+# Set in __init__ and read-only afterwards: base_hf_config, load_config, lora_backend, base_model
+# (what LoRAManager.load_lora_weights hands to LoRAAdapter), speculative_algorithm. Its state:
+# loras / configs / lora_refs (lora_id -> LoRAAdapter / LoRAConfig / LoRARef), num_pinned_loras;
+# and validate_new_adapter, create_lora_update_result.
+LORA_MANAGER_ATTRIBUTES = (
+    "base_hf_config",
+    "load_config",
+    "lora_backend",
+    "base_model",
+    "speculative_algorithm",
+    "loras",
+    "configs",
+    "lora_refs",
+    "num_pinned_loras",
+    "validate_new_adapter",
+    "create_lora_update_result",
+)
+
+
+def lora_manager_of(scheduler: Any) -> Any:
+    """The scheduler's LoRAManager (Scheduler.tp_worker -> TpModelWorker.model_runner ->
+    ModelRunner.lora_manager)."""
+    return scheduler.tp_worker.model_runner.lora_manager
+
+
+@dataclass(frozen=True)
+class PreparedAdapter:
+    """What upstream's _load_lora_adapter builds before it touches the manager's state."""
+
+    config: Any  # LoRAConfig
+    adapter: Any  # LoRAAdapter, weights read and normalised
+
+
+def adapter_builder(manager: Any, lora_id: str, lora_path: str) -> Callable[[], PreparedAdapter]:
+    """Upstream's build of an adapter from disk (0.5.23: ``LoRAConfig(path, base_vocab_size=)`` in
+    _load_lora_adapter, then load_lora_weights' ``LoRAAdapter(...)`` and ``initialize_weights()``:
+    the safetensors reads and the q/k/v and gate/up re-shaping), as a function of nothing but what
+    is read here, on the scheduler thread: the manager's fixed configuration. It reads no state a
+    step uses, so it may run on another thread."""
+    config_cls, adapter_cls = symbol("LoRAConfig"), symbol("LoRAAdapter")
+    base_hf_config, load_config = manager.base_hf_config, manager.load_config
+    lora_backend, base_model = manager.lora_backend, manager.base_model
+
+    def build() -> PreparedAdapter:
+        config = config_cls(lora_path, base_vocab_size=base_hf_config.vocab_size)
+        adapter = adapter_cls(
+            lora_id, config, base_hf_config, load_config, lora_backend, base_model=base_model
+        )
+        adapter.initialize_weights()
+        return PreparedAdapter(config, adapter)
+
+    return build
+
+
+def install_prepared(manager: Any, lora_ref: Any, prepared: PreparedAdapter) -> Any:
+    """LoRAManager._load_lora_adapter (0.5.23) with its two builds (config, weights) already done:
+    the same validation against the live pool, then the same state, in the same order. On a
+    failure nothing of it stays (upstream would keep ``configs[lora_id]``)."""
+    lora_id = lora_ref.lora_id
+    assert lora_ref.lora_name is not None and lora_ref.lora_path is not None
+    assert lora_id not in manager.loras, f"LoRA adapter with ID {lora_id} is already loaded"
+    try:
+        manager.validate_new_adapter(prepared.config, lora_ref)
+        manager.configs[lora_id] = prepared.config
+        symbol("warn_if_adapter_targets_embeddings")(
+            lora_name=lora_ref.lora_name,
+            embedding_layer_names=prepared.adapter.embedding_layers.keys(),
+            speculative_algorithm=manager.speculative_algorithm,
+        )
+        manager.loras[lora_id] = prepared.adapter
+        manager.lora_refs[lora_id] = lora_ref
+        manager.num_pinned_loras += int(lora_ref.pinned)
+    except Exception as e:
+        manager.configs.pop(lora_id, None)
+        manager.loras.pop(lora_id, None)
+        manager.lora_refs.pop(lora_id, None)
+        return manager.create_lora_update_result(success=False, error_message=str(e))
+    return manager.create_lora_update_result(success=True)
+
+
+def loaded_adapter(manager: Any, lora_ref: Any) -> Any | None:
+    """The LoRAAdapter the manager holds for ``lora_ref``'s id (None: not loaded)."""
+    return manager.loras.get(lora_ref.lora_id)

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 from sglang_ext import lora_registry_patch as upstream
+from sglang_ext.prepared_load import PENDING_MESSAGE, Op, rid_for
 
 # Set while the plugin's own exact-version probe generates with a managed name that is still
 # LOADING: the request guard (tokenizer_hooks.check_servable) lets exactly that call pass.
@@ -32,6 +33,18 @@ managed_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 PROBE_INPUT_IDS = [1]
+
+# How often a load polls its preparation: doubling from the first to the longest interval.
+POLL_FIRST_S = 0.002
+POLL_MAX_S = 0.02
+
+
+def refused_load(lora_name: str, message: str) -> LoraVersionError:
+    """SGLang refused or could not do a load: INCOMPATIBLE_ADAPTER when its text says the adapter
+    does not fit this engine, LOAD_FAILED otherwise."""
+    incompatible = upstream.is_incompatible_message(message)
+    code = ErrorCode.INCOMPATIBLE_ADAPTER if incompatible else ErrorCode.LOAD_FAILED
+    return LoraVersionError(code, message, lora_name=lora_name)
 
 
 class NativeEdge(Protocol):
@@ -93,9 +106,23 @@ class NativeLora:
 
         Every scheduler rank reads the files through SGLang's own disk path, as a stock
         ``/load_lora_adapter`` would: no tensor travels through ZMQ, and no fd is handed over
-        that could leak if a rank never consumed it."""
+        that could leak if a rank never consumed it. The reading and re-shaping run off each
+        scheduler's thread (``prepared_load``): prepare, poll until every rank has it, then the
+        load request, which only installs it. Whatever was prepared and not installed is
+        discarded before this returns or raises."""
         ref = upstream.new_pinned_ref(lora_name)
-        result, ranks = await upstream.fan_out(self.tm, upstream.load_from_dir_request(ref, str(adapter_dir)))
+        path = str(adapter_dir)
+
+        def request(op: Op) -> Any:
+            return upstream.load_from_dir_request(ref, path, rid_for(op))
+
+        try:
+            await self._prepare_on_every_rank(lora_name, request)
+            result, ranks = await upstream.fan_out(self.tm, request(Op.INSTALL))
+        finally:
+            # After an install this drops nothing (the install took it); otherwise every rank's
+            # preparation goes, a running one included (its result is dropped when it ends).
+            await self._discard(lora_name, request(Op.DISCARD))
         if not result.success:
             message = result.error_message or "unknown error"
             if any(r.success or lora_name in (r.loaded_adapters or {}) for r in ranks):
@@ -112,14 +139,37 @@ class NativeLora:
                         lora_name=lora_name,
                         leftover_lora_id=ref.lora_id,
                     ) from None
-            code = (
-                ErrorCode.INCOMPATIBLE_ADAPTER
-                if upstream.is_incompatible_message(message)
-                else ErrorCode.LOAD_FAILED
-            )
-            raise LoraVersionError(code, f"SGLang refused the load: {message}", lora_name=lora_name)
+            raise refused_load(lora_name, f"SGLang refused the load: {message}")
         await upstream.register(self.tm, ref)
         return ref.lora_id
+
+    async def _prepare_on_every_rank(self, lora_name: str, request: Any) -> None:
+        """Prepare, then poll (each poll a short request between the scheduler's steps) until
+        every rank has the adapter prepared. A rank that failed fails the load."""
+        result, _ = await upstream.fan_out(self.tm, request(Op.PREPARE))
+        if not result.success:
+            raise refused_load(lora_name, f"SGLang could not prepare the load: {result.error_message}")
+        delay = POLL_FIRST_S
+        while True:
+            _, ranks = await upstream.fan_out(self.tm, request(Op.POLL))
+            failed = [
+                str(r.error_message) for r in ranks if not r.success and r.error_message != PENDING_MESSAGE
+            ]
+            if failed:
+                raise refused_load(lora_name, f"SGLang could not read the adapter: {'; '.join(failed)}")
+            if all(r.success for r in ranks):
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
+
+    async def _discard(self, lora_name: str, discard: Any) -> None:
+        result, _ = await upstream.fan_out(self.tm, discard)
+        if not result.success:  # the scheduler answers a discard with success, kept or not
+            raise LoraVersionError(
+                ErrorCode.LOAD_FAILED,
+                f"SGLang did not discard a preparation: {result.error_message}",
+                lora_name=lora_name,
+            )
 
     async def probe(self, lora_name: str, expected_lora_id: str) -> None:
         """Exact-version probe: a 1-token greedy generation naming ``lora_name`` succeeds and was

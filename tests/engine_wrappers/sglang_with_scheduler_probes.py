@@ -4,7 +4,9 @@
 
 - ``step_fence_probe`` (the acceptance suite's): a log line at every physical unload;
 - ``fence_reader_probe``: a log line whenever the fence's reading of the live batches changes;
-- ``scheduler_500_faults``: SGLang's own 500 paths, taken only for rids with a marker suffix.
+- ``scheduler_500_faults``: SGLang's own 500 paths, taken only for rids with a marker suffix;
+- ``prepared_load_probe``: a log line naming the thread of each part of a load and an unload, and
+  a failed preparation for the one load a trigger file marks.
 
 Each only adds log lines or fails only the calls marked for it, so every other test can share
 the engine; the tests that read them run on E1 instead of on an engine of their own.
@@ -19,6 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gpu_tests" / "engine_wrappers"))
 
 import fence_reader_probe
+import prepared_load_probe
 import scheduler_500_faults
 import step_fence_probe
 
@@ -31,6 +34,7 @@ def run_scheduler_process_with_probes(*args: Any, **kwargs: Any) -> Any:
     step_fence_probe.install()
     fence_reader_probe.install()
     scheduler_500_faults.install()
+    prepared_load_probe.install()
     return run_scheduler_process(*args, **kwargs)
 
 

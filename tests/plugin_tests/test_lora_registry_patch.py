@@ -80,11 +80,20 @@ def test_importing_the_module_imports_no_sglang():
 def test_the_live_scheduler_is_checked_before_it_serves():
     """Scheduler instance attributes exist only on the live scheduler (set in __init__): each one
     the step fence reads is named when missing, none defaulted."""
-    renamed = SimpleNamespace(enable_overlap=False, last_batch=None)
+    manager = SimpleNamespace(**dict.fromkeys(upstream.LORA_MANAGER_ATTRIBUTES))
+    lora_side = SimpleNamespace(model_runner=SimpleNamespace(lora_manager=manager))
+    renamed = SimpleNamespace(enable_overlap=False, last_batch=None, tp_worker=lora_side)
     assert upstream.scheduler_problems(renamed) == ["Scheduler.result_queue is missing"]
-    assert upstream.scheduler_problems(SimpleNamespace()) == [
+    assert upstream.scheduler_problems(SimpleNamespace(tp_worker=lora_side)) == [
         f"Scheduler.{a} is missing" for a in upstream.SCHEDULER_ATTRIBUTES
     ]
+    # and the LoRAManager the prepared load reads (sglang_ext.prepared_load)
+    problems = upstream.scheduler_problems(SimpleNamespace(**vars(renamed), result_queue=[]))
+    assert problems == []
+    del manager.num_pinned_loras
+    assert upstream.scheduler_problems(renamed)[-1] == "LoRAManager.num_pinned_loras is missing"
+    no_lora = SimpleNamespace(enable_overlap=False, last_batch=None, result_queue=[], tp_worker=None)
+    assert upstream.scheduler_problems(no_lora)[0].startswith("Scheduler.tp_worker.model_runner.lora_manager")
 
 
 def test_the_scheduler_init_is_a_scheduler_process_target():

@@ -1,5 +1,6 @@
-"""NativeLora's partial-load path against a stand-in tokenizer manager that answers like SGLang's
-scheduler fan-out (real ``LoRAUpdateOutput`` replies merged by SGLang's own merge function)."""
+"""NativeLora's load (prepared off the scheduler thread, then installed) and its partial-load
+path, against a stand-in tokenizer manager that answers like SGLang's scheduler fan-out (real
+``LoRAUpdateOutput`` replies merged by SGLang's own merge function)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 from sglang_ext.native_lora import NativeLora
+from sglang_ext.prepared_load import PENDING_MESSAGE, op_of
 
 NAME = "p@e-v-aaaaaaaaaaaa"
 
@@ -21,7 +23,8 @@ def tm_answering(*replies):
     sent = []
 
     async def communicator(req):
-        sent.append(type(req).__name__)
+        op = op_of(getattr(req, "rid", None), req.lora_name)
+        sent.append(op.value if op else type(req).__name__)
         return queue.pop(0)
 
     tm = SimpleNamespace(
@@ -32,26 +35,83 @@ def tm_answering(*replies):
     return tm, sent
 
 
+OK = {"success": True, "error_message": ""}
+PENDING = {"success": False, "error_message": PENDING_MESSAGE}
+PREPARED = ([OK], [OK])  # the prepare and the first poll
+
 async def test_a_partial_load_whose_undo_fails_names_its_leftover():
     tm, sent = tm_answering(
+        *PREPARED,
         [{"success": False, "error_message": "rank 1 failed", "loaded_adapters": {NAME: "__tensor__"}}],
+        [OK],
         [{"success": False, "error_message": "unload failed"}],
     )
     with pytest.raises(LoraVersionError) as info:
         await NativeLora(tm).load_pinned(NAME, Path("/nonexistent/adapter"))
     assert info.value.code is ErrorCode.LOAD_FAILED and info.value.details["leftover_lora_id"]
-    assert sent == ["LoadLoRAAdapterReqInput", "UnloadLoRAAdapterReqInput"]
+    assert sent == ["prepare", "poll", "install", "discard", "UnloadLoRAAdapterReqInput"]
 
 
 async def test_a_partial_load_that_is_taken_back_leaves_nothing():
     tm, sent = tm_answering(
+        *PREPARED,
         [{"success": False, "error_message": "rank 1 failed", "loaded_adapters": {NAME: "__tensor__"}}],
-        [{"success": True, "error_message": ""}],
+        [OK],
+        [OK],
     )
     with pytest.raises(LoraVersionError) as info:
         await NativeLora(tm).load_pinned(NAME, Path("/nonexistent/adapter"))
     assert info.value.code is ErrorCode.LOAD_FAILED and "leftover_lora_id" not in info.value.details
-    assert sent == ["LoadLoRAAdapterReqInput", "UnloadLoRAAdapterReqInput"]
+    assert sent == ["prepare", "poll", "install", "discard", "UnloadLoRAAdapterReqInput"]
+
+
+async def test_a_load_is_prepared_polled_until_every_rank_has_it_then_installed():
+    tm, sent = tm_answering(
+        [OK, OK],
+        [PENDING, PENDING],
+        [OK, PENDING],
+        [OK, OK],
+        [OK, OK],  # the install
+        [OK, OK],  # the discard: nothing left to drop
+    )
+    tm.lora_registry = SimpleNamespace(_counters={}, registered=[])
+
+    async def register(ref):
+        tm.lora_registry.registered.append(ref)
+
+    tm.lora_registry.register = register
+    lora_id = await NativeLora(tm).load_pinned(NAME, Path("/staged/attempt-0"))
+    assert sent == ["prepare", "poll", "poll", "poll", "install", "discard"]
+    (ref,) = tm.lora_registry.registered
+    assert ref.lora_id == lora_id and ref.pinned and ref.lora_name == NAME
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ("[Errno 2] No such file or directory: 'bucket-00000.safetensors'", ErrorCode.LOAD_FAILED),
+        ("... DoRA adapters", ErrorCode.INCOMPATIBLE_ADAPTER),
+    ],
+)
+async def test_a_rank_that_fails_its_preparation_fails_the_load_and_every_rank_discards(message, code):
+    tm, sent = tm_answering(
+        [OK, OK],
+        [PENDING, {"success": False, "error_message": message}],
+        [OK, OK],  # the discard
+    )
+    with pytest.raises(LoraVersionError) as info:
+        await NativeLora(tm).load_pinned(NAME, Path("/staged/attempt-0"))
+    assert info.value.code is code and message in str(info.value)
+    assert sent == ["prepare", "poll", "discard"], "never installed; what was prepared is dropped"
+
+
+async def test_a_refused_prepare_is_discarded_too():
+    refused = {"success": False, "error_message": "lora_id x is already being prepared"}
+    tm, sent = tm_answering([refused], [OK])
+    with pytest.raises(LoraVersionError) as info:
+        await NativeLora(tm).load_pinned(NAME, Path("/staged/attempt-0"))
+    assert info.value.code is ErrorCode.LOAD_FAILED
+    assert sent == ["prepare", "discard"]
 
 
 async def test_finished_unloads_are_not_remembered_per_id():

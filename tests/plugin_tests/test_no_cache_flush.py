@@ -73,13 +73,16 @@ def test_upstream_flushes_twice_per_load_and_unload_and_the_plugin_never(cuda_st
 
 
 def test_the_scheduler_process_replaces_both_and_checks_they_are_applied(monkeypatch) -> None:
-    from sglang_ext import hooks
+    from sglang_ext import hooks, prepared_load
 
     registered: list[tuple[str, Any, str]] = []
     monkeypatch.setattr(upstream, "register_hook", lambda t, h, k: registered.append((t, h, k)))
     hooks.register_all("scheduler")
-    assert (upstream.LORA_MANAGER_LOAD, upstream.load_without_a_cache_flush, "REPLACE") in registered
-    assert (upstream.LORA_MANAGER_UNLOAD, upstream.unload_without_a_cache_flush, "REPLACE") in registered
+    # through the prepared load's replacements, which call these two (test_prepared_load.py)
+    load = prepared_load.load_installing_what_was_prepared
+    assert (upstream.LORA_MANAGER_LOAD, load, "REPLACE") in registered
+    unload = prepared_load.unload_releasing_off_the_loop
+    assert (upstream.LORA_MANAGER_UNLOAD, unload, "REPLACE") in registered
     # an unapplied one refuses the scheduler's start like the fence's own (step_fence)
     replaced = {upstream.LORA_MANAGER_LOAD, upstream.LORA_MANAGER_UNLOAD}
     assert replaced <= set(upstream.SCHEDULER_PROCESS_TARGETS)

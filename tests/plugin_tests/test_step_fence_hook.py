@@ -34,7 +34,16 @@ def batch(*lora_ids: str) -> Any:
 
 
 def scheduler(*, overlap: bool, queue: list[tuple[Any, Any]] = (), last: Any = None) -> Any:
-    return SimpleNamespace(enable_overlap=overlap, result_queue=deque(queue), last_batch=last)
+    from sglang_ext import lora_registry_patch as upstream
+
+    # the LoRAManager the prepared load reads (sglang_ext.prepared_load), checked at start too
+    manager = SimpleNamespace(**dict.fromkeys(upstream.LORA_MANAGER_ATTRIBUTES))
+    return SimpleNamespace(
+        enable_overlap=overlap,
+        result_queue=deque(queue),
+        last_batch=last,
+        tp_worker=SimpleNamespace(model_runner=SimpleNamespace(lora_manager=manager)),
+    )
 
 
 def unload(calls: list[str]):
@@ -146,8 +155,15 @@ def test_a_live_scheduler_missing_what_the_fence_reads_refuses_to_start(monkeypa
     from sglang_ext.step_fence import refuse_a_scheduler_the_fence_cannot_read
 
     refused = refusals(monkeypatch)
-    refuse_a_scheduler_the_fence_cannot_read(None, SimpleNamespace(enable_overlap=False, last_batch=None))
+    live = scheduler(overlap=False)
+    del live.result_queue
+    refuse_a_scheduler_the_fence_cannot_read(None, live)
     assert len(refused) == 1 and "Scheduler.result_queue is missing" in refused[0], refused
+    refused.clear()
+    live = scheduler(overlap=False)
+    del live.tp_worker.model_runner.lora_manager.loras
+    refuse_a_scheduler_the_fence_cannot_read(None, live)
+    assert len(refused) == 1 and "LoRAManager.loras is missing" in refused[0], refused
     refused.clear()
     refuse_a_scheduler_the_fence_cannot_read(None, scheduler(overlap=False))
     assert refused == []
@@ -163,7 +179,7 @@ def test_a_fence_hook_that_was_not_applied_refuses_to_start(monkeypatch) -> None
 
 
 def test_the_scheduler_process_registers_the_start_check_and_the_fence(monkeypatch) -> None:
-    from sglang_ext import hooks, step_fence
+    from sglang_ext import hooks, prepared_load, step_fence
     from sglang_ext import lora_registry_patch as upstream
 
     registered: list[tuple[str, Any, str]] = []
@@ -172,7 +188,8 @@ def test_the_scheduler_process_registers_the_start_check_and_the_fence(monkeypat
     assert registered == [
         (upstream.SCHEDULER_INIT, step_fence.refuse_a_scheduler_the_fence_cannot_read, "AFTER"),
         (upstream.SCHEDULER_UNLOAD_ADAPTER, step_fence.complete_the_step_before_unload, "AROUND"),
-        (upstream.LORA_MANAGER_LOAD, upstream.load_without_a_cache_flush, "REPLACE"),
-        (upstream.LORA_MANAGER_UNLOAD, upstream.unload_without_a_cache_flush, "REPLACE"),
+        (upstream.SCHEDULER_LOAD_ADAPTER, prepared_load.prepare_then_install, "AROUND"),
+        (upstream.LORA_MANAGER_LOAD, prepared_load.load_installing_what_was_prepared, "REPLACE"),
+        (upstream.LORA_MANAGER_UNLOAD, prepared_load.unload_releasing_off_the_loop, "REPLACE"),
     ]
     assert tuple(t for t, _, _ in registered) == upstream.SCHEDULER_PROCESS_TARGETS
