@@ -60,8 +60,6 @@ from sglang_ext.staging import StagedPart, StagingArea
 # Hash in strides of this many received bytes: small enough to track the socket closely,
 # large enough that the thread hand-offs cost nothing next to the hashing.
 HASH_STRIDE_BYTES = 1024 * 1024
-# A local source file is copied in reads of at most this size.
-COPY_STRIDE_BYTES = 4 * 1024 * 1024
 _CORES = len(os.sched_getaffinity(0))
 # Parallel verification: one group of tensors per worker, at most 4 (a bucket is verified in
 # the time of its share, and generation keeps the rest of a large machine).
@@ -154,7 +152,7 @@ class BucketReceiver:
                 f"bucket {self.spec.index} body is longer than its safetensors header says "
                 f"({self.layout.size} bytes)"
             )
-        self.part.view[self._filled : end] = chunk
+        self.part.write(self._filled, chunk)
         self._filled = end
         if self._stride is not None:
             if end == self.layout.size or end - self._submitted >= self._stride:
@@ -358,11 +356,27 @@ class BucketReceiver:
             del view
 
     def _verify_group(self, group: Sequence[TensorSpan]) -> None:
+        """Each tensor's digest, then the values of the whole group in as few calls as its
+        layout allows: one check per run of adjacent tensors of one dtype. Per tensor, the
+        checks' own overhead (and the thread team each torch call wakes, spinning beside the
+        other group's hashing) cost a 27 MiB bucket of 84 tensors 12 to 15 ms of wall time on
+        2 cores; the bytes checked are the same."""
         assert self.part is not None
         view = self.part.view
         try:
+            digests = {}
             for span in group:
-                self._check_tensor(view, span, hashlib.sha256(view[span.start : span.end]).hexdigest())
+                digest = hashlib.sha256(view[span.start : span.end]).hexdigest()
+                self._check_digest(span, digest)
+                digests[span.name] = digest
+            for run in same_dtype_runs(group):
+                try:
+                    _check_values(view[run[0].start : run[-1].end], run[0].name, run[0].dtype, (-1,))
+                except LoraVersionError:
+                    for span in run:  # name the tensor that holds them
+                        _check_values(view[span.start : span.end], span.name, span.dtype, span.shape)
+                    raise
+            self._digests.update(digests)
         finally:
             del view
 
@@ -370,36 +384,33 @@ class BucketReceiver:
         """Copy the group's byte range from the source into the private file, then verify it
         there (never the source: it may change after being read)."""
         assert self.part is not None
-        view = self.part.view
-        try:
-            pos, end = group[0].start, group[-1].end
-            while pos < end:
-                try:
-                    got = os.preadv(fd, [view[pos : min(pos + COPY_STRIDE_BYTES, end)]], pos)
-                except OSError as exc:
-                    raise LoraVersionError(
-                        ErrorCode.INCOMPLETE_BODY,
-                        f"bucket {self.spec.index} source file unreadable: {exc.strerror}",
-                    ) from None
-                if got <= 0:
-                    raise LoraVersionError(
-                        ErrorCode.INCOMPLETE_BODY,
-                        f"bucket {self.spec.index} source file ended after {pos} bytes, "
-                        f"expected {self.layout.size if self.layout else '?'}",
-                        received=pos,
-                    )
-                pos += got
-        finally:
-            del view
+        self.part.copy_from(fd, group[0].start, group[-1].end, f"bucket {self.spec.index} source file")
         self._verify_group(group)
 
     def _check_tensor(self, view: memoryview, span: TensorSpan, digest: str) -> None:
-        entry = self.manifest.entry(span.name)
-        if entry is None or digest != entry.sha256:
-            raise content_mismatch(span.name)
+        self._check_digest(span, digest)
         if span.end > span.start:
             _check_values(view[span.start : span.end], span.name, span.dtype, span.shape)
         self._digests[span.name] = digest
+
+    def _check_digest(self, span: TensorSpan, digest: str) -> None:
+        entry = self.manifest.entry(span.name)
+        if entry is None or digest != entry.sha256:
+            raise content_mismatch(span.name)
+
+
+def same_dtype_runs(spans: Sequence[TensorSpan]) -> list[list[TensorSpan]]:
+    """The non-empty spans in runs of adjacent bytes and one dtype (each run one values check)."""
+    runs: list[list[TensorSpan]] = []
+    for span in spans:
+        if span.end == span.start:
+            continue
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.dtype == span.dtype and last.end == span.start:
+            runs[-1].append(span)
+        else:
+            runs.append([span])
+    return runs
 
 
 def _check_values(raw: memoryview, name: str, dtype: str, shape: tuple[int, ...]) -> None:

@@ -89,7 +89,7 @@ class CollectiveReceive:
                 # Sparse: the receiver process allocates the pages as the bytes land (a full
                 # filesystem ends it, not this process); the header is written with a call
                 # that fails with an error, never through the mapping.
-                part = self.staging.new_part(len(header) + spec.total_bytes, reserve=False)
+                part = self.staging.new_part(len(header) + spec.total_bytes, written_here=False)
                 stash.parts[spec.index] = part
                 with open(part.path, "r+b") as f:
                     f.write(header)

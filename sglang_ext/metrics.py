@@ -129,7 +129,6 @@ class VersionSeries:
         try:
             live = live_versions(self._engine.status())
         except Exception as exc:  # a scrape must never fail on the plugin's series: SGLang's are on it
-
             log_line(f"per-version metrics not collected: {type(exc).__name__}: {exc}")
             return iter(())
         self._keep_only(live)

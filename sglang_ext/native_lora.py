@@ -34,9 +34,11 @@ managed_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 PROBE_INPUT_IDS = [1]
 
-# How often a load polls its preparation: doubling from the first to the longest interval.
-POLL_FIRST_S = 0.002
-POLL_MAX_S = 0.02
+# How often a load polls its preparation: doubling from the first to the longest interval. A
+# poll costs the scheduler thread a dict look-up between two steps, and under load it waits for
+# the step anyway; on an idle engine a long interval is pure latency added to the publication.
+POLL_FIRST_S = 0.001
+POLL_MAX_S = 0.005
 
 
 def refused_load(lora_name: str, message: str) -> LoraVersionError:
@@ -109,20 +111,25 @@ class NativeLora:
         that could leak if a rank never consumed it. The reading and re-shaping run off each
         scheduler's thread (``prepared_load``): prepare, poll until every rank has it, then the
         load request, which only installs it. Whatever was prepared and not installed is
-        discarded before this returns or raises."""
+        discarded before this returns or raises (after an install on every rank, nothing is)."""
         ref = upstream.new_pinned_ref(lora_name)
         path = str(adapter_dir)
 
         def request(op: Op) -> Any:
             return upstream.load_from_dir_request(ref, path, rid_for(op))
 
+        installed = False
         try:
             await self._prepare_on_every_rank(lora_name, request)
             result, ranks = await upstream.fan_out(self.tm, request(Op.INSTALL))
+            # every rank took its preparation: nothing is left to drop, and the load saves a
+            # round trip through the scheduler
+            installed = result.success and all(r.success for r in ranks)
         finally:
-            # After an install this drops nothing (the install took it); otherwise every rank's
-            # preparation goes, a running one included (its result is dropped when it ends).
-            await self._discard(lora_name, request(Op.DISCARD))
+            if not installed:
+                # a failure or a cancellation anywhere: every rank's preparation goes, a running
+                # one included (its result is dropped when it ends)
+                await self._discard(lora_name, request(Op.DISCARD))
         if not result.success:
             message = result.error_message or "unknown error"
             if any(r.success or lora_name in (r.loaded_adapters or {}) for r in ranks):

@@ -15,8 +15,9 @@ plugin's managed load (``native_lora.NativeLora.load_pinned``) is split in the s
 3. ``install``: SGLang's own load request, whose ``LoRAManager.load_lora_adapter`` (replaced by
    :func:`load_installing_what_was_prepared`) validates the prepared adapter against the live
    pool and installs it, as upstream's ``_load_lora_adapter`` would have after building it;
-4. ``discard``: whatever was prepared and not installed is dropped (the load's failure path and
-   its end, always).
+4. ``discard``: whatever was prepared and not installed is dropped (the end of every load but
+   one that every rank installed, which took its preparation: a failure, a refusal, a
+   cancellation, an install some rank did not answer with success).
 
 A preparation is keyed by the exact load: the lora_id (a fresh uuid4 per load), the name and the
 staged path. Only that key installs it, exactly once; nothing is shared across versions, and a

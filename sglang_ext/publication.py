@@ -200,7 +200,6 @@ class PublicationService:
         assert receive is not None, "HTTP buckets are filled from their own request"
         return receive.filler(meta)
 
-
     # ----------------------------------------------------------------------------- buckets
 
     async def receive_bucket(self, meta: ReceiveBucketMeta, fill: BucketFiller) -> BucketAck:

@@ -3,6 +3,7 @@ refused with its code, and a refused body leaves no file behind."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -20,10 +21,12 @@ from safetensors.torch import load, save
 from lora_contract import protocol as p
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.transport import TensorSpan, parse_payload_layout
+from sglang_ext import staging
 from sglang_ext.bucket_receiver import (
     HASH_STRIDE_BYTES,
     HASH_WHILE_RECEIVING_ENV,
     BucketReceiver,
+    same_dtype_runs,
     split_groups,
 )
 from sglang_ext.staging import StagingArea, open_local_source
@@ -127,14 +130,35 @@ async def test_a_self_consistent_body_with_other_content_names_the_tensor(area) 
     assert no_parts(area)
 
 
-async def test_non_finite_values_are_refused_even_when_the_manifest_pins_them(area) -> None:
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("which", [0, 1, 5, 7])
+@pytest.mark.parametrize("one_dtype", [False, True], ids=["runs-of-one", "one-run"])
+async def test_non_finite_values_are_refused_even_when_the_manifest_pins_them(
+    area, which, value, one_dtype
+) -> None:
+    """Values are checked per run of adjacent same-dtype tensors; the refusal still names the
+    tensor that holds them, wherever it lies in its run."""
     tensors = adapter()
-    name = sorted(tensors)[1]
-    tensors[name][0, 0] = float("nan")
+    if one_dtype:  # every tensor in one run
+        tensors = {k: v.float() for k, v in tensors.items()}
+    name = sorted(tensors)[which]
+    tensors[name][-1, -1] = value
     manifest, spec, payload = setup(tensors)
     with pytest.raises(LoraVersionError) as info:
         await receive(area, manifest, spec, payload)
     assert info.value.code is ErrorCode.INCOMPATIBLE_ADAPTER and no_parts(area)
+    assert info.value.details.get("tensor") == name, info.value
+
+
+def test_values_are_checked_in_runs_of_adjacent_tensors_of_one_dtype() -> None:
+    def span(name: str, start: int, end: int, dtype: str) -> TensorSpan:
+        return TensorSpan(name=name, dtype=dtype, shape=(max(0, end - start) // 4,), start=start, end=end)
+
+    a, b = span("a", 0, 8, "float32"), span("b", 8, 16, "float32")
+    c, empty = span("c", 16, 20, "bfloat16"), span("e", 20, 20, "float32")
+    d, gap = span("d", 20, 28, "float32"), span("g", 32, 40, "float32")
+    runs = same_dtype_runs([a, b, c, empty, d, gap])
+    assert [[x.name for x in run] for run in runs] == [["a", "b"], ["c"], ["d"], ["g"]]
 
 
 async def test_a_foreign_tensor_is_refused_from_the_header_before_any_file_exists(area) -> None:
@@ -546,4 +570,81 @@ async def test_a_bucket_body_exactly_at_the_cap_is_read_and_one_byte_over_is_ref
         )
     await over.abandon()
     # the receiver alone would say INVALID_REQUEST (longer than its header); the reader's cap is first
+    assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE and no_parts(area)
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def failing_nth(real: Any, n: int, errno_: int) -> Any:
+    """The real call, except its ``n``-th one fails with ``errno_`` (a full filesystem)."""
+    calls = {"n": 0}
+
+    def call(*args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise OSError(errno_, os.strerror(errno_))
+        return real(*args)
+
+    return call
+
+
+@pytest.mark.parametrize("errno_", [errno.ENOSPC, errno.EDQUOT])
+async def test_a_full_filesystem_mid_body_is_a_typed_refusal_that_leaves_no_file_and_no_fd(
+    area, monkeypatch, errno_
+) -> None:
+    """The part is sparse and written through its fd: a full filesystem fails the write (a typed
+    refusal), where a store into a mapped page of a sparse file would SIGBUS the engine."""
+    manifest, spec, payload = setup(adapter(hidden=256))
+    before = open_fds()
+    monkeypatch.setattr(staging.os, "pwrite", failing_nth(os.pwrite, 3, errno_))
+    with pytest.raises(LoraVersionError) as info:
+        await receive(area, manifest, spec, payload, chunk=4096)
+    assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE and "no room" in info.value.message
+    assert no_parts(area) and open_fds() == before
+
+
+async def test_a_committed_or_refused_part_keeps_no_fd(area) -> None:
+    manifest, spec, payload = setup(adapter())
+    before = open_fds()
+    r = await receive(area, manifest, spec, payload)
+    area.commit_part(KEY, r.part, 0)
+    with pytest.raises(LoraVersionError):
+        await receive(area, manifest, spec, payload, checksum="0" * 64)
+    assert open_fds() == before and no_parts(area)
+
+
+@pytest.mark.parametrize("errno_", [errno.EXDEV, errno.ENOSYS])
+async def test_a_local_source_is_copied_by_read_and_write_where_the_kernel_cannot_copy_it(
+    area, tmp_path, monkeypatch, errno_
+) -> None:
+    tensors = adapter(hidden=2048)  # several copy strides
+    manifest, spec, payload = setup(tensors)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "b0.safetensors").write_bytes(payload)
+    refused = []
+
+    def no_copy_file_range(*args: Any) -> int:
+        refused.append(args)
+        raise OSError(errno_, os.strerror(errno_))
+
+    monkeypatch.setattr(staging.os, "copy_file_range", no_copy_file_range)
+    r = await fill_from(area, manifest, spec, src / "b0.safetensors", p.bucket_checksum(payload))
+    area.commit_part(KEY, r.part, 0)
+    [f] = area.bucket_files(KEY)
+    assert refused and f.read_bytes() == payload
+
+
+async def test_a_local_source_that_fills_the_filesystem_is_a_typed_refusal(
+    area, tmp_path, monkeypatch
+) -> None:
+    manifest, spec, payload = setup(adapter(hidden=2048))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "b0.safetensors").write_bytes(payload)
+    monkeypatch.setattr(staging.os, "copy_file_range", failing_nth(os.copy_file_range, 2, errno.ENOSPC))
+    with pytest.raises(LoraVersionError) as info:
+        await fill_from(area, manifest, spec, src / "b0.safetensors", p.bucket_checksum(payload))
     assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE and no_parts(area)

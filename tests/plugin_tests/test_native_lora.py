@@ -71,8 +71,7 @@ async def test_a_load_is_prepared_polled_until_every_rank_has_it_then_installed(
         [PENDING, PENDING],
         [OK, PENDING],
         [OK, OK],
-        [OK, OK],  # the install
-        [OK, OK],  # the discard: nothing left to drop
+        [OK, OK],  # the install: every rank took its preparation, nothing is left to drop
     )
     tm.lora_registry = SimpleNamespace(_counters={}, registered=[])
 
@@ -81,7 +80,7 @@ async def test_a_load_is_prepared_polled_until_every_rank_has_it_then_installed(
 
     tm.lora_registry.register = register
     lora_id = await NativeLora(tm).load_pinned(NAME, Path("/staged/attempt-0"))
-    assert sent == ["prepare", "poll", "poll", "poll", "install", "discard"]
+    assert sent == ["prepare", "poll", "poll", "poll", "install"]
     (ref,) = tm.lora_registry.registered
     assert ref.lora_id == lora_id and ref.pinned and ref.lora_name == NAME
 
@@ -112,6 +111,31 @@ async def test_a_refused_prepare_is_discarded_too():
         await NativeLora(tm).load_pinned(NAME, Path("/staged/attempt-0"))
     assert info.value.code is ErrorCode.LOAD_FAILED
     assert sent == ["prepare", "discard"]
+
+
+async def test_a_load_cancelled_during_its_install_discards_every_preparation():
+    """The discard is skipped only after an install every rank answered: a load cancelled while
+    its install is in flight (the rank may not have taken it yet) still drops what it prepared."""
+    import asyncio
+
+    tm, sent = tm_answering(*PREPARED, [OK])
+    answer = tm.update_lora_adapter_communicator
+    installing = asyncio.Event()
+
+    async def communicator(req):
+        if op_of(getattr(req, "rid", None), req.lora_name) is not None and req.rid.endswith("install"):
+            sent.append("install")
+            installing.set()
+            await asyncio.Event().wait()  # never answered
+        return await answer(req)
+
+    tm.update_lora_adapter_communicator = communicator
+    load = asyncio.create_task(NativeLora(tm).load_pinned(NAME, Path("/staged/attempt-0")))
+    await installing.wait()
+    load.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await load
+    assert sent == ["prepare", "poll", "install", "discard"]
 
 
 async def test_finished_unloads_are_not_remembered_per_id():
