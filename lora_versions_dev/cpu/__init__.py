@@ -57,6 +57,11 @@ def engine_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     # scheduler is gone; a CPU engine has no GPU). Upstream switches (0.5.23, srt/environ.py).
     env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
     env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
+    # torch's OpenMP threads (one per core) spin at every barrier by default. Two CPU engines on
+    # the same cores (every test cohort here) then starve each other: measured on 2 cores, 2
+    # engines x 2 streams decoded at 16 to 214 tokens/s, bimodal from run to run; waiting
+    # passively, 384 to 413, and one engine alone is no slower (4.5 ms per token either way).
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parts = [str(SHIM_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(parts)
     return env

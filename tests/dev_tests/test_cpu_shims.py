@@ -64,3 +64,10 @@ def test_activate_is_inert_without_the_switch(monkeypatch):
     monkeypatch.delenv(cpu.SWITCH_ENV, raising=False)
     monkeypatch.setattr(cpu, "neutralise_pin_memory", lambda: pytest.fail("must not patch torch"))
     cpu.activate()
+
+
+def test_dev_engines_wait_passively_at_openmp_barriers_unless_told_otherwise():
+    """Spinning OpenMP teams of two engines on the same cores starve each other (the comment in
+    engine_env has the figures); an operator's own setting wins."""
+    assert cpu.engine_env({})["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert cpu.engine_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
