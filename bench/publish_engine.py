@@ -51,6 +51,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -654,7 +655,8 @@ def _engine_phases(log_path: Path, lora_name: str) -> dict[str, float]:
         except OSError:
             lines = []
         if lines:
-            fields = dict(kv.split("=", 1) for kv in lines[-1].split(marker, 1)[1].split())
+            # key=number pairs only: another process's log line may be interleaved into it
+            fields = dict(re.findall(r"(\w+)=(\d+(?:\.\d+)?)", lines[-1].split(marker, 1)[1]))
             return {f"engine_{k}": float(fields[k]) for k in ENGINE_PHASES if k in fields}
         time.sleep(0.02)
     return {}

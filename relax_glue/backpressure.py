@@ -1,5 +1,7 @@
 """Capacity backpressure for a trainer that publishes every step: what it does with a stale
-episode, and with a publication the registry refuses because every slot is still held. Pure.
+episode, and with a publication the registry refuses because every slot is still held. The
+policy is pure; :func:`publish_with_backpressure` is the one loop that follows it, its IO passed
+in.
 
 Moved here from the online RL showcase (``examples/online_rl/policy.py`` re-exports it) so that
 shipped integrations (``relax_glue.trl_grpo``) follow the very same rule.
@@ -19,7 +21,12 @@ The policy, with ``S = max_staleness``:
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
+from typing import Any, Generic, TypeVar
+
+from lora_contract.errors import ErrorCode
 
 
 class PublishDecision(StrEnum):
@@ -52,14 +59,67 @@ class StalenessPolicy:
     def admits(self, trainer_step: int, version: int) -> bool:
         return 0 <= self.staleness(trainer_step, version) <= self.max_staleness
 
-    def on_capacity_error(self, *, step: int, last_published: int, waited_s: float) -> Decision:
+    def on_capacity_error(
+        self, *, step: int, last_published: int, waited_s: float, required: bool = False
+    ) -> Decision:
         """``step``: the step whose weights are being published; ``last_published``: the step
-        of the engines' default; ``waited_s``: time since this step's first publication try.
-        A RETRY says how long to wait for a reclaim before the next try."""
+        of the engines' default; ``waited_s``: time since this step's first publication try;
+        ``required``: a publication that may not be skipped (the first one: nothing to roll out
+        on without it), which waits within the forced bound instead. A RETRY says how long to
+        wait for a reclaim before the next try."""
         if waited_s < self.reclaim_wait_s:
             return Decision(PublishDecision.RETRY, self.reclaim_wait_s - waited_s)
-        if step - last_published <= self.max_publish_lag:
+        if step - last_published <= self.max_publish_lag and not required:
             return Decision(PublishDecision.SKIP)
         if waited_s < self.forced_wait_s:
             return Decision(PublishDecision.RETRY, self.forced_wait_s - waited_s)
         return Decision(PublishDecision.FAIL)
+
+
+def is_capacity_refusal(result: Any) -> bool:
+    """A publication result (``relax_glue.publisher.PublishResult``) refused because every slot
+    is held: the one refusal this policy answers; any other outcome is the caller's."""
+    error = getattr(result, "error", None)
+    return not result.ok and error is not None and error.code is ErrorCode.CAPACITY_ERROR
+
+
+R = TypeVar("R")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackpressureRun(Generic[R]):
+    """How one step's publication went under the policy."""
+
+    result: R  # the last attempt's result
+    attempts: int
+    capacity_refusals: int
+    # SKIP or FAIL: the policy gave up after a capacity refusal; None: the last attempt was
+    # not a capacity refusal (published, or failed otherwise: the result says which)
+    gave_up: PublishDecision | None
+    last_attempt_s: float  # when the last attempt started, from the first one's start
+
+
+async def publish_with_backpressure(
+    attempt: Callable[[], Awaitable[R]],
+    decide: Callable[[float], Decision],
+    wait_for_slot: Callable[[float], Awaitable[None]],
+    clock: Callable[[], float] = time.monotonic,
+) -> BackpressureRun[R]:
+    """Publish one step under the policy: ``attempt`` publishes (and settles what it may leave
+    pending); on a capacity refusal ``decide(waited_s)`` (the policy, bound to the step) says
+    whether to wait for a slot (``wait_for_slot(timeout_s)``: reclaim what nobody holds, then
+    wait at most that long) and try again, skip, or fail. The one loop of every trainer that
+    publishes every step (the TRL integration, the online RL showcase)."""
+    t0 = clock()
+    attempts = refusals = 0
+    while True:
+        attempts += 1
+        started = clock() - t0
+        result = await attempt()
+        if not is_capacity_refusal(result):
+            return BackpressureRun(result, attempts, refusals, None, started)
+        refusals += 1
+        decision = decide(clock() - t0)
+        if decision.action is not PublishDecision.RETRY:
+            return BackpressureRun(result, attempts, refusals, decision.action, started)
+        await wait_for_slot(decision.wait_s)

@@ -69,7 +69,12 @@ from typing import Any, TypeVar
 
 from lora_contract.errors import ErrorCode
 from lora_contract.names import MANAGED_CAPACITY
-from relax_glue.backpressure import PublishDecision, StalenessPolicy
+from relax_glue.backpressure import (
+    Decision,
+    PublishDecision,
+    StalenessPolicy,
+    publish_with_backpressure,
+)
 
 __all__ = [
     "CompletionRecord",
@@ -147,11 +152,6 @@ class PublicationFailed(RuntimeError):
         self.failures = failures
 
 
-def is_capacity_refusal(result: Any) -> bool:
-    error = getattr(result, "error", None)
-    return not result.ok and error is not None and error.code is ErrorCode.CAPACITY_ERROR
-
-
 def outcome_of(
     step: int, vid: str, result: Any, *, attempts: int, capacity_refusals: int, seconds: float
 ) -> PublicationOutcome:
@@ -163,18 +163,6 @@ def outcome_of(
     code = error.code.value if error is not None else str(result.outcome)
     detail = f"{result.outcome}: {error.message}" if error is not None else str(result.outcome)
     return PublicationOutcome.failed(step, vid, code, detail, **common)
-
-
-def capacity_decision(
-    policy: StalenessPolicy, *, step: int, last_published: int, waited_s: float, required: bool
-) -> tuple[PublishDecision, float]:
-    """The showcase's rule on a ``CAPACITY_ERROR``; a ``required`` publication (the first one:
-    nothing to roll out on without it) is never skipped, it waits within the forced bound."""
-    d = policy.on_capacity_error(step=step, last_published=last_published, waited_s=waited_s)
-    if d.action is PublishDecision.SKIP and required:
-        left = policy.forced_wait_s - waited_s
-        return (PublishDecision.RETRY, left) if left > 0 else (PublishDecision.FAIL, 0.0)
-    return d.action, d.wait_s
 
 
 # ================================================================ completions (pure assembly)
@@ -557,53 +545,44 @@ class GRPOVersions:
         self, snapshot: Any, step: int, vid: str, required: bool, t0: float
     ) -> PublicationOutcome:
         assert self.publisher is not None, "only rank 0 publishes"
-        await self.publisher.resolve()  # settle what an earlier attempt left pending (slot held)
+        publisher = self.publisher
+        await publisher.resolve()  # settle what an earlier attempt left pending (slot held)
         await self.reclaim("before publish")
-        attempts = refusals = 0
-        while True:
-            attempts += 1
-            result = await self.publisher.publish(snapshot, vid)
+
+        async def attempt() -> Any:
+            result = await publisher.publish(snapshot, vid)
             if not result.ok and result.holds_slot and result.registry_state is not None:
                 # an unknown or unconfirmed outcome keeps its slot: settle it now, once
-                result = await self.publisher.resolve(snapshot) or result
-            if not is_capacity_refusal(result):
-                return outcome_of(
-                    step,
-                    vid,
-                    result,
-                    attempts=attempts,
-                    capacity_refusals=refusals,
-                    seconds=time.monotonic() - t0,
-                )
-            refusals += 1
-            action, wait_s = capacity_decision(
-                self.config.policy,
-                step=step,
-                last_published=self.last_published,
-                waited_s=time.monotonic() - t0,
-                required=required,
+                result = await publisher.resolve(snapshot) or result
+            return result
+
+        def decide(waited_s: float) -> Decision:
+            return self.config.policy.on_capacity_error(
+                step=step, last_published=self.last_published, waited_s=waited_s, required=required
             )
-            if action is not PublishDecision.RETRY:
-                kind = OutcomeKind.SKIPPED if action is PublishDecision.SKIP else OutcomeKind.FAILED
-                detail = "capacity backpressure: every slot held after the bounded wait"
-                return PublicationOutcome(
-                    step,
-                    vid,
-                    kind,
-                    code=ErrorCode.CAPACITY_ERROR.value,
-                    detail=detail,
-                    attempts=attempts,
-                    capacity_refusals=refusals,
-                    seconds=round(time.monotonic() - t0, 4),
-                )
-            await self._wait_for_slot(wait_s)
+
+        run = await publish_with_backpressure(attempt, decide, self._wait_for_slot)
+        counts = {"attempts": run.attempts, "capacity_refusals": run.capacity_refusals}
+        if run.gave_up is None:
+            return outcome_of(step, vid, run.result, seconds=time.monotonic() - t0, **counts)
+        kind = OutcomeKind.SKIPPED if run.gave_up is PublishDecision.SKIP else OutcomeKind.FAILED
+        return PublicationOutcome(
+            step,
+            vid,
+            kind,
+            code=ErrorCode.CAPACITY_ERROR.value,
+            detail="capacity backpressure: every slot held after the bounded wait",
+            seconds=round(time.monotonic() - t0, 4),
+            **counts,
+        )
 
     async def _wait_for_slot(self, timeout_s: float) -> None:
         """Reclaim what nobody holds, until a slot is free or ``timeout_s`` passed."""
+        assert self.publisher is not None
         deadline = time.monotonic() + max(timeout_s, 0.0)
         while True:
             await self.reclaim("capacity wait")
-            status = await self.publisher.registry.status()  # type: ignore[union-attr]
+            status = await self.publisher.registry.status()
             if status.slots_used < status.capacity or time.monotonic() >= deadline:
                 return
             await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0.0)))

@@ -35,6 +35,7 @@ from examples.online_rl.task import QUESTIONS, Task, build_task
 from examples.online_rl.trainer import Sample, Trainer
 from lora_versions_demo.local_cohort import local_cohort, run_reporting
 from lora_versions_dev.engine_log import await_unload_lines
+from relax_glue.backpressure import Decision, publish_with_backpressure
 from relax_glue.cli import table
 
 EPOCH = "onlinerl"
@@ -96,41 +97,38 @@ class OnlineRL:
 
     async def publish(self, step: int) -> rp.Publication:
         """Publish W_step as version step{step}, following the policy on CAPACITY_ERROR."""
-        from lora_contract.errors import ErrorCode
-
         snapshot = self.trainer.snapshot()  # frozen now: the next update cannot change it
-        t_start, refusals, attempts = self.clock(), [], 0
-        while True:
-            attempts += 1
-            t_attempt = self.clock()
-            res = await self.pub.publish(snapshot, version_id(step))
-            if res.ok:
-                self.versions[res.lora_name] = step
-                self.last_published = step
-                outcome, name, publish_s = rp.PUBLISHED, res.lora_name, res.duration_s
-                break
-            code = res.error.code if res.error is not None else None
-            refusals.append(code.value if code is not None else res.outcome.value)
-            if code is not ErrorCode.CAPACITY_ERROR:
-                outcome, name, publish_s = res.outcome.value, None, None  # not the policy's refusal
-                break
-            decision = self.policy.on_capacity_error(
-                step=step, last_published=self.last_published, waited_s=self.clock() - t_start
+        t_start = self.clock()
+
+        def decide(waited_s: float) -> Decision:
+            return self.policy.on_capacity_error(
+                step=step, last_published=self.last_published, waited_s=waited_s
             )
-            if decision.action is PublishDecision.SKIP:
-                outcome, name, publish_s = rp.SKIPPED, None, None
-                break
-            if decision.action is PublishDecision.FAIL:
-                raise RuntimeError(f"{version_id(step)}: no slot freed within {self.cfg.forced_wait_s}s")
-            await self.wait_for_slot(decision.wait_s)
+
+        run = await publish_with_backpressure(
+            lambda: self.pub.publish(snapshot, version_id(step)), decide, self.wait_for_slot, self.clock
+        )
+        res = run.result
+        refusals = ["CAPACITY_ERROR"] * run.capacity_refusals
+        if run.gave_up is PublishDecision.FAIL:
+            raise RuntimeError(f"{version_id(step)}: no slot freed within {self.cfg.forced_wait_s}s")
+        if run.gave_up is PublishDecision.SKIP:
+            outcome, name, publish_s = rp.SKIPPED, None, None
+        elif res.ok:
+            self.versions[res.lora_name] = step
+            self.last_published = step
+            outcome, name, publish_s = rp.PUBLISHED, res.lora_name, res.duration_s
+        else:  # not the policy's refusal: recorded as it is
+            refusals.append(res.error.code.value if res.error is not None else res.outcome.value)
+            outcome, name, publish_s = res.outcome.value, None, None
         pub = rp.Publication(
             step,
             version_id(step),
             name,
             outcome,
-            attempts,
+            run.attempts,
             refusals,
-            round(t_attempt - t_start, 3),
+            round(run.last_attempt_s, 3),
             step - self.last_published,
             round(t_start, 3),
             round(self.clock(), 3),

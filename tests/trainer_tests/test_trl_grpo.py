@@ -1,5 +1,5 @@
 """The TRL integration's decisions, without engines (relax_glue/trl_grpo.py): the outcome every
-rank agrees on, the capacity rule it follows, the assembly of a multi-turn completion for TRL,
+rank agrees on, the assembly of a multi-turn completion for TRL,
 and, in two real gloo processes, that a publication which never ends on rank 0 becomes the same
 typed failure on both ranks instead of a rank left waiting in a collective."""
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from lora_contract.errors import ErrorCode, LoraVersionError
-from relax_glue.backpressure import PublishDecision, StalenessPolicy
+from relax_glue.backpressure import StalenessPolicy
 from relax_glue.publisher import PublishOutcome, PublishResult
 from relax_glue.registry_types import VersionKey, VersionState
 from relax_glue.trl_grpo import (
@@ -27,9 +27,7 @@ from relax_glue.trl_grpo import (
     Segment,
     VersionsConfig,
     assemble_completion,
-    capacity_decision,
     group_names,
-    is_capacity_refusal,
     outcome_of,
     rollout_output,
     sampling_params,
@@ -62,35 +60,6 @@ def test_a_publish_result_maps_to_published_or_a_typed_failure() -> None:
     assert "FAILED_CLEAN" in failed.detail
     unknown = outcome_of(3, "step3", result(PublishOutcome.OUTCOME_UNKNOWN, state=VersionState.LOADING), **kw)
     assert (unknown.kind, unknown.code) == (OutcomeKind.FAILED, "OUTCOME_UNKNOWN")
-
-
-def test_only_a_capacity_refusal_is_backpressure() -> None:
-    assert is_capacity_refusal(result(PublishOutcome.REFUSED, ErrorCode.CAPACITY_ERROR))
-    assert not is_capacity_refusal(result(PublishOutcome.REFUSED, ErrorCode.CAPACITY_MISMATCH))
-    assert not is_capacity_refusal(result(PublishOutcome.PUBLISHED, state=VersionState.PUBLISHED))
-
-
-@pytest.mark.parametrize(
-    ("waited", "last", "required", "want"),
-    [
-        (0.2, 4, False, PublishDecision.RETRY),  # within the reclaim wait: reclaim, try again
-        (1.5, 4, False, PublishDecision.SKIP),  # engines one step behind: skip is allowed
-        (1.5, 3, False, PublishDecision.RETRY),  # two behind: past the lag, a forced wait
-        (61.0, 3, False, PublishDecision.FAIL),  # the forced wait ran out
-        (1.5, -1, True, PublishDecision.RETRY),  # the first version is never skipped
-        (61.0, -1, True, PublishDecision.FAIL),
-    ],
-)
-def test_the_capacity_rule_is_the_showcases_and_never_skips_the_first_version(
-    waited: float, last: int, required: bool, want: PublishDecision
-) -> None:
-    policy = StalenessPolicy(max_staleness=2, reclaim_wait_s=1.0, forced_wait_s=60.0)
-    step = last + 1 if required else 5
-    action, wait_s = capacity_decision(
-        policy, step=step, last_published=last, waited_s=waited, required=required
-    )
-    assert action is want
-    assert (wait_s > 0) == (want is PublishDecision.RETRY)
 
 
 def versions(max_failures: int, timeout_s: float = 120.0, rank: RankInfo | None = None) -> GRPOVersions:
