@@ -185,6 +185,18 @@ def _on_every_engine(fn: Any, engines: Any) -> None:
         t.join()
 
 
+def cohort_on_version(engines: Any, snap: Snapshot, payloads: list) -> tuple[dict, dict, dict, dict]:
+    """Each engine's url, log and driver, and version A (``snap``) staged READY on every engine:
+    the version the streams are bound to for the whole run (its lora_path per engine)."""
+    urls = {e.name: e.url for e in engines}
+    logs = {e.name: e.log_path for e in engines}
+    drivers = {e.name: Driver(e.url) for e in engines}
+    lora_a = {}
+    for e in engines:
+        _, lora_a[e.name], _ = drivers[e.name].staged(snap, payloads)
+    return urls, logs, drivers, lora_a
+
+
 def publish_loop(
     drivers: dict[str, Driver],
     snap: Snapshot,
@@ -383,13 +395,7 @@ def main() -> int:
     print(f"starting 2 engines ({args.model}; logs in {run_dir}) ...", flush=True)
     out: dict[str, Any] = {}
     with running_engines(specs) as engines:
-        urls = {e.name: e.url for e in engines}
-        logs = {e.name: e.log_path for e in engines}
-        drivers = {e.name: Driver(e.url) for e in engines}
-        # A: the version the streams are bound to, READY on both engines for the whole run
-        lora_a = {}
-        for e in engines:
-            _, lora_a[e.name], _ = drivers[e.name].staged(snap_a, payloads_a)
+        urls, logs, drivers, lora_a = cohort_on_version(engines, snap_a, payloads_a)
         src = source_dir if args.transport == "local" else None
         publish_loop(drivers, snap_b, payloads_b, Window("warmup", _now(), _now() + 0.1), 0.0, src, logs)
         streams = Streams(urls, lora_a, args.streams, max_tokens)
