@@ -39,6 +39,7 @@ OK = {"success": True, "error_message": ""}
 PENDING = {"success": False, "error_message": PENDING_MESSAGE}
 PREPARED = ([OK], [OK])  # the prepare and the first poll
 
+
 async def test_a_partial_load_whose_undo_fails_names_its_leftover():
     tm, sent = tm_answering(
         *PREPARED,

@@ -126,6 +126,7 @@ class FakeUpstream:
             return build
 
         monkeypatch.setattr(upstream, "adapter_builder", adapter_builder)
+
         def reply(ok: bool, msg: str | None = None) -> SimpleNamespace:
             return SimpleNamespace(success=ok, error_message=msg)
 
