@@ -104,13 +104,16 @@ async def publish_with_backpressure(
     decide: Callable[[float], Decision],
     wait_for_slot: Callable[[float], Awaitable[None]],
     clock: Callable[[], float] = time.monotonic,
+    started: float | None = None,
 ) -> BackpressureRun[R]:
     """Publish one step under the policy: ``attempt`` publishes (and settles what it may leave
     pending); on a capacity refusal ``decide(waited_s)`` (the policy, bound to the step) says
     whether to wait for a slot (``wait_for_slot(timeout_s)``: reclaim what nobody holds, then
-    wait at most that long) and try again, skip, or fail. The one loop of every trainer that
-    publishes every step (the TRL integration, the online RL showcase)."""
-    t0 = clock()
+    wait at most that long) and try again, skip, or fail. ``waited_s`` and ``last_attempt_s``
+    count from ``started`` (on ``clock``; default now), so a caller that settled or reclaimed
+    first counts that time as waited too. The one loop of every trainer that publishes every
+    step (the TRL integration, the online RL showcase)."""
+    t0 = clock() if started is None else started
     attempts = refusals = 0
     while True:
         attempts += 1

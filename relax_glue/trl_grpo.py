@@ -561,7 +561,7 @@ class GRPOVersions:
                 step=step, last_published=self.last_published, waited_s=waited_s, required=required
             )
 
-        run = await publish_with_backpressure(attempt, decide, self._wait_for_slot)
+        run = await publish_with_backpressure(attempt, decide, self._wait_for_slot, started=t0)
         counts = {"attempts": run.attempts, "capacity_refusals": run.capacity_refusals}
         if run.gave_up is None:
             return outcome_of(step, vid, run.result, seconds=time.monotonic() - t0, **counts)

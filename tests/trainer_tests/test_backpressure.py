@@ -6,8 +6,9 @@ run it against real engines)."""
 from __future__ import annotations
 
 import pytest
+from _publish_results import result
 
-from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.errors import ErrorCode
 from relax_glue.backpressure import (
     Decision,
     PublishDecision,
@@ -16,13 +17,7 @@ from relax_glue.backpressure import (
     publish_with_backpressure,
 )
 from relax_glue.publisher import PublishOutcome, PublishResult
-from relax_glue.registry_types import VersionKey, VersionState
-
-
-def result(outcome: PublishOutcome, code: ErrorCode | None = None, state: VersionState | None = None):
-    err = LoraVersionError(code, f"{code} happened") if code is not None else None
-    return PublishResult(outcome, VersionKey("e", "step3"), "relax@e-step3-abc", "d", "t", state, error=err)
-
+from relax_glue.registry_types import VersionState
 
 FULL = result(PublishOutcome.REFUSED, ErrorCode.CAPACITY_ERROR)
 PUBLISHED = result(PublishOutcome.PUBLISHED, state=VersionState.PUBLISHED)
@@ -112,3 +107,12 @@ async def test_any_other_failure_is_returned_at_once_never_retried() -> None:
     run = await publish_with_backpressure(s.attempt, decide_for(5, 4), s.wait_for_slot, s.clock)
     assert run.result is BROKEN and run.gave_up is None
     assert (run.attempts, run.capacity_refusals, s.waits) == (1, 0, [])
+
+
+async def test_the_wait_counts_from_the_steps_start_when_given() -> None:
+    """A caller that settled and reclaimed before its first attempt (the TRL integration) counts
+    that time as waited: 1.5 s already gone, the reclaim wait is over and the step is skipped."""
+    s = Script(FULL)
+    s.now = 1.5
+    run = await publish_with_backpressure(s.attempt, decide_for(5, 4), s.wait_for_slot, s.clock, started=0.0)
+    assert run.gave_up is PublishDecision.SKIP and s.waits == [] and run.last_attempt_s == 1.5

@@ -12,11 +12,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from _publish_results import result
 
-from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.errors import ErrorCode
 from relax_glue.backpressure import StalenessPolicy
 from relax_glue.publisher import PublishOutcome, PublishResult
-from relax_glue.registry_types import VersionKey, VersionState
+from relax_glue.registry_types import VersionState
 from relax_glue.trl_grpo import (
     CompletionRecord,
     GRPOVersions,
@@ -33,12 +34,6 @@ from relax_glue.trl_grpo import (
     sampling_params,
     turn_logprobs,
 )
-
-
-def result(outcome: PublishOutcome, code: ErrorCode | None = None, state: VersionState | None = None):
-    err = LoraVersionError(code, f"{code} happened") if code is not None else None
-    return PublishResult(outcome, VersionKey("e", "step3"), "relax@e-step3-abc", "d", "t", state, error=err)
-
 
 # ---------------------------------------------------------------------------------- outcomes
 
