@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import psutil  # noqa: E402
-from decode_gap import Streams, Window, _now, cohort_on_version, publish_loop  # noqa: E402
+from decode_gap import Streams, Window, _now, _pct, cohort_on_version, publish_loop  # noqa: E402
 
 from lora_versions_dev.fixtures import ensure_fixtures  # noqa: E402
 from lora_versions_dev.launcher import EngineSpec, running_engines  # noqa: E402
@@ -62,11 +62,6 @@ def major_faults(procs: dict[str, psutil.Process]) -> dict[str, int]:
         fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
         out[k] = int(fields[9])  # the 12th field; fields[0] is the 3rd (state)
     return out
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(len(xs) * q))] if xs else 0.0
 
 
 def summarise_profile(raw: Path, top: int = 12) -> dict[str, Any]:
@@ -147,8 +142,8 @@ def main() -> None:
                 "major_faults": {k: f1[k] - f0[k] for k in f0},
                 "gaps_ms": {
                     "n": len(gaps),
-                    "p50": round(1e3 * _pct(gaps, 0.5), 2),
-                    "p99": round(1e3 * _pct(gaps, 0.99), 2),
+                    "p50": round(1e3 * (_pct(gaps, 0.5) or 0.0), 2),
+                    "p99": round(1e3 * (_pct(gaps, 0.99) or 0.0), 2),
                     "max": round(1e3 * max(gaps, default=0.0), 2),
                 },
                 "profile": summarise_profile(raw) if raw.exists() else {},
