@@ -94,7 +94,7 @@ def register_all(role: str) -> None:
         # us); the first checks, before the scheduler reports ready, that the second was applied and
         # that the live scheduler has what it reads. The fence's log line at every unload is
         # asserted on every engine by the online run.
-        from sglang_ext import prepared_load
+        from sglang_ext import prepared_load, slot_zeroing
         from sglang_ext.step_fence import complete_the_step_before_unload as fence
         from sglang_ext.step_fence import refuse_a_scheduler_the_fence_cannot_read as check
 
@@ -110,6 +110,14 @@ def register_all(role: str) -> None:
         upstream.register_hook(
             upstream.LORA_MANAGER_UNLOAD, prepared_load.unload_releasing_off_the_loop, "REPLACE"
         )
+        # A freed slot's clear zeroes the ranks written into it, not the pool's max rank.
+        upstream.register_hook(
+            upstream.POOL_INIT_BUFFERS, slot_zeroing.track_slots_from_a_zeroed_pool, "AFTER"
+        )
+        upstream.register_hook(
+            upstream.POOL_LOAD_TO_BUFFER, slot_zeroing.record_the_rank_about_to_be_written, "BEFORE"
+        )
+        upstream.register_hook(upstream.POOL_CLEAR_SLOT, slot_zeroing.zero_only_what_was_written, "AROUND")
         return
     if role != "main":
         return

@@ -71,12 +71,23 @@ SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
 # unload's releases the unloaded adapter's memory off it (sglang_ext.prepared_load).
 LORA_MANAGER_LOAD = "sglang.srt.lora.lora_manager.LoRAManager.load_lora_adapter"
 LORA_MANAGER_UNLOAD = "sglang.srt.lora.lora_manager.LoRAManager.unload_lora_adapter"
+# LoRAMemoryPool (sglang.srt.lora.mem_pool, 0.5.23): its buffers start as torch.zeros in
+# init_buffers; load_lora_weight_to_buffer is the one writer of an adapter into a slot;
+# _clear_buffer_slot_for_base zeroes a whole slot (remove_lora at every unload, and the base
+# model's placement). Hooked so a clear zeroes only the ranks written (sglang_ext.slot_zeroing).
+_POOL = "sglang.srt.lora.mem_pool.LoRAMemoryPool"
+POOL_INIT_BUFFERS = f"{_POOL}.init_buffers"
+POOL_LOAD_TO_BUFFER = f"{_POOL}.load_lora_weight_to_buffer"
+POOL_CLEAR_SLOT = f"{_POOL}._clear_buffer_slot_for_base"
 SCHEDULER_PROCESS_TARGETS = (
     SCHEDULER_INIT,
     SCHEDULER_UNLOAD_ADAPTER,
     SCHEDULER_LOAD_ADAPTER,
     LORA_MANAGER_LOAD,
     LORA_MANAGER_UNLOAD,
+    POOL_INIT_BUFFERS,
+    POOL_LOAD_TO_BUFFER,
+    POOL_CLEAR_SLOT,
 )
 
 MAIN_PROCESS_TARGETS = (
@@ -336,7 +347,8 @@ REQ_ATTRIBUTES = ("lora_id",)
 
 class SchedulerUnreadable(Exception):
     """The live scheduler, a step it launched, or the unload request lacks an attribute the step
-    fence reads: the fence refuses the unload rather than guess."""
+    fence reads: the fence refuses the unload rather than guess. (Also: a pool write's target
+    cannot be read, and the slot zeroing falls back to upstream's whole-slot clear.)"""
 
     def __init__(self, attribute: str) -> None:
         super().__init__(f"{attribute} is missing")
@@ -688,6 +700,52 @@ def install_prepared(manager: Any, lora_ref: Any, prepared: PreparedAdapter) -> 
         manager.lora_refs.pop(lora_id, None)
         return manager.create_lora_update_result(success=False, error_message=str(e))
     return manager.create_lora_update_result(success=True)
+
+
+# LoRAMemoryPool's buffers (0.5.23, set in __init__ / init_buffers), as the slot zeroing groups
+# them by where a slot's ranks lie: rank-major ("A": [slots, max_rank * c, in]) or rank-minor ("B":
+# [slots, out, max_rank]); A_buffer / B_buffer hold one tensor per layer per module, the embedding
+# and lm_head ones one per module (empty unless those are targeted). new_embeddings_buffer holds
+# added-token rows, written by count of added tokens, not by rank.
+POOL_RANK_MAJOR = ("embedding_A_buffer", "lm_head_A_buffer")
+POOL_RANK_MINOR = ("embedding_B_buffer", "lm_head_B_buffer")
+
+
+def pool_slot_count(pool: Any) -> int | None:
+    slots = getattr(pool, "max_loras_per_batch", None)
+    return slots if isinstance(slots, int) and slots > 0 else None
+
+
+def pool_rank_buffers(pool: Any) -> tuple[list[Any], list[Any], int] | None:
+    """A pool's rank-major and rank-minor buffers and its max rank, when those are all it has
+    (None with added-token buffers, or when an attribute is missing)."""
+    try:
+        if pool.new_embeddings_buffer:
+            return None
+        major = [t for tensors in pool.A_buffer.values() for t in tensors]
+        minor = [t for tensors in pool.B_buffer.values() for t in tensors]
+        major += [t for name in POOL_RANK_MAJOR for t in getattr(pool, name).values()]
+        minor += [t for name in POOL_RANK_MINOR for t in getattr(pool, name).values()]
+        return major, minor, pool.max_lora_rank
+    except AttributeError:
+        return None
+
+
+def load_to_buffer_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(uid, buffer_id, the adapter's rank) of a LoRAMemoryPool.load_lora_weight_to_buffer call
+    (0.5.23: ``(self, uid, buffer_id, lora_adapter, lora_modules, ...)``; the rank it writes is
+    ``lora_adapter.config.r``; uid None is the base model, with no adapter)."""
+    names = ("uid", "buffer_id", "lora_adapter")
+    values = list(args[:3]) + [kwargs[n] for n in names[len(args[:3]) :] if n in kwargs]
+    if len(values) != 3:
+        raise SchedulerUnreadable("load_lora_weight_to_buffer(uid, buffer_id, lora_adapter)")
+    uid, slot, adapter = values
+    if uid is None:
+        return None, slot, 0
+    try:
+        return uid, slot, adapter.config.r
+    except AttributeError as exc:
+        raise SchedulerUnreadable("lora_adapter.config.r") from exc
 
 
 def loaded_adapter(manager: Any, lora_ref: Any) -> Any | None:
