@@ -36,7 +36,8 @@ a GPU, replay a captured base-model graph that reads it), so it must be zero bef
 on a GPU the zeroing is kernels queued on the step's own stream, ordered with the steps, which
 another thread could only keep by its own stream and events, and a worker zeroing it while steps
 run would need a "being zeroed" slot state that upstream's pool (its eviction policy and
-``buffer_id_to_uid``) does not have.
+``buffer_id_to_uid``) does not have. What it zeroes is only the ranks written into the slot since
+its last clear (:mod:`sglang_ext.slot_zeroing`), not the pool's max rank.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from sglang_ext import lora_registry_patch as upstream
 from sglang_ext import slot_zeroing
 from sglang_ext.slot_zeroing import WrittenRanks, rank_major_rows
 
@@ -328,19 +327,3 @@ def test_rank_major_rows_follow_each_modules_stacking_and_refuse_other_layouts()
     assert rank_major_rows([(3, 20, 8)], [], 8, 2) is None  # not a multiple of the max rank
     assert rank_major_rows([(3, 8, 8)], [(3, 8, 4)], 8, 2) is None  # B not max-rank wide
     assert rank_major_rows([(3, 8, 8)], [], 8, 9) is None  # more than the pool holds
-
-
-def test_the_scheduler_process_registers_the_three_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_ext import hooks
-
-    registered: list[tuple[str, Any, str]] = []
-    monkeypatch.setattr(upstream, "register_hook", lambda t, h, k: registered.append((t, h, k)))
-    hooks.register_all("scheduler")
-    expected = [
-        (upstream.POOL_INIT_BUFFERS, slot_zeroing.track_slots_from_a_zeroed_pool, "AFTER"),
-        (upstream.POOL_LOAD_TO_BUFFER, slot_zeroing.record_the_rank_about_to_be_written, "BEFORE"),
-        (upstream.POOL_CLEAR_SLOT, slot_zeroing.zero_only_what_was_written, "AROUND"),
-    ]
-    assert all(e in registered for e in expected)
-    # an unapplied one refuses the scheduler's start (step_fence.scheduler_start_problems)
-    assert {t for t, _, _ in expected} <= set(upstream.SCHEDULER_PROCESS_TARGETS)

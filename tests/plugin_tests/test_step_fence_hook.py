@@ -179,7 +179,7 @@ def test_a_fence_hook_that_was_not_applied_refuses_to_start(monkeypatch) -> None
 
 
 def test_the_scheduler_process_registers_the_start_check_and_the_fence(monkeypatch) -> None:
-    from sglang_ext import hooks, prepared_load, step_fence
+    from sglang_ext import hooks, prepared_load, slot_zeroing, step_fence
     from sglang_ext import lora_registry_patch as upstream
 
     registered: list[tuple[str, Any, str]] = []
@@ -191,5 +191,8 @@ def test_the_scheduler_process_registers_the_start_check_and_the_fence(monkeypat
         (upstream.SCHEDULER_LOAD_ADAPTER, prepared_load.prepare_then_install, "AROUND"),
         (upstream.LORA_MANAGER_LOAD, prepared_load.load_installing_what_was_prepared, "REPLACE"),
         (upstream.LORA_MANAGER_UNLOAD, prepared_load.unload_releasing_off_the_loop, "REPLACE"),
+        (upstream.POOL_INIT_BUFFERS, slot_zeroing.track_slots_from_a_zeroed_pool, "AFTER"),
+        (upstream.POOL_LOAD_TO_BUFFER, slot_zeroing.record_the_rank_about_to_be_written, "BEFORE"),
+        (upstream.POOL_CLEAR_SLOT, slot_zeroing.zero_only_what_was_written, "AROUND"),
     ]
     assert tuple(t for t, _, _ in registered) == upstream.SCHEDULER_PROCESS_TARGETS
