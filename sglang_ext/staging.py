@@ -91,15 +91,14 @@ class StagedPart:
     def copy_from(self, src_fd: int, start: int, end: int, what: str = "source file") -> None:
         """Copy bytes ``start..end`` of ``src_fd`` (``what``, in errors) to the same offsets of
         this part, in the kernel (``copy_file_range``: no pass through this process's memory).
-        A source that ends early or cannot be read is INCOMPLETE_BODY."""
+        A source that ends early or cannot be read is INCOMPLETE_BODY; this part's own write
+        errors are :meth:`write`'s."""
         pos = start
         while pos < end:
             try:
                 got = self._io(_copy_range, src_fd, pos, min(end - pos, COPY_STRIDE_BYTES))
-            except OSError as exc:
-                raise LoraVersionError(
-                    ErrorCode.INCOMPLETE_BODY, f"{what} unreadable: {exc.strerror}"
-                ) from None
+            except SourceUnreadable as exc:
+                raise LoraVersionError(ErrorCode.INCOMPLETE_BODY, f"{what} unreadable: {exc}") from None
             if got <= 0:
                 raise LoraVersionError(
                     ErrorCode.INCOMPLETE_BODY,
@@ -134,15 +133,25 @@ class StagedPart:
                 m.close()
 
 
+class SourceUnreadable(Exception):
+    """The source side of a copy failed (its read), as opposed to the part's write."""
+
+
 def _copy_range(dst_fd: int, src_fd: int, pos: int, count: int) -> int:
     """``count`` bytes at ``pos`` of ``src_fd`` into ``dst_fd`` at the same offset: in the kernel
-    where it can, else a read and a write (a kernel or filesystem without copy_file_range)."""
+    where it can, else a read and a write. A full destination fails as it is (the part's
+    refusal); any other failure of the kernel copy (none on a kernel or filesystem without it:
+    EXDEV, ENOSYS, ...; an EIO, which does not say whose) is retried as a read and a write,
+    whose errors say which side failed: the read's is :class:`SourceUnreadable`."""
     try:
         return os.copy_file_range(src_fd, dst_fd, count, pos, pos)
     except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise
-    data = os.pread(src_fd, count, pos)
+    try:
+        data = os.pread(src_fd, count, pos)
+    except OSError as exc:
+        raise SourceUnreadable(exc.strerror or str(exc)) from None
     done = 0
     while done < len(data):
         done += os.pwrite(dst_fd, memoryview(data)[done:], pos + done)

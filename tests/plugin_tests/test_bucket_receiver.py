@@ -648,3 +648,44 @@ async def test_a_local_source_that_fills_the_filesystem_is_a_typed_refusal(
     with pytest.raises(LoraVersionError) as info:
         await fill_from(area, manifest, spec, src / "b0.safetensors", p.bucket_checksum(payload))
     assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE and no_parts(area)
+
+
+async def test_a_kernel_copy_failure_that_does_not_say_whose_is_retried_as_a_read_and_a_write(
+    area, tmp_path, monkeypatch
+) -> None:
+    """copy_file_range's EIO may be the source's or the part's: the stride is copied again by a
+    read and a write (here both succeed), and the bucket is accepted byte for byte."""
+    manifest, spec, payload = setup(adapter(hidden=2048))  # several copy strides
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "b0.safetensors").write_bytes(payload)
+    monkeypatch.setattr(staging.os, "copy_file_range", failing_nth(os.copy_file_range, 2, errno.EIO))
+    r = await fill_from(area, manifest, spec, src / "b0.safetensors", p.bucket_checksum(payload))
+    area.commit_part(KEY, r.part, 0)
+    [f] = area.bucket_files(KEY)
+    assert f.read_bytes() == payload
+
+
+@pytest.mark.parametrize("side", ["source", "part"])
+async def test_a_failed_copy_names_the_side_that_failed(area, tmp_path, monkeypatch, side: str) -> None:
+    """The source's read failing is the sender's INCOMPLETE_BODY; the part's own write failing is
+    the engine's, as a bucket body's write fails (the bucket fails, never a sender's fault)."""
+    manifest, spec, payload = setup(adapter(hidden=2048))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "b0.safetensors").write_bytes(payload)
+    before = open_fds()
+    eio = OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(staging.os, "copy_file_range", lambda *a: (_ for _ in ()).throw(eio))
+    # the receiver's own two reads of the header are the first preads; the copy's come after
+    call, nth = ("pread", 4) if side == "source" else ("pwrite", 2)
+    monkeypatch.setattr(staging.os, call, failing_nth(getattr(os, call), nth, errno.EIO))
+    with pytest.raises(Exception) as info:
+        await fill_from(area, manifest, spec, src / "b0.safetensors", p.bucket_checksum(payload))
+    if side == "source":
+        assert isinstance(info.value, LoraVersionError)
+        assert info.value.code is ErrorCode.INCOMPLETE_BODY and "source file unreadable" in info.value.message
+    else:
+        assert not isinstance(info.value, LoraVersionError), "not the sender's fault"
+        assert isinstance(info.value, OSError) and info.value.errno == errno.EIO
+    assert no_parts(area) and open_fds() == before
