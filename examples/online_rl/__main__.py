@@ -1,4 +1,5 @@
-"""``python -m examples.online_rl [--steps N] [--workers N] [--seed S] [--out DIR] [--json]``"""
+"""``python -m examples.online_rl [--steps N] [--until-reward R] [--workers N] [--seed S] [--out DIR]
+[--json]`` (every option: ``--help``)"""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ def main(argv: list[str] | None = None) -> int:
         "gradient publishes a new immutable version every step while multi-turn agent rollouts go on.",
     )
     ap.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    ap.add_argument(
+        "--until-reward",
+        type=float,
+        default=d.until_reward,
+        help="stop early once the last 3 updates' mean batch reward reaches this (default: run every step)",
+    )
     ap.add_argument("--workers", type=int, default=d.workers, help=f"rollout workers (default {d.workers})")
     ap.add_argument("--seed", type=int, default=d.seed, help="LoRA init and tool latencies (default 0)")
     ap.add_argument(
@@ -47,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dataclasses.replace(
         d,
         steps=args.steps,
+        until_reward=args.until_reward,
         workers=args.workers,
         seed=args.seed,
         engines=args.engines,

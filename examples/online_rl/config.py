@@ -8,6 +8,9 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     steps: int = 30  # optimizer steps; one publication attempt after each
+    # Stop before ``steps`` once the mean batch reward of the last report.REWARD_WINDOW updates
+    # reaches this (a target-reward stop, as RL runs have); None: every step runs.
+    until_reward: float | None = None
     workers: int = 4  # concurrent rollout workers, one episode (one session) at a time each
     seed: int = 0  # LoRA init and the tool's latencies (engine sampling is not seeded)
     engines: int = 2
@@ -46,6 +49,8 @@ class RunConfig:
             raise ValueError("the engines serve LoRA ranks up to 8 (--max-lora-rank 8)")
         if not 2 <= self.capacity <= 4:
             raise ValueError("capacity must be 2..4 (the CPU engines hold 4 managed versions)")
+        if self.until_reward is not None and not 0.0 < self.until_reward <= 1.0:
+            raise ValueError("until_reward is a mean reward in (0, 1]")
         if self.correction not in ("tis", "none") or self.tis_cap < 1.0:
             raise ValueError("correction is 'tis' (tis_cap >= 1) or 'none'")
         if self.max_staleness < 1:

@@ -215,7 +215,18 @@ def reward_by_version(episodes: Sequence[Episode]) -> dict[int, dict[str, float]
     return {v: {"mean": round(statistics.fmean(rs), 4), "episodes": len(rs)} for v, rs in sorted(by.items())}
 
 
-def summarize(rec: RunRecord, window: int = 3) -> dict[str, Any]:
+REWARD_WINDOW = 3  # reward_first / reward_last, and the target-reward stop, average this many updates
+
+
+def target_reached(batch_rewards: list[float], target: float | None) -> bool:
+    """Whether the last REWARD_WINDOW updates' mean batch reward (``reward_last``) reaches
+    ``target`` (None: never)."""
+    if target is None or len(batch_rewards) < REWARD_WINDOW:
+        return False
+    return statistics.fmean(batch_rewards[-REWARD_WINDOW:]) >= target
+
+
+def summarize(rec: RunRecord, window: int = REWARD_WINDOW) -> dict[str, Any]:
     """The headline figures. ``reward_base``: mean reward of the episodes the base model (W_0,
     the zero LoRA) generated; ``reward_first`` / ``reward_last``: mean batch reward of the first /
     last ``window`` updates."""

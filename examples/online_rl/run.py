@@ -244,6 +244,8 @@ class OnlineRL:
             print(rp.step_header(), flush=True)
             for t in range(1, self.cfg.steps + 1):
                 await self.one_update(t)
+                if rp.target_reached([s.stats.reward_mean for s in self.steps], self.cfg.until_reward):
+                    break
         finally:
             # The workers finish their episodes (each closes its session); what is still queued
             # was never trained on.
@@ -352,7 +354,9 @@ def run_online_rl(cfg: RunConfig, out_dir: Path, *, as_json: bool = False) -> in
 def _main(cfg: RunConfig, out_dir: Path) -> int:
     with local_cohort(out_dir, cfg.engines, "online-rl") as lc:
         print(
-            f"[online-rl] {cfg.steps} updates, {cfg.workers} workers, batch {cfg.group_size} x "
+            f"[online-rl] {cfg.steps} updates"
+            + (f" at most (until the reward reaches {cfg.until_reward})" if cfg.until_reward else "")
+            + f", {cfg.workers} workers, batch {cfg.group_size} x "
             f"{len(QUESTIONS)} prompts, max staleness {cfg.max_staleness}, seed {cfg.seed}"
         )
         record = asyncio.run(_run(cfg, lc.engines, lc.gateway_url, lc.admin_key, lc.fixtures.model_dir))

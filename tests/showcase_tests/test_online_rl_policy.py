@@ -213,3 +213,12 @@ def test_the_run_config_keeps_capacity_and_correction_in_range() -> None:
     for bad in ({"capacity": 1}, {"capacity": 5}, {"correction": "ppo"}, {"tis_cap": 0.5}):
         with pytest.raises(ValueError):
             RunConfig(**bad)
+
+
+def test_the_target_reward_stop_reads_the_same_window_as_reward_last() -> None:
+    assert not rp.target_reached([0.9, 0.9], 0.5)  # fewer updates than the window
+    assert not rp.target_reached([0.04, 0.05, 0.9, 0.3, 0.2], 0.5)  # last three: 0.47
+    assert rp.target_reached([0.04, 0.9, 0.3, 0.3], 0.5)  # last three: 0.5
+    assert not rp.target_reached([1.0] * 5, None)  # no target: every step runs
+    with pytest.raises(ValueError):
+        RunConfig(until_reward=1.5)
