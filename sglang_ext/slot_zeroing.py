@@ -6,7 +6,7 @@ SGLang 0.5.23 makes a slot all zero before the next step may use it
 buffer's whole row for the slot, sized by the pool's ``--max-lora-rank``, whatever the rank of
 what was there: an engine whose pool holds rank 818 (to serve one large adapter) zeroes 818 ranks
 for a rank-4 adapter, on the scheduler thread, between two steps (91-99% of an unload's samples,
-docs/benchmarks.md "Where the scheduler spends an unload").
+docs/benchmarks.md, "Where the scheduler spends a load, a probe and an unload").
 
 Why zeroing less leaves the same bytes:
 
