@@ -45,6 +45,7 @@ import argparse
 import atexit
 import itertools
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -97,10 +98,25 @@ class Streams:
     requests: int = 0
     aborted: int = 0
     errors: list[str] = field(default_factory=list)
+    # Run the client threads in a process of their own (the arrivals come back at stop), as the
+    # sessions of a real deployment are other programs: in this process a chunk's arrival time is
+    # taken only when its thread gets the GIL, which the publisher's threads hold meanwhile (its
+    # HTTP requests, the engine-log reads after each publication).
+    own_process: bool = False
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
+    _process: Any = None
+    _conn: Any = None
 
     def start(self) -> None:
+        if self.own_process:
+            ctx = multiprocessing.get_context("spawn")
+            self._conn, child = ctx.Pipe()
+            args = (self.urls, self.lora, self.per_engine, self.max_tokens, child)
+            self._process = ctx.Process(target=_streams_process, args=args, daemon=True)
+            self._process.start()
+            assert self._conn.recv() == "started"
+            return
         for engine in self.urls:
             for _ in range(self.per_engine):
                 t = threading.Thread(target=self._run, args=(engine,), daemon=True)
@@ -108,6 +124,12 @@ class Streams:
                 self._threads.append(t)
 
     def stop(self) -> None:
+        if self._process is not None:
+            self._conn.send("stop")
+            self.arrivals, self.requests, self.aborted, self.errors = self._conn.recv()
+            self._process.join(timeout=60)
+            self._process = None
+            return
         self._stop.set()
         for t in self._threads:
             t.join(timeout=60)
@@ -156,6 +178,20 @@ class Streams:
                 if lo <= b < hi and any(a < w_hi and b > w_lo for w_lo, w_hi in windows):
                     out.append(b - a)
         return out
+
+
+def _streams_process(
+    urls: dict[str, str], lora: dict[str, str], per_engine: int, max_tokens: int, conn: Any
+) -> None:
+    """A Streams' client threads in a process of their own (Streams.own_process)."""
+    streams = Streams(urls, lora, per_engine, max_tokens)
+    streams.start()
+    conn.send("started")
+    conn.recv()
+    streams.stop()
+    conn.send(
+        ([(e, list(ts)) for e, ts in streams.arrivals], streams.requests, streams.aborted, streams.errors)
+    )
 
 
 # ------------------------------------------------------------------------------------ windows
@@ -365,6 +401,11 @@ def main() -> int:
     p.add_argument(
         "--margin-s", type=float, default=1.0, help="publication stops this long before its window ends"
     )
+    p.add_argument(
+        "--clients-in-process",
+        action="store_true",
+        help="run the streams' client threads in this process, beside the publisher (before 2026-12-03)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     t_start = time.monotonic()
@@ -398,7 +439,7 @@ def main() -> int:
         urls, logs, drivers, lora_a = cohort_on_version(engines, snap_a, payloads_a)
         src = source_dir if args.transport == "local" else None
         publish_loop(drivers, snap_b, payloads_b, Window("warmup", _now(), _now() + 0.1), 0.0, src, logs)
-        streams = Streams(urls, lora_a, args.streams, max_tokens)
+        streams = Streams(urls, lora_a, args.streams, max_tokens, own_process=not args.clients_in_process)
         streams.start()
         time.sleep(3.0)  # streams past their prefill
         print(f"versioned: {args.pairs} pairs of {args.window_s:.0f} s windows ...", flush=True)
@@ -426,7 +467,13 @@ def main() -> int:
                 f"{e.url}/load_lora_adapter", json={"lora_name": FIXED_NAME, "lora_path": str(adapter_a)}
             )
             r.raise_for_status()
-        fixed = Streams(urls, {e: FIXED_NAME for e in urls}, args.streams, max_tokens)
+        fixed = Streams(
+            urls,
+            {e: FIXED_NAME for e in urls},
+            args.streams,
+            max_tokens,
+            own_process=not args.clients_in_process,
+        )
         fixed.start()
         time.sleep(3.0)
         print(f"pause + flush + overwrite: {args.pairs} pairs ...", flush=True)
