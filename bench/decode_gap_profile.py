@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import psutil  # noqa: E402
+from _profiling import engine_processes, raw_stacks  # noqa: E402
 from decode_gap import Streams, Window, _now, _pct, cohort_on_version, publish_loop  # noqa: E402
 
 from lora_versions_dev.fixtures import ensure_fixtures  # noqa: E402
@@ -39,16 +40,6 @@ from lora_versions_dev.launcher import EngineSpec, running_engines  # noqa: E402
 from relax_glue.snapshot import Snapshot  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "decode_gap_profile.json"
-
-
-def engine_processes(name: str, pid: int) -> dict[str, psutil.Process]:
-    out = {f"{name} main": psutil.Process(pid)}
-    for child in psutil.Process(pid).children(recursive=True):
-        cmd = " ".join(child.cmdline())
-        for role in ("scheduler", "detokenizer"):
-            if role in cmd:
-                out[f"{name} {role}"] = child
-    return out
 
 
 def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
@@ -68,15 +59,11 @@ def summarise_profile(raw: Path, top: int = 12) -> dict[str, Any]:
     """Samples per thread, and each thread's innermost frames (file:line) by share."""
     threads: collections.Counter[str] = collections.Counter()
     leaves: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = stack.split(";")
+    for frames, count in raw_stacks(raw):
         thread = re.sub(r"^thread \(\d+\): ?", "", frames[0]) or "unnamed"
-        threads[thread] += int(count)
+        threads[thread] += count
         leaf = re.sub(r" \(/.*?([^/]+\.py):(\d+)\)", r" (\1:\2)", frames[-1])
-        leaves[thread][leaf] += int(count)
+        leaves[thread][leaf] += count
     return {
         t: {
             "samples": n,

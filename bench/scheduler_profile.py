@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _bench_fixtures import ensure_bench_fixtures, ensure_sized_adapters, rank_for_mib  # noqa: E402
+from _profiling import engine_processes, raw_stacks  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "scheduler_profile.json"
 ADMIN_KEY = "scheduler-profile"
@@ -72,15 +73,10 @@ OWNERS = (
 
 def scheduler_pid(engine_pid: int) -> int:
     """The engine's scheduler process (SGLang titles it ``sglang::scheduler``)."""
-    import psutil
-
-    for child in psutil.Process(engine_pid).children(recursive=True):
-        try:
-            if "scheduler" in " ".join(child.cmdline()):
-                return child.pid
-        except psutil.Error:
-            continue
-    raise RuntimeError(f"no scheduler process under pid {engine_pid}")
+    process = engine_processes("engine", engine_pid).get("engine scheduler")
+    if process is None:
+        raise RuntimeError(f"no scheduler process under pid {engine_pid}")
+    return process.pid
 
 
 def count_lines(log: Path, needle: str) -> int:
@@ -106,11 +102,7 @@ def summarise(raw: Path) -> dict[str, Any]:
     leaves: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     owners: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     total = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        n, frames = int(count), stack.split(";")
+    for frames, n in raw_stacks(raw):
         total += n
         window = next((w for w, needles in WINDOWS if any(n in f for n in needles for f in frames)), "idle")
         windows[window] += n
