@@ -56,15 +56,16 @@ class WrittenRanks:
     def all_zero(cls, slots: int) -> WrittenRanks:
         return cls([0] * slots)
 
+    def holds(self, slot: Any) -> bool:
+        return isinstance(slot, int) and 0 <= slot < len(self.ranks)
+
     def extent(self, slot: Any) -> int | None:
-        if not isinstance(slot, int) or not 0 <= slot < len(self.ranks):
-            return None
-        return self.ranks[slot]
+        return self.ranks[slot] if self.holds(slot) else None
 
     def will_write(self, slot: Any, rank: Any) -> None:
         """Before a write of rank ``rank`` into ``slot``: the extent grows to cover it; a rank or a
         slot that cannot be read makes the slot's extent unknown (or every slot's)."""
-        if not isinstance(slot, int) or not 0 <= slot < len(self.ranks):
+        if not self.holds(slot):
             self.ranks = [None] * len(self.ranks)
             return
         known = self.ranks[slot]
@@ -75,7 +76,7 @@ class WrittenRanks:
 
     def cleared(self, slot: Any) -> None:
         """After the whole slot was made zero (by either clear)."""
-        if isinstance(slot, int) and 0 <= slot < len(self.ranks):
+        if self.holds(slot):
             self.ranks[slot] = 0
 
 
