@@ -117,12 +117,12 @@ async def publish_with_backpressure(
     attempts = refusals = 0
     while True:
         attempts += 1
-        started = clock() - t0
+        attempt_s = clock() - t0
         result = await attempt()
         if not is_capacity_refusal(result):
-            return BackpressureRun(result, attempts, refusals, None, started)
+            return BackpressureRun(result, attempts, refusals, None, attempt_s)
         refusals += 1
         decision = decide(clock() - t0)
         if decision.action is not PublishDecision.RETRY:
-            return BackpressureRun(result, attempts, refusals, decision.action, started)
+            return BackpressureRun(result, attempts, refusals, decision.action, attempt_s)
         await wait_for_slot(decision.wait_s)

@@ -33,6 +33,7 @@ from examples.online_rl.policy import PublishDecision, StalenessPolicy
 from examples.online_rl.rollout import Episode, RolloutPool
 from examples.online_rl.task import QUESTIONS, Task, build_task
 from examples.online_rl.trainer import Sample, Trainer
+from lora_contract.errors import ErrorCode
 from lora_versions_demo.local_cohort import local_cohort, run_reporting
 from lora_versions_dev.engine_log import await_unload_lines
 from relax_glue.backpressure import Decision, publish_with_backpressure
@@ -109,7 +110,7 @@ class OnlineRL:
             lambda: self.pub.publish(snapshot, version_id(step)), decide, self.wait_for_slot, self.clock
         )
         res = run.result
-        refusals = ["CAPACITY_ERROR"] * run.capacity_refusals
+        refusals = [ErrorCode.CAPACITY_ERROR.value] * run.capacity_refusals
         if run.gave_up is PublishDecision.FAIL:
             raise RuntimeError(f"{version_id(step)}: no slot freed within {self.cfg.forced_wait_s}s")
         if run.gave_up is PublishDecision.SKIP:
