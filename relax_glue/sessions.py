@@ -607,7 +607,17 @@ class SessionManager:
             self._epoch = (await self.registry.connect()).epoch
         key = SessionKey(self._epoch, f"{name}.{uuid.uuid4().hex}")
         lease_id = await self._lease()
-        await self.registry.open_session(session_key=key, lease_id=lease_id)
+        try:
+            await self.registry.open_session(session_key=key, lease_id=lease_id)
+        except LoraVersionError as err:
+            if err.code is not ErrorCode.SESSION_EXPIRED or lease_id is None:
+                raise
+            # The lease ran out before this worker heard of it (its heartbeat stalled past the
+            # TTL). The key is new, so the refusal can only be the lease's and changed nothing:
+            # the old sessions are expired, and this one opens on a new lease.
+            self._lease_ended(lease_id)
+            lease_id = await self._lease()
+            await self.registry.open_session(session_key=key, lease_id=lease_id)
         session = Session(self, key, name, group)
         session.lease_id = lease_id
         self._sessions[key] = session
@@ -653,16 +663,22 @@ class SessionManager:
         except LoraVersionError as err:
             if err.code is not ErrorCode.SESSION_EXPIRED:
                 raise
-            for s in self._sessions.values():
-                if s.lease_id == lease_id and s.phase is SessionPhase.OPEN:
-                    s.phase = SessionPhase.EXPIRED
-            if self.lease_id == lease_id:
-                self.lease_id = None
+            self._lease_ended(lease_id)
             return
         except RegistryUnavailable:
             return
         self._lease_sent_at = max(self._lease_sent_at, sent)
         self.renewals += 1
+
+    def _lease_ended(self, lease_id: str) -> None:
+        """The registry ended ``lease_id`` and closed every session on it: they are marked
+        EXPIRED here (refused from now on, never rebound) and the next open takes a new lease.
+        A late answer about an earlier lease leaves the worker's current lease alone."""
+        for s in self._sessions.values():
+            if s.lease_id == lease_id and s.phase is SessionPhase.OPEN:
+                s.phase = SessionPhase.EXPIRED
+        if self.lease_id == lease_id:
+            self.lease_id = None
 
     async def _heartbeat_forever(self) -> None:
         while self.lease_id is not None:

@@ -1,0 +1,172 @@
+"""A rollout worker that outlives its own lease (docs/fault-semantics.md, "Leases"): its heartbeat
+stalls past the TTL while the worker lives, the registry's reaper ends the lease and closes its
+sessions. The rule: its old sessions are refused with SESSION_EXPIRED and never rebind; its NEXT
+session opens on a NEW lease, and that lease is kept alive by the worker's heartbeat.
+
+The REAL session layer (``SessionManager``) over the REAL in-process registry client and registry,
+fake engines (pure logic). The fault is injected into the real client's transport: the worker's
+keep-alive calls hang (a stalled heartbeat: the call never comes back) until the test heals them;
+every other call passes through untouched."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from _fake_engine import Cluster, make_cluster, make_snapshot
+from _rg_helpers import new_registry, vk
+
+from lora_contract.errors import ErrorCode, LoraVersionError
+from relax_glue.actor import AsyncRegistryClient
+from relax_glue.publisher import Publisher
+from relax_glue.registry_types import SessionState
+from relax_glue.sessions import SessionManager, SessionPhase
+
+TTL_S = 0.3
+HEARTBEAT_S = 0.05
+REAPER_S = 0.02
+TURN = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+
+
+class StalledKeepAlives:
+    """The real client's transport, wrapped: while stalled, every ``keep_alive`` hangs until
+    :meth:`heal`, then goes out as it was (late); every other call passes through."""
+
+    def __init__(self, client: AsyncRegistryClient) -> None:
+        self._real = client._acall
+        self._healed = asyncio.Event()
+        self._healed.set()
+        self.hung = 0
+        client._acall = self._call
+
+    def stall(self) -> None:
+        self._healed.clear()
+
+    def heal(self) -> None:
+        self._healed.set()
+
+    async def _call(self, op: str, kwargs: dict[str, Any]) -> Any:
+        if op == "keep_alive" and not self._healed.is_set():
+            self.hung += 1
+            await self._healed.wait()
+        return await self._real(op, kwargs)
+
+
+class World:
+    def __init__(self) -> None:
+        self.reg = new_registry()
+        self.cluster: Cluster = make_cluster()
+        self.client = AsyncRegistryClient.in_process(self.reg, retries=0, lease_reaper_s=REAPER_S)
+        self.faults = StalledKeepAlives(self.client)
+        self.mgr = SessionManager(
+            self.client, self.cluster.clients, lease_ttl_s=TTL_S, heartbeat_s=HEARTBEAT_S
+        )
+
+    def sent(self) -> int:
+        return sum(len(f.generations) for f in self.cluster.fakes.values())
+
+    async def until(self, what: str, done: Any, limit_s: float = 3.0) -> None:
+        t0 = time.monotonic()
+        while not done():
+            assert time.monotonic() - t0 < limit_s, f"never: {what}"
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture()
+async def world() -> AsyncIterator[World]:
+    w = World()
+    pub = Publisher(w.reg, w.cluster.clients, registry_retry_delay_s=0.0)
+    assert (await pub.publish(make_snapshot(seed=1), "A")).ok
+    yield w
+    w.faults.heal()
+    await w.mgr.aclose()
+    w.client.close()
+    await w.cluster.aclose()
+
+
+async def _outlive_the_lease(w: World) -> tuple[Any, str]:
+    """The worker's session ``old`` bound on its lease; then its heartbeat stalls until the
+    registry's reaper ended the lease (the worker itself is alive all along)."""
+    old = await w.mgr.open("old")
+    await old.generate(TURN)
+    first_lease = w.mgr.lease_id
+    assert first_lease is not None and old.lease_id == first_lease
+    w.faults.stall()
+    await w.until("the reaper ends the stalled lease", lambda: not w.reg.lease(first_lease).live)
+    view = w.reg.session(old.key)
+    assert view.state is SessionState.CLOSED and view.expired and view.released
+    assert w.reg.version(vk("A")).session_refs == 0
+    return old, first_lease
+
+
+async def _kept_alive(w: World, session: Any, lease_id: str) -> None:
+    """The session idles for more than three TTLs: its lease is renewed by the heartbeat all
+    along (renewals counted by the worker, deadlines moved in the registry) and never ends."""
+    granted_by = time.time()
+    renewals = w.mgr.renewals
+    await asyncio.sleep(4 * TTL_S)
+    lease = w.reg.lease(lease_id)
+    assert lease.live and lease.expires_at > granted_by + 3 * TTL_S  # renewed past its first TTL
+    assert w.mgr.renewals - renewals >= 3 * TTL_S / HEARTBEAT_S / 2
+    assert w.reg.session(session.key).state is SessionState.OPEN
+    out = await session.generate(TURN)
+    assert out["meta_info"]["lora_path"] == session.lora_path
+
+
+async def _old_session_is_refused(w: World, old: Any) -> None:
+    sent = w.sent()
+    with pytest.raises(LoraVersionError) as e:
+        await old.generate(TURN)
+    assert e.value.code is ErrorCode.SESSION_EXPIRED
+    assert old.phase is SessionPhase.EXPIRED and old.bind_calls == 1  # never rebound
+    assert w.sent() == sent  # nothing reached an engine
+
+
+async def test_after_the_heartbeat_learns_its_lease_ended_the_next_session_takes_a_new_lease(
+    world: World,
+) -> None:
+    """The stall ends first: the late keep-alive answers SESSION_EXPIRED (the old session is
+    marked EXPIRED), then the worker opens its next session: on a new lease, kept alive."""
+    w = world
+    old, first_lease = await _outlive_the_lease(w)
+    w.faults.heal()
+    await w.until("the worker marks its old session EXPIRED", lambda: old.phase is SessionPhase.EXPIRED)
+    assert w.mgr.lease_id is None
+
+    nxt = await w.mgr.open("next")
+    assert nxt.lease_id is not None and nxt.lease_id != first_lease and nxt.lease_id == w.mgr.lease_id
+    assert w.reg.session(nxt.key).lease_id == nxt.lease_id and w.reg.lease(nxt.lease_id).live
+    await nxt.generate(TURN)
+    assert w.reg.version(vk("A")).session_refs == 1
+    await _kept_alive(w, nxt, nxt.lease_id)
+    await _old_session_is_refused(w, old)
+    await nxt.close()
+    assert w.reg.version(vk("A")).session_refs == 0
+
+
+async def test_a_session_opened_while_the_heartbeat_is_still_stalled_takes_a_new_lease(world: World) -> None:
+    """The worker opens its next session before its stalled heartbeat heard anything: the
+    registry refuses the ended lease (SESSION_EXPIRED), so the worker marks the old session
+    EXPIRED and opens the new one on a new lease. The stalled keep-alive of the old lease,
+    answered late, must not take the new lease from the worker: it is kept alive."""
+    w = world
+    old, first_lease = await _outlive_the_lease(w)
+    assert w.mgr.lease_id == first_lease  # the worker has not heard yet
+
+    nxt = await w.mgr.open("next")
+    assert nxt.lease_id is not None and nxt.lease_id != first_lease and nxt.lease_id == w.mgr.lease_id
+    assert w.reg.session(nxt.key).lease_id == nxt.lease_id and w.reg.lease(nxt.lease_id).live
+    assert old.phase is SessionPhase.EXPIRED
+    await nxt.generate(TURN)
+
+    hung = w.faults.hung
+    assert hung >= 1
+    w.faults.heal()  # the old lease's keep-alive comes back now: SESSION_EXPIRED, of the OLD lease
+    await _kept_alive(w, nxt, nxt.lease_id)
+    assert w.mgr.lease_id == nxt.lease_id
+    await _old_session_is_refused(w, old)
+    await nxt.close()
+    assert w.reg.version(vk("A")).session_refs == 0
