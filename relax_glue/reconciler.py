@@ -170,7 +170,10 @@ class Reconciler(CohortDriver):
                 results.append(result(RestoreOutcome.HELD))
                 continue
             if action is RestoreAction.WAIT:
-                results.append(result(RestoreOutcome.WAITING, "a load is running there"))
+                assert vs is not None
+                results.append(
+                    result(RestoreOutcome.WAITING, f"{vs.state.value} there under {vs.attempt_token}")
+                )
                 continue
             if action is RestoreAction.CONFLICT:
                 assert vs is not None

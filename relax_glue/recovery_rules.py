@@ -35,7 +35,7 @@ class RestoreAction(StrEnum):
     HELD = "HELD"  # READY_LOCAL with the registry's digest: nothing to do
     RESTORE = "RESTORE"  # unknown there (restarted), or a CLEANED tombstone: stage it
     CLEAN_THEN_RESTORE = "CLEAN_THEN_RESTORE"  # an interrupted restore (PREPARED / FAILED) holds the name
-    WAIT = "WAIT"  # LOADING: a load is running there; look again next round
+    WAIT = "WAIT"  # LOADING (a load is running there), or a stale view: look again next round
     CONFLICT = "CONFLICT"  # another digest, or being reclaimed there: never touched, reported
 
 
@@ -82,7 +82,13 @@ def restore_action(want: VersionView, vs: protocol.VersionStatus | None) -> Rest
         return RestoreAction.RESTORE
     if vs.digest != want.digest:
         return RestoreAction.CONFLICT
-    return RESTORE_BY_STATE[vs.state]
+    action = RESTORE_BY_STATE[vs.state]
+    if action is RestoreAction.CLEAN_THEN_RESTORE and vs.attempt_token == want.attempt_token:
+        # The committing attempt itself half staged or failed: only a stale view shows that (the
+        # commit took its READY there, a restart forgets everything). A cleanup under its token
+        # would unload the committed version: nothing is touched, the next round looks again.
+        return RestoreAction.WAIT
+    return action
 
 
 def restore_plan(
