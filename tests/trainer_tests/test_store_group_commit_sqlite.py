@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from _rg_helpers import ENGINES, EPOCH, Publisher, refused, sk
 
-from lora_contract.errors import ErrorCode
+from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.registry_types import SessionState, dumps, loads
 from relax_glue.store import DurableRegistry
 
@@ -224,3 +224,41 @@ def test_a_call_decided_while_a_group_is_written_joins_the_next_group_and_answer
     finally:
         conn.close()
     assert ops == [("bind_first", sk("first")), ("bind_first", sk("second"))]
+
+
+def test_a_batch_is_one_group_with_the_rows_of_its_accepted_calls_only(store: DurableRegistry) -> None:
+    """``dispatch_many`` (what the actor's ``call_many`` runs): the calls are decided in order, a
+    refusal or a bad call in the middle refuses only itself, and the batch's transitions are
+    written in one transaction; the file holds exactly the accepted rows, in the batch's order,
+    each with the answer its caller got."""
+    writes: list[int] = []
+    _wrap_write(store, lambda: writes.append(1))
+    base = store.seq
+    outcomes = store.dispatch_many(
+        [
+            ("bind_first", {"session_key": sk("b1")}),
+            ("bind_first", {"session_key": ("other-epoch", "x")}),  # refused: another epoch
+            ("begin_close", {"session_key": sk("b1")}),
+            ("begin_close", {"no_such_argument": 1}),  # a bad call: refused before any change
+            ("bind_first", {"session_key": sk("b1")}),  # refused: closing
+            ("session", {"session_key": sk("b1")}),  # a read: sees the close
+            ("close_and_release", {"session_key": sk("b1")}),
+        ]
+    )
+    assert len(writes) == 1  # one group, one transaction
+    bound, other, closing, bad, late_bind, read, closed = outcomes
+    assert isinstance(other, LoraVersionError) and other.code is ErrorCode.INVALID_REQUEST
+    assert isinstance(bad, LoraVersionError) and bad.code is ErrorCode.INVALID_REQUEST
+    assert isinstance(late_bind, LoraVersionError) and late_bind.code is ErrorCode.SESSION_CLOSED
+    assert read.state is SessionState.CLOSING and closed.state is SessionState.CLOSED and closed.released
+    conn = _reader(store.path)
+    try:
+        rows = _journal(conn)[base:]
+    finally:
+        conn.close()
+    assert [seq for seq, *_ in rows] == [base + 1, base + 2, base + 3]
+    assert [(op, loads(args)["session_key"], result) for _, op, args, result in rows] == [
+        ("bind_first", sk("b1"), dumps(bound)),
+        ("begin_close", sk("b1"), dumps(closing)),
+        ("close_and_release", sk("b1"), dumps(closed)),
+    ]
