@@ -48,6 +48,7 @@ _NOW = {
     "ABSENT": 5.0,  # never granted
     "LIVE": 5.0,  # granted at T0, session s bound on it, deadline T0 + 10
     "IDLE": 5.0,  # live, its only session closed by its owner: no session at the moment
+    "CLOSING": 5.0,  # live, its session's owner died mid-close (begin_close, no release)
     "DUE": 12.0,  # live, its deadline passed, not yet ended (the reaper has not run)
     "ENDED": 12.0,  # ended by expiry at T0 + 10; s closed as expired
     "RESTARTED": 55.0,  # LIVE, then the registry restarted at T0 + 50 (its deadline passed while down)
@@ -75,6 +76,8 @@ def _lease_in(label: str) -> Any:
         reg.bind_first(sk("s"), "w")
     if label == "IDLE":
         reg.close_and_release(sk("s"))
+    if label == "CLOSING":
+        reg.begin_close(sk("s"))
     if label in ("ENDED", "ENDED_RESTARTED", "PRUNED"):
         assert reg.expire_leases(T0 + TTL) == (sk("s"),)
     reg.open_session(sk("f1"))
@@ -115,6 +118,7 @@ _LEASE_ROWS: dict[str, dict[str, Row | ErrorCode]] = {
         "ABSENT": _live(15.0, transitions=1),
         "LIVE": _live(15.0),
         "IDLE": _live(15.0),
+        "CLOSING": _live(15.0),
         "DUE": _live(22.0),  # not ended yet: renewed
         "ENDED": _EXPIRED,  # never granted again
         "RESTARTED": _live(65.0),
@@ -125,6 +129,7 @@ _LEASE_ROWS: dict[str, dict[str, Row | ErrorCode]] = {
         "ABSENT": _GONE,
         "LIVE": _live(15.0),
         "IDLE": _live(15.0),
+        "CLOSING": _live(15.0),
         "DUE": _live(22.0),
         "ENDED": _EXPIRED,
         "RESTARTED": _live(65.0),
@@ -135,6 +140,7 @@ _LEASE_ROWS: dict[str, dict[str, Row | ErrorCode]] = {
         "ABSENT": _GONE,
         "LIVE": Row("ended", None, 1, -1, ("s",)),
         "IDLE": Row("ended", None, 1, 0, ()),  # a lease with no session ends too
+        "CLOSING": Row("ended", None, 1, -1, ("s",)),  # closed through the one close, released once
         "DUE": Row("ended", None, 1, -1, ("s",)),
         "ENDED": Row("ended", None, 0, 0, ()),  # a second end changes nothing
         "RESTARTED": Row("ended", None, 1, -1, ("s",)),
@@ -145,6 +151,7 @@ _LEASE_ROWS: dict[str, dict[str, Row | ErrorCode]] = {
         "ABSENT": Row("absent", None, 0, 0, ()),
         "LIVE": _live(10.0, answer=()),
         "IDLE": _live(10.0, answer=()),
+        "CLOSING": _live(10.0, answer=()),
         "DUE": Row("ended", None, 1, -1, ("s",)),
         "ENDED": Row("ended", None, 0, 0, ()),
         "RESTARTED": _live(60.0, answer=()),  # a fresh TTL from the restart: never expired early
@@ -156,6 +163,7 @@ _LEASE_ROWS: dict[str, dict[str, Row | ErrorCode]] = {
         "ABSENT": _ABSENT,
         "LIVE": _live(15.0),
         "IDLE": _live(15.0),
+        "CLOSING": _live(15.0),
         "DUE": _live(22.0),
         "ENDED": _ENDED,  # never revived: no deadline, never due, never renewed
         "RESTARTED": _live(65.0),
@@ -166,6 +174,7 @@ _LEASE_ROWS: dict[str, dict[str, Row | ErrorCode]] = {
         "ABSENT": Row("absent", None, 0, 0, 0),
         "LIVE": _live(10.0, answer=0),
         "IDLE": _live(10.0, transitions=1, answer=1),  # its session goes, the live lease stays
+        "CLOSING": _live(10.0, answer=0),  # a CLOSING record is never pruned
         "DUE": _live(10.0, answer=0),
         "ENDED": Row("absent", None, 1, 0, 1),  # the ended lease goes with its last session
         "RESTARTED": _live(60.0, answer=0),
@@ -177,6 +186,7 @@ _LEASE_ROWS: dict[str, dict[str, Row | ErrorCode]] = {
         "ABSENT": _GONE,
         "LIVE": _live(10.0, transitions=1),
         "IDLE": _live(10.0, transitions=1),
+        "CLOSING": _live(10.0, transitions=1),
         "DUE": _live(10.0, transitions=1),  # still live until the reaper's decision
         "ENDED": _EXPIRED,
         "RESTARTED": _live(60.0, transitions=1),
@@ -187,6 +197,7 @@ _LEASE_ROWS: dict[str, dict[str, Row | ErrorCode]] = {
         "ABSENT": _GONE,
         "LIVE": _live(10.0, transitions=1, refs=1),
         "IDLE": _live(10.0, transitions=1, refs=1),
+        "CLOSING": _live(10.0, transitions=1, refs=1),
         "DUE": _live(10.0, transitions=1, refs=1),
         "ENDED": _EXPIRED,
         "RESTARTED": _live(60.0, transitions=1, refs=1),
@@ -198,6 +209,7 @@ _LEASE_ROWS: dict[str, dict[str, Row | ErrorCode]] = {
         "ABSENT": _GONE,
         "LIVE": _live(10.0),
         "IDLE": ErrorCode.SESSION_CLOSED,
+        "CLOSING": ErrorCode.SESSION_CLOSED,
         "DUE": _live(10.0),
         "ENDED": _EXPIRED,
         "RESTARTED": _live(60.0),
@@ -208,6 +220,7 @@ _LEASE_ROWS: dict[str, dict[str, Row | ErrorCode]] = {
         "ABSENT": _GONE,
         "LIVE": _live(10.0),  # the first binding, never a second ref
         "IDLE": ErrorCode.SESSION_CLOSED,
+        "CLOSING": ErrorCode.SESSION_CLOSED,
         "DUE": _live(10.0),
         "ENDED": _EXPIRED,
         "RESTARTED": _live(60.0),
