@@ -1,19 +1,32 @@
 """Helpers of the acceptance suite (not a test module): the cohort under test, the clean
 baselines, turn records with their logprobs, the comparison rule and the report.
 
-Everything drives the real ``relax_glue`` stack against real engines; the only judgement made
-here is :func:`compare`, the one rule every numeric check of the suite goes through.
+Everything drives the real ``relax_glue`` stack against real engines; the judgements made here
+are :func:`compare` (the one rule every numeric check of the suite goes through), the logprob
+epsilon's derivation from the baselines' measured spread (:func:`derive_epsilon`), the choice of
+scoring positions (:func:`scoring_positions`) and the no-progress gap of RFC 7.3
+(:func:`max_no_progress_gap`). The report records provenance and every threshold before the run
+it governs (:meth:`Report.fix`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
 import random
+import subprocess
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -36,6 +49,18 @@ ACCEPTANCE_ADMIN_KEY = ADMIN_KEY
 COHORT = ("E0", "E1")
 # Relax's published figures for its No.7 online run on an RTX 6000 Ada: the anchor of RFC 7.3.
 RELAX_ANCHOR = {"throughput_ratio": 0.98, "max_gap_s": 0.05, "hardware": "RTX 6000 Ada"}
+REPO = Path(__file__).resolve().parents[1]
+
+# RFC 7.2's pre-run: each clean baseline answers each stability prefix this many times, and the
+# logprob epsilon is max(the profile's floor, EPSILON_FACTOR x the largest spread measured). The
+# factor leaves room for the managed engine being another process than the baseline that was
+# measured; the floor is the profile's (lora_versions_dev.device_profile).
+STABILITY_REPEATS = 3
+EPSILON_FACTOR = 2.0
+# Tokens generated per compared turn (RFC 7.2), and the pre-run's prefixes: fresh prompts of the
+# lengths the comparisons use (a first turn, the KV test's shared prefix, a long tool-turn prefix).
+TURN_TOKENS = 12
+STABILITY_PREFIX_LENGTHS = (24, 48, 96)
 
 
 # An aborted stream's length: long enough that the abort always lands before it ends (the
@@ -71,6 +96,9 @@ class Comparison:
     max_abs_delta: float  # over the positions whose tokens agree
     first_token_mismatch: int | None  # index of the first differing token, if any
     positions: int
+    # Positions where the two versions' baselines differ by more than 2 epsilon (None: not scored).
+    scoring_positions: int | None = None
+    separation: float = 0.0  # the smallest |own - other| baseline logprob at those positions
 
 
 def compare(
@@ -89,6 +117,78 @@ def compare(
     deltas = [abs(a - b) for a, b in zip(lps[:agree], ref_lps[:agree], strict=True)]
     worst = max(deltas, default=0.0)
     return Comparison(first is None and worst <= eps, worst, first, len(tokens))
+
+
+def spread(runs: Sequence[Sequence[float]]) -> float:
+    """The largest difference between repeats of one request, over its positions."""
+    return max((max(col) - min(col) for col in zip(*runs, strict=True)), default=0.0)
+
+
+def derive_epsilon(spreads: Sequence[float], factor: float, floor: float) -> float:
+    """RFC 7.2's tolerance, from the baselines' own measured instability: ``factor`` times the
+    largest spread, never below ``floor``. On CPU fp32 every spread measured so far is 0, so
+    epsilon is 0: the comparison is bit-equality."""
+    return max(floor, factor * max(spreads, default=0.0))
+
+
+def scoring_positions(own: Sequence[float], other: Sequence[float], eps: float) -> list[int]:
+    """Where the two versions' clean baselines give the same token logprobs more than ``2 eps``
+    apart: a logprob within ``eps`` of one of them is then more than ``eps`` from the other, so a
+    match there says which version computed it (RFC 7.2: positions that tell A from B)."""
+    return [i for i, (a, b) in enumerate(zip(own, other, strict=True)) if abs(a - b) > 2 * eps]
+
+
+# ------------------------------------------------------------------------------ provenance
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tree_digest(root: Path) -> str:
+    """One digest of a fixture directory: every file's relative path and content, in order."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in Path(root).rglob("*") if p.is_file()):
+        h.update(f"{path.relative_to(root)}\0{_sha256_file(path)}\n".encode())
+    return h.hexdigest()
+
+
+def code_revision(repo: Path = REPO) -> dict[str, Any]:
+    """The commit under test and whether the working tree differs from it (files changed)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=False).stdout
+
+    changed = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if line]
+    return {"commit": git("rev-parse", "HEAD").strip() or "unknown", "uncommitted_changes": len(changed)}
+
+
+def device_name(profile: DeviceProfile) -> str:
+    if profile.device == "cuda":
+        import torch
+
+        return ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return f"cpu {platform.machine()} x{os.cpu_count()} ({platform.processor() or 'unknown'})"
+
+
+def provenance(profile: DeviceProfile, fixtures: AcceptanceFixtures) -> dict[str, Any]:
+    """What RFC 7.2 fixes before the experiment beside the thresholds: the code revision, the
+    SGLang (and torch) version, the device, and the digest of the model and of every adapter."""
+    import torch
+
+    digests = {"model": tree_digest(fixtures.model_dir)}
+    digests |= {name: tree_digest(path) for name, path in sorted(fixtures.adapters.items())}
+    return {
+        "code": code_revision(),
+        "sglang": metadata.version("sglang"),
+        "torch": torch.__version__,
+        "device": device_name(profile),
+        "fixture_sha256": digests,
+    }
 
 
 # ------------------------------------------------------------------------------ baselines
@@ -112,8 +212,56 @@ class Baselines:
         assert r.status_code == 200, r.text
         return r.json()
 
+    async def score(self, adapter: str, prefix: Sequence[int], tokens: Sequence[int]) -> list[float]:
+        """The logprob of each of ``tokens`` after ``prefix`` on ``adapter``'s clean engine, the
+        tokens given (prefill logprobs, which SGLang computes from the position after
+        ``logprob_start_len``, whose own entry is None: it starts at the prefix's last token; a
+        start also keeps SGLang from serving the positions after it from its prefix cache)."""
+        req = {
+            "input_ids": [*prefix, *tokens],
+            "sampling_params": greedy(1),
+            "return_logprob": True,
+            "logprob_start_len": len(prefix) - 1,
+            "lora_path": adapter,
+        }
+        r = await self.http.post(f"{self.urls[adapter]}/generate", json=req)
+        assert r.status_code == 200, r.text
+        entries = r.json()["meta_info"]["input_token_logprobs"]
+        scored = [float(e[0]) for e in entries[-len(tokens) :]] if tokens else []
+        assert len(scored) == len(tokens), (len(entries), len(tokens))
+        return scored
+
     async def aclose(self) -> None:
         await self.http.aclose()
+
+
+@dataclass(frozen=True)
+class Stability:
+    """RFC 7.2's pre-run: every clean baseline answered every prefix ``repeats`` times."""
+
+    repeats: int
+    prefixes: int
+    tokens_stable: dict[str, bool]  # per adapter: the same tokens in every repeat
+    spread: dict[str, float]  # per adapter: the largest logprob spread between repeats
+
+
+async def baseline_stability(
+    baselines: Baselines, prefixes: Sequence[Sequence[int]], n: int, repeats: int
+) -> Stability:
+    """Each baseline answers each prefix ``repeats`` times, one request at a time (the batch
+    shape of the comparisons). The first answer is computed cold, the others from SGLang's prefix
+    cache, so the spread includes what a cache hit changes."""
+    stable: dict[str, bool] = {}
+    spreads: dict[str, float] = {}
+    for adapter in sorted(baselines.urls):
+        worst, same = 0.0, True
+        for prefix in prefixes:
+            outs = [await baselines.generate(adapter, prefix, n) for _ in range(repeats)]
+            same = same and all(o["output_ids"] == outs[0]["output_ids"] for o in outs)
+            if same:
+                worst = max(worst, spread([logprobs_of(o) for o in outs]))
+        stable[adapter], spreads[adapter] = same, worst
+    return Stability(repeats, len(prefixes), stable, spreads)
 
 
 # ------------------------------------------------------------------------------ turn records
@@ -151,14 +299,23 @@ class Cohort:
         fixtures: AcceptanceFixtures,
         profile: DeviceProfile,
         cohort: tuple[str, ...] = COHORT,
+        *,
+        epsilon: float | None = None,
+        clients: Mapping[str, EngineClient] | None = None,
     ) -> None:
+        """``epsilon``: the logprob tolerance the report fixed (``gpu_tests/conftest.py``'s
+        ``epsilon`` fixture); :meth:`check` refuses to compare without it. ``clients``: real
+        engine clients to use instead of plain HTTP ones (the collective transport's)."""
         self.profile = profile
+        self.epsilon = epsilon
         self.engines = engines
         self.epoch = f"acc{uuid.uuid4().hex[:6]}"
         self.registry = LoRAVersionRegistry(self.epoch, cohort)
-        self.clients: dict[str, EngineClient] = {
-            e: EngineClient(e, engines[e].url, admin_key=ACCEPTANCE_ADMIN_KEY) for e in cohort
-        }
+        self.clients: dict[str, EngineClient] = (
+            dict(clients)
+            if clients
+            else {e: EngineClient(e, engines[e].url, admin_key=ACCEPTANCE_ADMIN_KEY) for e in cohort}
+        )
         self.pub_engines: dict[str, EngineAPI] = dict(self.clients)
         self.publisher = self._publisher()
         self.sm = SessionManager(self.registry, self.clients, drain_timeout_s=30.0)
@@ -245,11 +402,28 @@ class Cohort:
         return await self.turn(s, [*prefix, *partial], n, kind="resume")
 
     async def check(self, t: Turn, adapter: str | None = None) -> Comparison:
-        """``t`` against the clean baseline of ``adapter`` (default: of the version it carried). A
-        partial (aborted) turn has no logprobs: its tokens must be the baseline's first ones."""
-        ref = await self.baselines.generate(adapter or self.adapter_of[t.lora_path], t.prefix, len(t.tokens))
-        ref_lps = [] if t.kind == "partial" else logprobs_of(ref)
-        return compare(t.tokens, t.logprobs, ref["output_ids"], ref_lps, self.profile.logprob_epsilon)
+        """``t`` against the clean baseline of ``adapter`` (default: of the version it carried),
+        with the turn's full prefix. A partial (aborted) turn has no logprobs: its tokens must be
+        the baseline's first ones. Otherwise the baseline's tokens are also scored on the other
+        version's clean engine, and the turn passes only if some of its positions tell the two
+        versions apart (:func:`scoring_positions`): a match there cannot be the wrong version's."""
+        if self.epsilon is None:
+            raise RuntimeError("no logprob epsilon: the stability pre-run fixes it before any comparison")
+        own = adapter or self.adapter_of[t.lora_path]
+        ref = await self.baselines.generate(own, t.prefix, len(t.tokens))
+        if t.kind == "partial":
+            return compare(t.tokens, [], ref["output_ids"], [], self.epsilon)
+        ref_lps = logprobs_of(ref)
+        cmp = compare(t.tokens, t.logprobs, ref["output_ids"], ref_lps, self.epsilon)
+        other = next((a for a in sorted(self.baselines.urls) if a != own), None)
+        if other is None:
+            return cmp
+        other_lps = await self.baselines.score(other, t.prefix, ref["output_ids"])
+        where = scoring_positions(ref_lps, other_lps, self.epsilon)
+        separation = min((abs(ref_lps[i] - other_lps[i]) for i in where), default=0.0)
+        return dataclasses.replace(
+            cmp, ok=cmp.ok and bool(where), scoring_positions=len(where), separation=separation
+        )
 
     async def live(self) -> dict[str, list[str]]:
         """Per engine: this epoch's managed versions that still hold something."""
@@ -279,29 +453,64 @@ class Cohort:
 
 @dataclass
 class Report:
+    """The acceptance report. ``report.json`` / ``report.txt`` in ``path`` are rewritten at every
+    change, so a threshold fixed before a run is on disk before that run starts."""
+
     profile: DeviceProfile
+    path: Path | None = None
+    provenance: dict[str, Any] = field(default_factory=dict)
+    thresholds: dict[str, dict[str, Any]] = field(default_factory=dict)
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    def fix(self, name: str, value: Any, why: str = "") -> Any:
+        """Fix a threshold (a bound, a load, a tolerance) before the run it governs; returns
+        ``value``. A threshold is fixed once: fixing it again to another value raises."""
+        value = json.loads(json.dumps(value, default=str))
+        if name in self.thresholds and self.thresholds[name]["value"] != value:
+            fixed = self.thresholds[name]["value"]
+            raise ValueError(f"threshold {name} is fixed at {fixed!r}: not {value!r}")
+        self.thresholds.setdefault(name, {"value": value, "why": why, "fixed_at": time.time()})
+        self.write()
+        return value
+
     def add(self, name: str, data: Mapping[str, Any]) -> None:
-        self.sections[name] = {"device": self.profile.device, **data}
+        self.sections[name] = {"device": self.profile.device, "written_at": time.time(), **data}
+        self.write()
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "report.json").write_text(json.dumps(self.as_json(), indent=2, default=str))
+        (self.path / "report.txt").write_text(self.table() + "\n")
 
     def as_json(self) -> dict[str, Any]:
         return {
             "profile": self.profile.describe(),
             "gpu_verified": self.profile.device == "cuda",
+            "provenance": self.provenance,
+            "thresholds": self.thresholds,
             "anchor": RELAX_ANCHOR,
             "sections": self.sections,
         }
 
     def table(self) -> str:
         lines = [f"RFC 7.2 / 7.3 acceptance on {self.profile.banner()}"]
+        lines.append("  provenance")
+        lines += [f"    {key:<34} {_short(value)}" for key, value in self.provenance.items()]
+        lines.append("  thresholds (fixed before the run)")
+        lines += [f"    {key:<34} {_short(t['value'])}" for key, t in self.thresholds.items()]
         for name, data in self.sections.items():
             lines.append(f"  {name}")
-            for key, value in data.items():
-                if isinstance(value, dict | list) and len(str(value)) > 90:
-                    value = f"{str(value)[:87]}..."
-                lines.append(f"    {key:<34} {value}")
+            lines += [f"    {key:<34} {_short(value)}" for key, value in data.items()]
         return "\n".join(lines)
+
+
+def _short(value: Any, width: int = 90) -> Any:
+    """A long dict or list cut for the text table (report.json has it whole)."""
+    if isinstance(value, dict | list) and len(str(value)) > width:
+        return f"{str(value)[: width - 3]}..."
+    return value
 
 
 # ------------------------------------------------------------------------------ load
@@ -312,8 +521,43 @@ def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    # the smallest value with at least q % of the values at or below it: rank ceil(q/100 n)
+    k = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
     return ordered[k]
+
+
+def latency_summary(values: Sequence[float]) -> dict[str, float | int]:
+    """p50 / p95 / p99 / max of request latencies (seconds), and how many."""
+    return {
+        "n": len(values),
+        **{f"p{q}_s": round(percentile(values, q), 3) for q in (50, 95, 99)},
+        "max_s": round(max(values, default=0.0), 3),
+    }
+
+
+def max_no_progress_gap(streams: Sequence[Stream], engine: str, lo: float, hi: float) -> float:
+    """RFC 7.3's largest no-progress interval of ``engine`` within [lo, hi]: the longest time
+    during which it had a request in flight (from the request's start to its last chunk) and no
+    request of it received a chunk. A stalled prefill counts; time with nothing in flight does
+    not (an idle engine makes no progress because it has none to make)."""
+    mine = sorted(((s.started, s.t[-1]) for s in streams if s.engine == engine and s.t), key=lambda iv: iv[0])
+    points = sorted(t for s in streams if s.engine == engine for t in s.t)
+    busy: list[list[float]] = []
+    for a, b in mine:
+        if busy and a <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], b)
+        else:
+            busy.append([a, b])
+    worst, k = 0.0, 0
+    for a, b in busy:
+        last = a
+        while k < len(points) and points[k] < a:
+            k += 1
+        while k < len(points) and points[k] <= b:
+            worst = max(worst, min(points[k], hi) - max(last, lo))
+            last = points[k]
+            k += 1
+    return max(worst, 0.0)
 
 
 @dataclass

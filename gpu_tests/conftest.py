@@ -8,7 +8,7 @@ model, triton LoRA, CUDA graphs); see ``lora_versions_dev.device_profile``.
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import os
 import sys
 import time
@@ -16,7 +16,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _acceptance import ACCEPTANCE_ADMIN_KEY, Report
+from _acceptance import (
+    ACCEPTANCE_ADMIN_KEY,
+    EPSILON_FACTOR,
+    STABILITY_PREFIX_LENGTHS,
+    STABILITY_REPEATS,
+    TURN_TOKENS,
+    Baselines,
+    Report,
+    baseline_stability,
+    derive_epsilon,
+    greedy,
+    prompt,
+    provenance,
+)
 
 from lora_versions_dev.device_profile import (
     AcceptanceFixtures,
@@ -51,14 +64,42 @@ def report_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def report(profile: DeviceProfile, report_dir: Path) -> Iterator[Report]:
-    rep = Report(profile)
+def report(
+    profile: DeviceProfile, acceptance_fixtures: AcceptanceFixtures, report_dir: Path
+) -> Iterator[Report]:
+    """The report, on disk from the start with its provenance (code revision, SGLang version,
+    device, fixture digests); every threshold is written into it before the run it governs."""
+    rep = Report(profile, report_dir, provenance(profile, acceptance_fixtures))
+    rep.write()
     yield rep
-    if rep.sections:
-        (report_dir / "report.json").write_text(json.dumps(rep.as_json(), indent=2, default=str))
-        table = rep.table()
-        (report_dir / "report.txt").write_text(table + "\n")
-        print(f"\n{table}\n[acceptance] report: {report_dir / 'report.json'}")
+    rep.write()
+    print(f"\n{rep.table()}\n[acceptance] report: {report_dir / 'report.json'}")
+
+
+@pytest.fixture(scope="session")
+def epsilon(deployment: dict, profile: DeviceProfile, report: Report) -> float:
+    """RFC 7.2's tolerance, measured before any comparison: each clean baseline answers fixed
+    fresh prefixes ``STABILITY_REPEATS`` times; a baseline whose tokens change between repeats
+    fails the suite (it cannot be a baseline); epsilon = max(the profile's floor,
+    ``EPSILON_FACTOR`` x the largest logprob spread), written to the report before it is used."""
+    prefixes = [prompt(800 + i, n) for i, n in enumerate(STABILITY_PREFIX_LENGTHS)]
+    report.fix("rfc72.sampling_params", greedy(TURN_TOKENS), "greedy: both sides generate the same tokens")
+    report.fix("rfc72.stability_prefix_token_ids", prefixes, "fresh prompts of the compared lengths")
+    report.fix("rfc72.stability_repeats", STABILITY_REPEATS)
+    report.fix("rfc72.epsilon_rule", f"max({profile.epsilon_floor}, {EPSILON_FACTOR} x max spread)")
+
+    async def measure():
+        baselines = Baselines({a: deployment[f"base_{a}"].url for a in ("A", "B")})
+        try:
+            return await baseline_stability(baselines, prefixes, TURN_TOKENS, STABILITY_REPEATS)
+        finally:
+            await baselines.aclose()
+
+    stability = asyncio.run(measure())
+    report.add("rfc72_baseline_stability", dataclasses.asdict(stability))
+    assert all(stability.tokens_stable.values()), f"a clean baseline is not stable: {stability}"
+    eps = derive_epsilon(list(stability.spread.values()), EPSILON_FACTOR, profile.epsilon_floor)
+    return report.fix("rfc72.logprob_epsilon", eps, f"derived from the measured spread {stability.spread}")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """The device profile, and the GPU path dry-run as far as it goes without a GPU: the engine
-lines each profile starts, and the bf16 Qwen3-0.6B-shaped model with its rank-64 adapters
-generated, admitted by the plugin's adapter check and run through HF + PEFT on the CPU."""
+lines each profile starts, and the bf16 Qwen3-0.6B-shaped model with its adapters (ranks below
+the pool's 64) generated, admitted by the plugin's adapter check and run through HF + PEFT on the
+CPU."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from lora_versions_dev.device_profile import (
     GPU_ADAPTER_RANK,
+    GPU_ADAPTER_RANKS,
     QWEN3_06B_SHAPE,
     cpu_profile,
     cuda_profile,
@@ -37,7 +39,8 @@ def test_cpu_profile_starts_managed_and_clean_baseline_engines() -> None:
     assert env[PLUGIN_SWITCH_ENV] == "1"
     base_cmd = build_command(base, 2)
     assert flag(base_cmd, "--lora-paths") == "A=/a" and PLUGIN_SWITCH_ENV not in build_env(base)
-    assert p.logprob_epsilon == 0.0
+    assert p.epsilon_floor == 0.0 and p.collective_backend == "gloo"
+    assert all(r < p.max_lora_rank for r in p.adapter_ranks.values()), p.adapter_ranks
 
 
 def test_cuda_profile_starts_engines_with_the_real_gpu_backends() -> None:
@@ -54,7 +57,18 @@ def test_cuda_profile_starts_engines_with_the_real_gpu_backends() -> None:
     assert flag(cmd, "--mem-fraction-static") == "0.40"  # two engines per GPU
     assert env["CUDA_VISIBLE_DEVICES"] == "1" and "SGLANG_EXT_CPU_DEV" not in env
     assert cuda_profile(lora_backend="csgmv").lora_backend == "csgmv"
-    assert 0 < p.logprob_epsilon < 0.1
+    assert 0 < p.epsilon_floor < 0.01 and p.collective_backend == "nccl"
+    assert p.stall_bound_s <= 1.0 < cpu_profile().stall_bound_s
+
+
+def test_gpu_adapters_are_below_the_pools_rank_so_slot_zeroing_takes_its_partial_path() -> None:
+    """A slot freed by an adapter of the pool's maximum rank is cleared whole either way; only a
+    smaller rank exercises the partial clear (sglang_ext/slot_zeroing), and different ranks put a
+    smaller adapter into a slot a larger one left."""
+    p = cuda_profile()
+    assert dict(p.adapter_ranks) == GPU_ADAPTER_RANKS
+    assert all(r < p.max_lora_rank == GPU_ADAPTER_RANK for r in GPU_ADAPTER_RANKS.values())
+    assert len(set(GPU_ADAPTER_RANKS.values())) == len(GPU_ADAPTER_RANKS)
 
 
 def test_detect_profile_follows_the_device_and_refuses_what_it_cannot_run() -> None:
@@ -88,6 +102,7 @@ def test_gpu_fixtures_are_generated_bf16_admitted_and_computable_without_a_gpu()
     shape = EngineLoraShape(geometry, max_lora_rank=GPU_ADAPTER_RANK, served_modules=None)
     for name in ("A", "B", "C"):
         adapter = root / "adapters" / name
+        assert json.loads((adapter / "adapter_config.json").read_text())["r"] == GPU_ADAPTER_RANKS[name]
         with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
             dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 (not a dict)
         assert dtypes == {"BF16"}

@@ -13,8 +13,11 @@ Each round publishes a new version while sessions of the previous one finish on 
 (the overshoot path) under steady traffic on the new one, and the previous version is reclaimed
 at once. It passes only if every unload met a passed fence (the probe runs inside the plugin's
 fence, :mod:`sglang_ext.step_fence`, right before the real unload), every version was unloaded
-exactly once, and every output equals its clean baseline. The report says how often the fence
-had to wait (how often the hazard's window was actually hit). It has never run: no GPU here.
+exactly once, every output equals its clean baseline, and the fence had to wait at least once: a
+run in which no unload ever met a launched step on its adapter never opened the hazard's window,
+so it would pass with no fence at all and proves nothing. The adapters' ranks (32 and 16, in a
+rank-64 pool) are below the pool's maximum, so each unload's slot clear is the partial one
+(``sglang_ext.slot_zeroing``). It has never run: no GPU here.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,11 +105,20 @@ async def test_reclaim_under_a_running_overlap_batch_never_frees_a_slot_a_launch
                     old = c.adapter_of[prev_name]
                     status = await c.clients["E_overlap"].status()
                     unloaded[prev_name] = next(v.lora_id for v in status.versions if v.lora_name == prev_name)
-                    await asyncio.gather(
+                    finishing = asyncio.gather(
                         *(finish_on_stop(s, 5000 + 10 * k + i, old) for i, s in enumerate(previous))
                     )
+                    # Reclaim runs while the last requests finish, not after: the unload should
+                    # reach the scheduler within the step after the last release (the window in
+                    # which the overshoot row is still launched), which is what the fence is for.
+                    deadline = time.monotonic() + 120
                     while prev_name in (await c.live())["E_overlap"]:
+                        assert time.monotonic() < deadline, f"{prev_name} was never reclaimed"
+                        if finishing.done() and finishing.exception() is not None:
+                            await finishing  # a finishing session failed: raise it
                         await c.publisher.reclaim_ready()
+                        await asyncio.sleep(0.005)
+                    await finishing
                 await asyncio.gather(*load)
                 previous = fresh[:FINISHING]
                 for s in fresh[FINISHING:]:
@@ -117,13 +130,15 @@ async def test_reclaim_under_a_running_overlap_batch_never_frees_a_slot_a_launch
             fences = [f for lid in unloaded.values() for f in fence_records(engine.log_path, lid)]
             unloads = {n: unload_lines(engine.log_path, lid) for n, lid in unloaded.items()}
             violations = [(n, p) for n, ps in probes.items() for p in ps if p["fence_passed"] != "True"]
+            waited = sum(1 for f in fences if f["waited"] != "0")
             report.add(
                 "overlap_scheduler_proof",
                 {
                     "rounds": ROUNDS,
                     "versions_reclaimed": len(unloaded),
                     "fence_violations": len(violations),
-                    "unloads_the_fence_waited_for": sum(1 for f in fences if f["waited"] != "0"),
+                    "unloads_the_fence_waited_for": waited,
+                    "fence_records": len(fences),
                     "outputs_differing_from_baseline": len(wrong),
                     "unloads_not_exactly_once": {n: u for n, u in unloads.items() if u != 1},
                 },
@@ -132,3 +147,8 @@ async def test_reclaim_under_a_running_overlap_batch_never_frees_a_slot_a_launch
             assert not violations, f"unloads served while a launched step read the slot: {violations[:3]}"
             assert all(u == 1 for u in unloads.values()), unloads
             assert not wrong, wrong[:3]
+            assert len(fences) == len(unloaded), ("an unload without its fence record", len(fences), unloaded)
+            assert waited >= 1, (
+                "the fence never waited: no unload met a launched step on its adapter, so this run did "
+                "not exercise the overlap hazard (more rounds, steady streams or earlier reclaims needed)"
+            )

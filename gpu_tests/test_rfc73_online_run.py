@@ -4,10 +4,15 @@ injected partial failure on E1 and is cleaned up); C is refused for capacity bef
 sees it; the A sessions end, A is reclaimed (one physical unload per engine, a late A request
 refused), and C is published.
 
-It asserts behaviour (bindings, exact outputs, capacity, no pause/flush/abort-all, unload once)
-and reports figures: throughput of a managed version against a plain-LoRA engine under the same
-load (a ratio), p95 latency and the largest gap between tokens before, during and after
-publication, next to Relax's anchor (0.98 of plain throughput, 0.05 s largest gap, RTX 6000 Ada).
+Before the run, the report fixes its load, the bucket cap, each phase's deadline and the largest
+no-progress gap allowed (the device profile's ``stall_bound_s``). It asserts behaviour (bindings,
+exact outputs, capacity, no pause/flush/abort-all, unload once, no failed request, at most two
+versions held) and progress: the run FAILS when either engine went longer than the bound without
+a chunk while it had a request in flight (``_acceptance.max_no_progress_gap``). It reports
+request latency p50/p95/p99 (overall and before / during / after publication), each
+publication's per-phase times, the version occupancy samples, and the throughput of a managed
+version against a plain-LoRA engine under the same load, next to Relax's anchor (0.98 of plain
+throughput, 0.05 s largest gap, RTX 6000 Ada).
 """
 
 from __future__ import annotations
@@ -24,17 +29,20 @@ from _acceptance import (
     TOOL_IDS,
     Cohort,
     LoadFigures,
+    Report,
     Stream,
     Turn,
     body,
     greedy,
+    latency_summary,
+    max_no_progress_gap,
     measure_load,
-    percentile,
     prompt,
 )
 from engine_wrappers.step_fence_probe import probe_lines
 
 from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.transport import BUCKET_TARGET_BYTES
 from lora_versions_dev.engine_log import fence_records, unload_lines
 from lora_versions_dev.fault_injection import FaultInjectingClient
 from relax_glue.publisher import PublishOutcome
@@ -48,6 +56,31 @@ WINDOW_S = 3.0  # traffic before the publication and after the last step
 # The throughput comparison's load per device: concurrent clients, requests each, tokens each.
 LOAD = {"cpu": {"streams": 4, "rounds": 2, "n": 32}, "cuda": {"streams": 32, "rounds": 2, "n": 128}}
 CYCLES = 2
+JOIN_EVERY_S = 0.7  # a new session joins this often
+PUBLISH_DEADLINE_S = 120.0  # each publication call (begin to commit or clean failure)
+RECLAIM_DEADLINE_S = 120.0  # A's reclaim, from its sessions' close to both unloads
+DRAIN_DEADLINE_S = 30.0  # a closing session's in-flight requests
+MAX_VERSIONS = 2
+
+
+def fix_thresholds(report: Report, profile: Any, load: dict[str, int]) -> float:
+    """RFC 7.3: load, bucket cap, phase deadlines and the largest no-progress gap, fixed (and
+    written to the report) before the run. Returns the no-progress bound."""
+    report.fix("rfc73.agents", AGENTS)
+    report.fix("rfc73.tokens_per_turn", TOKENS)
+    report.fix("rfc73.join_every_s", JOIN_EVERY_S)
+    report.fix("rfc73.traffic_window_s", WINDOW_S)
+    report.fix("rfc73.throughput_load", {**load, "abba_cycles": CYCLES})
+    report.fix("rfc73.bucket_cap_bytes", BUCKET_TARGET_BYTES)
+    report.fix("rfc73.deadline_publish_s", PUBLISH_DEADLINE_S)
+    report.fix("rfc73.deadline_reclaim_s", RECLAIM_DEADLINE_S)
+    report.fix("rfc73.deadline_session_drain_s", DRAIN_DEADLINE_S)
+    report.fix("rfc73.max_versions_held", MAX_VERSIONS)
+    return report.fix(
+        "rfc73.max_no_progress_gap_s",
+        profile.stall_bound_s,
+        f"device profile {profile.device}: a stall, not a slow step (lora_versions_dev/device_profile.py)",
+    )
 
 
 def combine(runs: list[LoadFigures]) -> LoadFigures:
@@ -115,7 +148,7 @@ async def joiners(c: Cohort, live: Live, stop: asyncio.Event) -> None:
         tasks.append(asyncio.create_task(one(k)))
         k += 1
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.7)
+            await asyncio.wait_for(stop.wait(), JOIN_EVERY_S)
     await asyncio.gather(*tasks)
 
 
@@ -134,22 +167,40 @@ def phase_figures(live: Live, lo: float, hi: float) -> dict[str, Any]:
         "window_s": round(hi - lo, 2),
         "requests_started": len(started),
         "chunks": tokens,
-        "p95_latency_s": round(percentile([s.latency_s for s in started], 95), 3),
+        "latency": latency_summary([s.latency_s for s in started]),
         "max_gap_s": round(max(gaps, default=0.0), 3),
+        "max_no_progress_s": {
+            e: round(max_no_progress_gap(live.streams, e, lo, hi), 3) for e in ("E0", "E1")
+        },
+    }
+
+
+def publication_figures(result: Any) -> dict[str, Any]:
+    """One publication call: its outcome, its time and its time per phase."""
+    return {
+        "outcome": result.outcome.value,
+        "duration_s": round(result.duration_s, 3),
+        "phase_s": {k: round(v, 3) for k, v in result.phase_s.items()},
     }
 
 
 async def test_online_publication_under_live_agent_traffic(
     deployment, acceptance_fixtures, profile, report
 ) -> None:
+    load = LOAD[profile.device]
+    stall_bound_s = fix_thresholds(report, profile, load)
     async with Cohort(deployment, acceptance_fixtures, profile) as c:
-        assert (await c.publish("A")).outcome is PublishOutcome.PUBLISHED
+        c.sm.drain_timeout_s = DRAIN_DEADLINE_S
+        published_a = await c.publish("A")
+        assert published_a.outcome is PublishOutcome.PUBLISHED
         name_a = c.name_of["A"]
+
+        async def publish(adapter: str, version_id: str | None = None) -> Any:
+            return await asyncio.wait_for(c.publish(adapter, version_id), PUBLISH_DEADLINE_S)
 
         # -- throughput: the same load on one managed engine (version A) and on the plain-LoRA
         # engine (stock SGLang, only A loaded), one after the other.
         # One warm-up round each, then ABBA cycles so neither engine gains from going first.
-        load = LOAD[profile.device]
         engines = {"managed": (deployment["E0"].url, name_a), "plain": (deployment["base_A"].url, "A")}
         for url, lora in engines.values():
             await measure_load(url, lora, seed=999, **{**load, "rounds": 1})
@@ -178,18 +229,18 @@ async def test_online_publication_under_live_agent_traffic(
             # The injected partial failure: B's first bucket to E1 arrives corrupted.
             faulty = FaultInjectingClient(c.clients["E1"]).corrupt_bucket(1)
             c.wrap("E1", faulty)
-            first_try = await c.publish("B")
+            first_try = await publish("B")
             c.unwrap()
             assert first_try.outcome is PublishOutcome.FAILED_CLEAN, first_try
             assert first_try.error is not None and first_try.error.code is ErrorCode.CHECKSUM_MISMATCH
             assert faulty.injected and (await c.live()) == {"E0": [name_a], "E1": [name_a]}
-            replay = await c.publish("B")  # idempotent: the same outcome, nothing sent again
+            replay = await publish("B")  # idempotent: the same outcome, nothing sent again
             assert replay.outcome is PublishOutcome.FAILED_CLEAN and not replay.steps, replay
-            second_try = await c.publish("B", "B.retry")
+            second_try = await publish("B", "B.retry")
             assert second_try.outcome is PublishOutcome.PUBLISHED, second_try
             live.events["committed_B"] = time.monotonic()
 
-            refused = await c.publish("C")
+            refused = await publish("C")
             live.events["refused_C"] = time.monotonic()
             assert refused.outcome is PublishOutcome.REFUSED and refused.error is not None
             assert refused.error.code is ErrorCode.CAPACITY_ERROR, refused
@@ -207,7 +258,7 @@ async def test_online_publication_under_live_agent_traffic(
 
             a_ids = {e: next(v.lora_id for v in (await cl.status()).versions if v.lora_name == name_a)
                      for e, cl in c.clients.items()}  # fmt: skip
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + RECLAIM_DEADLINE_S
             while name_a in {n for names in (await c.live()).values() for n in names}:
                 assert time.monotonic() < deadline, "A was never reclaimed"
                 await c.publisher.reclaim_ready()
@@ -219,7 +270,8 @@ async def test_online_publication_under_live_agent_traffic(
                 )
             late_refusal = late.value
 
-            assert (await c.publish("C")).outcome is PublishOutcome.PUBLISHED
+            published_c = await publish("C")
+            assert published_c.outcome is PublishOutcome.PUBLISHED
             live.events["committed_C"] = time.monotonic()
             await asyncio.sleep(WINDOW_S)
             live.events["end"] = time.monotonic()
@@ -258,7 +310,7 @@ async def test_online_publication_under_live_agent_traffic(
         assert decided == {e: [("False", "0", "True")] for e in c.clients}, fences
         probes = probe_lines(deployment["E1"].log_path.read_text(errors="replace"), a_ids["E1"])
         assert [(p["overlap"], p["fence_passed"]) for p in probes] == [("False", "True")], probes
-        assert max(n for _, n in live.slots) <= 2, "more than two managed versions held capacity"
+        assert max(n for _, n in live.slots) <= MAX_VERSIONS, "more than two managed versions held capacity"
         assert not c.forbidden(), c.forbidden()
         failed = [
             e for cl in c.clients.values() for e in cl.audit.entries(kind="generation")
@@ -267,7 +319,10 @@ async def test_online_publication_under_live_agent_traffic(
         assert not failed, failed
         assert {n for names in (await c.live()).values() for n in names} == {name_b, name_c}
 
-        # -- figures
+        # -- figures, and progress: no engine may stall longer than the bound fixed before the run
+        no_progress = {
+            e: round(max_no_progress_gap(live.streams, e, ev["traffic"], ev["end"]), 3) for e in c.clients
+        }
         phases = {
             "before": phase_figures(live, ev["traffic"], ev["publish_B"]),
             "during": phase_figures(live, ev["publish_B"], ev["committed_C"]),
@@ -288,8 +343,17 @@ async def test_online_publication_under_live_agent_traffic(
                 "max_gap_before_s": phases["before"]["max_gap_s"],
                 "max_gap_during_s": phases["during"]["max_gap_s"],
                 "max_gap_after_s": phases["after"]["max_gap_s"],
-                "p95_latency_during_s": phases["during"]["p95_latency_s"],
+                "request_latency": latency_summary([s.latency_s for s in live.streams if s.t]),
+                "max_no_progress_s": no_progress,
+                "max_no_progress_bound_s": stall_bound_s,
                 "publication_B_s": round(ev["committed_B"] - ev["publish_B"], 3),
+                "publications": {
+                    "A": publication_figures(published_a),
+                    "B_injected_failure": publication_figures(first_try),
+                    "B_retry": publication_figures(second_try),
+                    "C_refused": publication_figures(refused),
+                    "C": publication_figures(published_c),
+                },
                 "partial_failure": "B's first bucket to E1 corrupted: FAILED_CLEAN, cleaned on both",
                 "refused_C": "CAPACITY_ERROR, no engine saw a begin",
                 "reclaim_A_s": round(ev["reclaimed_A"] - ev["agents_closed"], 3),
@@ -298,8 +362,11 @@ async def test_online_publication_under_live_agent_traffic(
                 "step_fence_at_unload": {e: records[0] for e, records in fences.items()},
                 "step_fence_probe_at_unload_E1": probes[0],
                 "max_versions_held": max(n for _, n in live.slots),
+                "occupancy_samples": [(round(t - ev["traffic"], 2), n) for t, n in live.slots],
                 "a_turns_checked": len(a_turns),
                 "sessions_joined": len(live.joined),
                 "anchor": RELAX_ANCHOR,
             },
         )
+        stalled = {e: gap for e, gap in no_progress.items() if gap > stall_bound_s}
+        assert not stalled, f"an engine made no progress for longer than {stall_bound_s} s: {stalled}"
