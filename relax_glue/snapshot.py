@@ -49,6 +49,85 @@ def _frozen_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(device="cpu", copy=True, memory_format=torch.contiguous_format)
 
 
+# ------------------------------------------------------------------ sharded parameters
+#
+# A sharded adapter is refused, not gathered here: a gather is a collective every rank must
+# enter, and only the main process takes the snapshot (relax_glue/trl_grpo.py), so a gather
+# started here would wait forever for the other ranks. The caller gathers on every rank with
+# its framework's own API and snapshots inside it (SHARDED_ADVICE).
+
+SHARDED_ADVICE = (
+    "gather the adapter on every rank first and snapshot the whole tensors: FSDP2 (fully_shard, "
+    "DTensor): every rank computes {k: v.full_tensor() for k, v in "
+    "get_peft_model_state_dict(model).items()} and the main process passes it as "
+    "Snapshot.from_peft_model(model, gathered=...); FSDP1: snapshot inside "
+    "FullyShardedDataParallel.summon_full_params(model); DeepSpeed ZeRO-3: snapshot inside "
+    "deepspeed.zero.GatheredParameters(list(model.parameters()))"
+)
+
+
+def sharded_kind(tensor: Any) -> str | None:
+    """How ``tensor`` holds only a shard of its values (None: it holds all of them): a DTensor
+    (FSDP2's fully_shard, tensor parallelism), FSDP1's flat parameter, or a ZeRO-3 partitioned
+    parameter not gathered now (DeepSpeed sets ``ds_id`` and ``ds_status`` on every parameter
+    it partitions; its data is then empty)."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        return "DTensor"
+    if getattr(tensor, "_is_flat_param", False):
+        return "FSDP1 flat parameter"
+    if hasattr(tensor, "ds_id"):
+        status = getattr(getattr(tensor, "ds_status", None), "name", None)
+        if status != "AVAILABLE":
+            return f"ZeRO-3 partitioned parameter ({status or 'status unknown'})"
+    return None
+
+
+def _dtensor_type() -> type | None:
+    import torch
+
+    if not torch.distributed.is_available():  # a build without torch.distributed shards nothing
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _fsdp1_sharded(module: Any) -> bool:
+    """An FSDP1 wrapper whose parameters are not gathered now (outside summon_full_params: with
+    use_orig_params its parameters are views of this rank's shard)."""
+    if _dtensor_type() is None:
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if not isinstance(module, FullyShardedDataParallel):
+        return False
+    return getattr(getattr(module, "training_state", None), "name", None) != "SUMMON_FULL_PARAMS"
+
+
+def sharded_parameters(model: Any) -> list[tuple[str, str]]:
+    """``(name, how)`` for every parameter of ``model`` that holds a shard only, and every FSDP1
+    wrapper whose parameters are not gathered now."""
+    found = [(name, kind) for name, p in model.named_parameters() if (kind := sharded_kind(p))]
+    wrappers = [
+        (name or "<model>", "FSDP1 wrapper") for name, m in model.named_modules() if _fsdp1_sharded(m)
+    ]
+    return found + wrappers
+
+
+def refuse_sharded(found: list[tuple[str, str]]) -> None:
+    """INVALID_REQUEST naming the sharded tensors and how to gather them; nothing is copied."""
+    if found:
+        kinds = sorted({kind for _, kind in found})
+        raise LoraVersionError(
+            ErrorCode.INVALID_REQUEST,
+            f"the adapter is sharded ({', '.join(kinds)}: {len(found)} tensors, e.g. {found[0][0]}); "
+            + SHARDED_ADVICE,
+            sharding=kinds,
+            tensors=[name for name, _ in found[:20]],
+        )
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Snapshot:
     """Frozen tensors + serving config + manifest + digest + bucket plan. Do not mutate tensors
@@ -69,6 +148,7 @@ class Snapshot:
         max_bucket_bytes: int = BUCKET_TARGET_BYTES,
     ) -> Snapshot:
         """Copy ``tensors`` (any device) to owned CPU tensors, then describe the copies."""
+        refuse_sharded([(name, kind) for name, t in tensors.items() if (kind := sharded_kind(t))])
         # Copy first, hash the copies: hashing the live tensors and copying afterwards could
         # describe bytes that differ from the ones we hold if training moves on in between.
         owned = {name: _frozen_copy(t) for name, t in tensors.items()}
@@ -83,14 +163,27 @@ class Snapshot:
 
     @classmethod
     def from_peft_model(
-        cls, model: Any, adapter_name: str = "default", *, max_bucket_bytes: int = BUCKET_TARGET_BYTES
+        cls,
+        model: Any,
+        adapter_name: str = "default",
+        *,
+        gathered: Mapping[str, torch.Tensor] | None = None,
+        max_bucket_bytes: int = BUCKET_TARGET_BYTES,
     ) -> Snapshot:
         """Freeze the adapter of a live PEFT model (what a trainer holds between steps): the
         same tensor names and config that ``model.save_pretrained`` would write, so the snapshot
-        (and its digest) equals :meth:`from_peft_dir` of that saved directory."""
+        (and its digest) equals :meth:`from_peft_dir` of that saved directory. A sharded adapter
+        is refused (INVALID_REQUEST, SHARDED_ADVICE says how to gather it); ``gathered``: its
+        state dict as the caller gathered it (FSDP2), the model then only gives the config."""
         from peft import get_peft_model_state_dict
 
-        tensors = get_peft_model_state_dict(model, adapter_name=adapter_name)
+        if gathered is None:
+            # Before the state dict: an FSDP1 state dict is itself a collective (the other ranks
+            # are not in it), and a flat parameter can hide the adapter's tensors.
+            refuse_sharded(sharded_parameters(model))
+        tensors = (
+            gathered if gathered is not None else get_peft_model_state_dict(model, adapter_name=adapter_name)
+        )
         config = model.peft_config[adapter_name].to_dict()
         # A PeftConfig holds sets (target_modules); save_pretrained writes them as lists.
         config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
