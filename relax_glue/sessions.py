@@ -226,7 +226,13 @@ class Session:
 
     async def _bind_once(self) -> Binding:
         self.bind_calls += 1
-        binding: Binding = await self._m.registry.bind_first(session_key=self.key)
+        try:
+            binding: Binding = await self._m.registry.bind_first(session_key=self.key)
+        except LoraVersionError as err:
+            if err.code is ErrorCode.SESSION_EXPIRED and self.lease_id is not None:
+                # Only its lease's end expires a session: the registry closed every one on it.
+                self._m._lease_ended(self.lease_id)
+            raise
         return binding
 
     def _bind_done(self, task: asyncio.Task[Binding]) -> None:

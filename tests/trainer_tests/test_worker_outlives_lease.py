@@ -170,3 +170,33 @@ async def test_a_session_opened_while_the_heartbeat_is_still_stalled_takes_a_new
     await _old_session_is_refused(w, old)
     await nxt.close()
     assert w.reg.version(vk("A")).session_refs == 0
+
+
+async def test_an_unbound_sessions_first_turn_after_its_lease_ended_marks_the_worker_expired(
+    world: World,
+) -> None:
+    """A session opened, not bound yet, when the stalled worker's lease ends: its first turn's
+    bind is refused SESSION_EXPIRED by the registry. That answer is the lease's end: the session
+    is marked EXPIRED (refused from now on, nothing sent, never bound), the worker drops the
+    ended lease, and its next session opens on a new one without waiting for the heartbeat."""
+    w = world
+    unbound = await w.mgr.open("unbound")
+    first_lease = w.mgr.lease_id
+    w.faults.stall()
+    await w.until("the reaper ends the stalled lease", lambda: not w.reg.lease(first_lease).live)
+    sent = w.sent()
+    with pytest.raises(LoraVersionError) as e:
+        await unbound.generate(TURN)
+    assert e.value.code is ErrorCode.SESSION_EXPIRED
+    assert unbound.phase is SessionPhase.EXPIRED and unbound.binding is None
+    assert w.mgr.lease_id is None and w.sent() == sent
+    with pytest.raises(LoraVersionError) as e:
+        await unbound.generate(TURN)  # refused here, no second bind asked for
+    assert e.value.code is ErrorCode.SESSION_EXPIRED and unbound.bind_calls == 1
+
+    nxt = await w.mgr.open("next")
+    assert nxt.lease_id not in (None, first_lease) and w.reg.lease(nxt.lease_id).live
+    w.faults.heal()
+    await _kept_alive(w, nxt, nxt.lease_id)
+    await nxt.close()
+    assert w.reg.version(vk("A")).session_refs == 0
