@@ -63,20 +63,24 @@ class Workload:
 
     def __init__(self, reg: Any) -> None:
         self.reg = reg
+        # the publisher's token: a registry or store's own; a client fills in the one it carries
+        self.auth = {"publisher_token": getattr(reg, "publisher_token", None)}
         self.n_versions = 0
         self.n_sessions = 0
         for engine in ENGINES:
-            reg.register_engine_incarnation(engine, f"{engine}-i1")
+            reg.register_engine_incarnation(engine, f"{engine}-i1", **self.auth)
         self.publish()
 
     def publish(self) -> VersionKey:
         vid = f"v{self.n_versions}"
         self.n_versions += 1
         key, dig = VersionKey(EPOCH, vid), _digest(vid)
-        res = self.reg.reserve(key, dig, f"relax_policy_lora@{EPOCH}-{vid}-{dig[:12]}", f"req-{vid}")
+        name = f"relax_policy_lora@{EPOCH}-{vid}-{dig[:12]}"
+        res = self.reg.reserve(key, dig, name, f"req-{vid}", **self.auth)
         for engine in ENGINES:
-            self.reg.record_ready(engine, ReadyEvidence(key, dig, res.attempt_token, f"{engine}-i1"))
-        self.reg.commit(key, res.attempt_token, self.n_versions - 1)
+            ready = ReadyEvidence(key, dig, res.attempt_token, f"{engine}-i1")
+            self.reg.record_ready(engine, ready, **self.auth)
+        self.reg.commit(key, res.attempt_token, self.n_versions - 1, **self.auth)
         return key
 
     def pair(self) -> None:
@@ -88,9 +92,10 @@ class Workload:
     def cycle(self) -> None:
         retired = VersionKey(EPOCH, f"v{self.n_versions - 1}")
         self.publish()
-        claim = self.reg.claim_reclaim(retired)
+        claim = self.reg.claim_reclaim(retired, **self.auth)
         for engine in ENGINES:
-            self.reg.confirm_reclaim(retired, engine, UnloadEvidence(claim.reclaim_id, f"{engine}-i1"))
+            unloaded = UnloadEvidence(claim.reclaim_id, f"{engine}-i1")
+            self.reg.confirm_reclaim(retired, engine, unloaded, **self.auth)
 
 
 def _timed(step: Callable[[], None], seconds: float, max_iters: int = 10**7) -> tuple[int, float]:
@@ -188,7 +193,7 @@ def bench_ray(tmp: Path, seconds: float) -> tuple[list[dict[str, Any]], str]:
         import ray
     except ImportError:
         return [], "ray not installed: actor rows skipped (pip install '.[ray]')"
-    from relax_glue.actor import RegistryClient, start_registry_actor
+    from relax_glue.actor import RegistryClient, new_publisher_token, start_registry_actor
 
     start = time.perf_counter()
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
@@ -196,8 +201,11 @@ def bench_ray(tmp: Path, seconds: float) -> tuple[list[dict[str, Any]], str]:
     rows: list[dict[str, Any]] = []
     try:
         for label, db in (("ray actor (memory)", None), ("ray actor (durable FULL)", tmp / "actor.db")):
-            handle = start_registry_actor(EPOCH, ENGINES, db_path=db, name=f"bench-{label}")
-            rows += bench_backend(label, RegistryClient.for_actor(handle), seconds / 2)
+            token = new_publisher_token()
+            handle = start_registry_actor(
+                EPOCH, ENGINES, db_path=db, name=f"bench-{label}", publisher_token=token
+            )
+            rows += bench_backend(label, RegistryClient.for_actor(handle, publisher_token=token), seconds / 2)
             ray.kill(handle)
     finally:
         ray.shutdown()

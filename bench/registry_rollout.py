@@ -148,7 +148,7 @@ class _Publisher:
             for v in reg.status().versions:
                 if v.state is VersionState.RETIRED and v.session_refs == 0:
                     try:
-                        claim = reg.claim_reclaim(v.version_key)
+                        claim = reg.claim_reclaim(v.version_key)  # the client carries the token
                         for engine in ENGINES:
                             reg.confirm_reclaim(
                                 v.version_key, engine, UnloadEvidence(claim.reclaim_id, f"{engine}-i1")
@@ -186,7 +186,7 @@ def main() -> None:
 
     import ray
 
-    from relax_glue.actor import start_registry_actor
+    from relax_glue.actor import new_publisher_token, start_registry_actor
 
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
@@ -197,8 +197,14 @@ def main() -> None:
     )
     gcs = ray.get_runtime_context().gcs_address
     tmp = Path(tempfile.mkdtemp(prefix="registry-rollout-"))
+    token = new_publisher_token()  # this process publishes; the worker processes hold no token
     handle = start_registry_actor(
-        EPOCH, ENGINES, db_path=tmp / "registry.db", name=ACTOR_NAME, synchronous=args.synchronous
+        EPOCH,
+        ENGINES,
+        db_path=tmp / "registry.db",
+        name=ACTOR_NAME,
+        synchronous=args.synchronous,
+        publisher_token=token,
     )
     actor_pid = int(ray.get(handle.describe.remote())["pid"])
     # one published default for the sessions to bind, committed as a publisher would
@@ -208,7 +214,7 @@ def main() -> None:
     from relax_glue.actor import RegistryClient
 
     assert OPS_EPOCH == EPOCH
-    workload = Workload(RegistryClient.for_actor(handle))
+    workload = Workload(RegistryClient.for_actor(handle, publisher_token=token))
 
     spy = None
     if args.profile:

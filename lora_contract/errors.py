@@ -32,6 +32,9 @@ class ErrorCode(StrEnum):
     NOT_ALL_READY = "NOT_ALL_READY"
     OUTCOME_UNKNOWN = "OUTCOME_UNKNOWN"
     UNKNOWN_ENGINE = "UNKNOWN_ENGINE"
+    # A publication-side registry call without the publisher token the registry was opened with
+    # (a rollout worker's client carries none): only the publisher may change what is published
+    NOT_PUBLISHER = "NOT_PUBLISHER"
     # data plane (staging, manifests)
     MANIFEST_MISMATCH = "MANIFEST_MISMATCH"
     CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
@@ -84,6 +87,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_ALL_READY: 409,
     ErrorCode.OUTCOME_UNKNOWN: 409,
     ErrorCode.UNKNOWN_ENGINE: 400,
+    ErrorCode.NOT_PUBLISHER: 403,
     ErrorCode.MANIFEST_MISMATCH: 422,
     ErrorCode.CHECKSUM_MISMATCH: 422,
     ErrorCode.BUCKET_OUT_OF_ORDER: 409,

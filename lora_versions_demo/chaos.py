@@ -260,17 +260,24 @@ class Campaign:
         import ray
 
         from lora_versions_dev.fault_injection import FaultInjectingClient
-        from relax_glue.actor import AsyncRegistryClient, start_registry_actor
+        from relax_glue.actor import AsyncRegistryClient, new_publisher_token, start_registry_actor
         from relax_glue.engine_client import EngineClient
         from relax_glue.sessions import SessionManager
         from relax_glue.snapshot import Snapshot
         from relax_glue.snapshot_store import SnapshotStore
 
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        token = new_publisher_token()  # this process publishes: its client carries the token
         self.actor = start_registry_actor(
-            self.epoch, COHORT, self.cfg.capacity, db_path=self.out / f"{self.epoch}.db"
+            self.epoch,
+            COHORT,
+            self.cfg.capacity,
+            db_path=self.out / f"{self.epoch}.db",
+            publisher_token=token,
         )
-        self.registry = AsyncRegistryClient.for_actor(self.actor, retries=3, retry_delay_s=0.2)
+        self.registry = AsyncRegistryClient.for_actor(
+            self.actor, retries=3, retry_delay_s=0.2, publisher_token=token
+        )
         self._record_registry(self.registry)
         from relax_glue.bucket_transport import CollectiveTransport
 

@@ -31,12 +31,21 @@ Clients: :class:`RegistryClient` (sync) and :class:`AsyncRegistryClient` (async)
 registry's method names, arguments and results, and raise the same :class:`LoraVersionError`
 (the actor returns refusals as data, so the typed error is rebuilt exactly on the caller side).
 Build them with ``.in_process(registry_or_store)`` or ``.for_actor(handle)``.
+
+Publisher authority: publication ops (``PUBLISHER_OPS``) need the publisher token the registry was
+opened with, and a client fills it in for them when it carries one. ``in_process`` carries the
+token of the registry object it is given (whoever holds the object opened it); ``for_actor``
+carries only the ``publisher_token`` passed to it, so a rollout worker's client (the actor by
+name) can open, bind and close sessions but never reserve, commit, abort or reclaim
+(NOT_PUBLISHER). The trainer draws the token (:func:`new_publisher_token`), starts the actor with
+it and builds its own client with it; no actor method returns it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import inspect
 import os
 import threading
@@ -47,7 +56,14 @@ from typing import TYPE_CHECKING, Any
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.names import MANAGED_CAPACITY
-from relax_glue.registry import PUBLIC_OPS, LoRAVersionRegistry, stamp_now
+from relax_glue.registry import (
+    PUBLIC_OPS,
+    PUBLISHER_OPS,
+    LoRAVersionRegistry,
+    checked_publisher_token,
+    new_publisher_token,
+    stamp_now,
+)
 from relax_glue.registry_ops import AsyncRegistryOps, RegistryOps
 from relax_glue.store import DurableRegistry, StoreError, StoreMissingError
 
@@ -68,6 +84,8 @@ __all__ = [
     "RegistryUnavailable",
     "actor_name",
     "get_registry_actor",
+    "new_publisher_token",
+    "publisher_fingerprint",
     "start_registry_actor",
 ]
 
@@ -78,6 +96,7 @@ DURABLE_CONCURRENCY = 16
 # Most calls one Ray round trip carries (a bound on the reply's size, not on throughput).
 MAX_BATCH = 256
 _ALLOWED = frozenset(PUBLIC_OPS)
+_PUBLISHER_OPS = frozenset(PUBLISHER_OPS)
 Envelope = tuple[Any, ...]
 
 
@@ -95,6 +114,20 @@ def actor_name(epoch: str | int) -> str:
 
 
 # ------------------------------------------------------------------------------- the actor
+
+
+def publisher_fingerprint(token: str) -> str:
+    """What an actor says of its publisher token: enough to tell two tokens apart, nothing that
+    gives one away (a 256-bit token is not guessed back from its hash)."""
+    return hashlib.sha256(b"lora-versions publisher\x1f" + token.encode()).hexdigest()[:16]
+
+
+def _as_publisher(op: str, kwargs: dict[str, Any], token: str | None) -> dict[str, Any]:
+    """``kwargs`` with the client's publisher token for a publication op (a token the caller
+    passed itself is kept); everything else goes as it is."""
+    if token is None or op not in _PUBLISHER_OPS or kwargs.get("publisher_token") is not None:
+        return kwargs
+    return {**kwargs, "publisher_token": token}
 
 
 def _refused(exc: LoraVersionError) -> Envelope:
@@ -145,6 +178,7 @@ class RegistryActor:
         db_path: str | None,
         synchronous: str,
         lease_reaper_s: float | None = None,
+        publisher_token: str | None = None,
     ) -> None:
         self._db_path = db_path
         # Serialises an in-memory registry's calls (the reaper thread is another caller); a
@@ -156,7 +190,7 @@ class RegistryActor:
         self._registry: LoRAVersionRegistry | DurableRegistry | None = None
         self._refusal: LoraVersionError | None = None
         if db_path is None:
-            self._registry = LoRAVersionRegistry(epoch, engines, capacity)
+            self._registry = LoRAVersionRegistry(epoch, engines, capacity, publisher_token=publisher_token)
         else:
             # A restart (Ray re-runs __init__) must find the state it served: on a missing or
             # empty database it refuses every call, naming the path, and never serves an empty
@@ -164,7 +198,13 @@ class RegistryActor:
             restarted = _was_restarted()
             try:
                 self._registry = DurableRegistry.open(
-                    db_path, epoch, engines, capacity, synchronous=synchronous, must_exist=restarted
+                    db_path,
+                    epoch,
+                    engines,
+                    capacity,
+                    synchronous=synchronous,
+                    must_exist=restarted,
+                    publisher_token=publisher_token,
                 )
             except StoreMissingError as exc:
                 self._refusal = LoraVersionError(ErrorCode.REGISTRY_STATE_LOST, str(exc), db_path=db_path)
@@ -219,6 +259,7 @@ class RegistryActor:
             "engines": self._opened_with,
             "cohort": tuple(reg.engines),
             "capacity": reg.capacity,
+            "publisher": publisher_fingerprint(reg.publisher_token),
         }
 
     def close(self) -> None:
@@ -260,6 +301,7 @@ def start_registry_actor(
     detached: bool = False,
     lease_reaper_s: float | None = DEFAULT_LEASE_REAPER_S,
     node_id: str | None = None,
+    publisher_token: str | None = None,
 ) -> ActorHandle:
     """Get the epoch's registry actor, creating it if nobody has yet (``ray.init`` first).
 
@@ -274,7 +316,15 @@ def start_registry_actor(
 
     ``lease_reaper_s``: the actor ends the leases that ran out every so often, by its own clock
     (on by default; None turns it off, for a registry whose leases someone else reaps).
+
+    ``publisher_token``: the trainer's (:func:`new_publisher_token`); it builds its own client
+    with it (``AsyncRegistryClient.for_actor(handle, publisher_token=token)``). A durable actor
+    makes it its database's token. An actor that already runs under another publisher's token is
+    refused (:class:`StoreError`): stop it first. None: the caller does not publish (the actor
+    keeps its database's token, or draws one nobody outside it knows).
     """
+    if publisher_token is not None:
+        checked_publisher_token(publisher_token)
     ray = _ray()
     name = name or actor_name(epoch)
     path = os.fspath(db_path) if db_path is not None else None
@@ -300,7 +350,7 @@ def start_registry_actor(
             max_task_retries=0,
             **placement,
         )
-        .remote(epoch, list(engines), capacity, path, synchronous, lease_reaper_s)
+        .remote(epoch, list(engines), capacity, path, synchronous, lease_reaper_s, publisher_token)
     )
     try:
         desc = raise_if_refused(ray.get(handle.describe.remote()))
@@ -311,6 +361,11 @@ def start_registry_actor(
     if got != (expected.epoch, expected.engines, expected.capacity, path):
         raise StoreError(
             f"actor {name!r} already serves epoch/engines/capacity/db {got}, not the ones asked for"
+        )
+    if publisher_token is not None and desc["publisher"] != publisher_fingerprint(publisher_token):
+        raise StoreError(
+            f"actor {name!r} already serves another publisher (a running actor keeps the token it "
+            "was started with): stop it, or publish with the token it was started with"
         )
     return handle
 
@@ -385,20 +440,40 @@ def _local_describe(registry: Any) -> Callable[[], dict[str, Any]]:
 class RegistryClient(_Describe, RegistryOps):
     """Synchronous client with the registry's API, in-process or through the actor."""
 
-    def __init__(self, backend: _Backend, describe: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        backend: _Backend,
+        describe: Callable[[], dict[str, Any]],
+        *,
+        publisher_token: str | None = None,
+    ) -> None:
         self._backend = backend
         self._describe = describe
+        self._publisher_token = None if publisher_token is None else checked_publisher_token(publisher_token)
 
     @classmethod
-    def in_process(cls, registry: LoRAVersionRegistry | DurableRegistry) -> RegistryClient:
-        return cls(_LocalBackend(registry), _local_describe(registry))
+    def in_process(
+        cls, registry: LoRAVersionRegistry | DurableRegistry, *, as_publisher: bool = True
+    ) -> RegistryClient:
+        """``as_publisher=False``: a client without the registry's publisher token (a worker's)."""
+        token = registry.publisher_token if as_publisher else None
+        return cls(_LocalBackend(registry), _local_describe(registry), publisher_token=token)
 
     @classmethod
-    def for_actor(cls, handle: Any) -> RegistryClient:
-        return cls(_RayBackend(handle), lambda: raise_if_refused(_ray().get(handle.describe.remote())))
+    def for_actor(cls, handle: Any, *, publisher_token: str | None = None) -> RegistryClient:
+        return cls(
+            _RayBackend(handle),
+            lambda: raise_if_refused(_ray().get(handle.describe.remote())),
+            publisher_token=publisher_token,
+        )
+
+    @property
+    def is_publisher(self) -> bool:
+        """Whether this client carries a publisher token (whether it is right, the registry says)."""
+        return self._publisher_token is not None
 
     def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
-        return _unwrap(self._backend.call(op, kwargs))
+        return _unwrap(self._backend.call(op, _as_publisher(op, kwargs, self._publisher_token)))
 
     _call = _dispatch  # the raw entry point (tests call it with ops outside the typed API)
 
@@ -476,8 +551,10 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         retry_delay_s: float = 0.05,
         transient: tuple[type[BaseException], ...] = TRANSIENT_ERRORS,
         lease_reaper_s: float | None = None,
+        publisher_token: str | None = None,
     ) -> None:
         self._acall = call
+        self._publisher_token = None if publisher_token is None else checked_publisher_token(publisher_token)
         self._adescribe = describe
         self._executor = executor
         self._describe = self._cached_only
@@ -499,13 +576,16 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         *,
         offload: bool | None = None,
         lease_reaper_s: float | None = DEFAULT_LEASE_REAPER_S,
+        as_publisher: bool = True,
         **retry: Any,
     ) -> AsyncRegistryClient:
         """``registry``: the in-memory registry, a durable store, or any object with the
         registry's operations (sync or async). ``offload`` (default: for a durable store) runs the
         calls on a worker thread. ``lease_reaper_s``: once a lease is granted through this
         client, it ends the leases that ran out every so often, by this host's clock, until
-        :meth:`close` (None: the caller reaps, e.g. with :meth:`reap_leases_forever`)."""
+        :meth:`close` (None: the caller reaps, e.g. with :meth:`reap_leases_forever`).
+        ``as_publisher``: carry the registry object's publisher token (False: a worker's client)."""
+        token = getattr(registry, "publisher_token", None) if as_publisher else None
         if offload is None:
             offload = isinstance(registry, DurableRegistry)
         executor: ThreadPoolExecutor | None = None
@@ -525,12 +605,16 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         async def describe() -> dict[str, Any]:
             return _local_describe(registry)()
 
-        return cls(call, describe, executor, lease_reaper_s=lease_reaper_s, **retry)
+        return cls(call, describe, executor, lease_reaper_s=lease_reaper_s, publisher_token=token, **retry)
 
     @classmethod
-    def for_actor(cls, handle: Any, *, batch: bool = True, **retry: Any) -> AsyncRegistryClient:
+    def for_actor(
+        cls, handle: Any, *, batch: bool = True, publisher_token: str | None = None, **retry: Any
+    ) -> AsyncRegistryClient:
         """``batch``: the calls this client makes while one actor call is in flight go together
-        in the next (one Ray round trip); False: one actor call per registry call."""
+        in the next (one Ray round trip); False: one actor call per registry call.
+        ``publisher_token``: the trainer's (the one it started the actor with); a worker's
+        client has none and is refused every publication op (NOT_PUBLISHER)."""
         if batch:
             coalescer = _Coalescer(lambda calls: handle.call_many.remote(calls))
             call = coalescer.call
@@ -542,7 +626,7 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         async def describe() -> dict[str, Any]:
             return raise_if_refused(await handle.describe.remote())
 
-        return cls(call, describe, **retry)
+        return cls(call, describe, publisher_token=publisher_token, **retry)
 
     @classmethod
     def of(cls, registry: Any, **retry: Any) -> AsyncRegistryClient:
@@ -561,6 +645,11 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
                 self._reaper.cancel()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+    @property
+    def is_publisher(self) -> bool:
+        """Whether this client carries a publisher token (whether it is right, the registry says)."""
+        return self._publisher_token is not None
 
     @property
     def reaping(self) -> bool:
@@ -591,6 +680,7 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
     async def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
         if op == "grant_lease":
             self._start_reaper()
+        kwargs = _as_publisher(op, kwargs, self._publisher_token)
         last: BaseException | None = None
         for attempt in range(self.retries + 1):
             if attempt:

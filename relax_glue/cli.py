@@ -38,6 +38,10 @@ HINTS: dict[str, str] = {
     "STALE_INCARNATION": "an engine restarted during the operation: `lora-versions resolve`",
     "VERSION_IN_USE": "sessions still hold that version (or it is the default): close them first",
     "UNKNOWN_ENGINE": "the --engine ids must be the registry's cohort: see `lora-versions status`",
+    "NOT_PUBLISHER": (
+        "only the publisher changes what is published: through --registry ray:EPOCH, set "
+        "LORA_VERSIONS_PUBLISHER_TOKEN to the token the trainer started the actor with"
+    ),
     "INCOMPATIBLE_ADAPTER": (
         "the engines would not serve this adapter as PEFT does: check its rank and modules"
     ),

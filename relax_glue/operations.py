@@ -9,7 +9,9 @@ Where the registry lives, as the CLI names it (``--registry``):
   that change it (``publish``, ``reclaim``, ``resolve``) open it as its single writer, and are
   refused (``StoreLockedError``) while another process holds it.
 * ``ray:EPOCH`` or ``ray:EPOCH@ADDRESS``: the epoch's named registry actor on a running Ray
-  cluster (the single writer is the actor; the CLI is one more client).
+  cluster (the single writer is the actor; the CLI is one more client). Commands that change it
+  act for the publisher: they need the token the trainer started the actor with, in the
+  environment (``LORA_VERSIONS_PUBLISHER_TOKEN``); without it they are refused (NOT_PUBLISHER).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,8 @@ __all__ = [
 ]
 
 Progress = Callable[[str], None]
+# Where an operator gives the publisher token to commands that change a registry actor's state.
+PUBLISHER_TOKEN_ENV = "LORA_VERSIONS_PUBLISHER_TOKEN"
 
 
 def _quiet(_: str) -> None:
@@ -105,7 +110,8 @@ async def open_registry(
 
         actor_epoch, _, address = rest.partition("@")
         ray.init(address=address or "auto", namespace=DEFAULT_NAMESPACE, ignore_reinit_error=True)
-        yield AsyncRegistryClient.for_actor(get_registry_actor(actor_epoch))
+        token = (os.environ.get(PUBLISHER_TOKEN_ENV) or None) if writable else None
+        yield AsyncRegistryClient.for_actor(get_registry_actor(actor_epoch), publisher_token=token)
         return
     raise ValueError(f"--registry wants sqlite:PATH or ray:EPOCH[@ADDRESS], got {spec!r}")
 

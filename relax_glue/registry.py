@@ -17,6 +17,12 @@ Rules every operation follows:
 * **Never free on a guess.** A slot is released only by a confirmed receipt from every engine
   (cleanup for a failed candidate, UNLOADED for a reclaim). An unknown outcome keeps the slot
   and blocks new publications until a receipt resolves it.
+* **Only the publisher publishes.** Every op that changes versions, the default, the cohort or
+  capacity (``PUBLISHER_OPS``) must carry the publisher token the registry was opened with; a
+  missing or wrong one is NOT_PUBLISHER, checked first, so it changes nothing and gets no
+  replayed answer either (a replay would hand out attempt tokens and reclaim ids). Session and
+  lease ops and queries need none: they are what rollout workers call. The token is an input
+  (given at construction, or drawn once there), never part of a transition, a dump or an answer.
 
 Decisions where the issue is silent are marked "Decision:" next to the code that makes them.
 """
@@ -24,9 +30,11 @@ Decisions where the issue is silent are marked "Decision:" next to the code that
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import math
 import re
+import secrets
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
@@ -67,11 +75,13 @@ from relax_glue.registry_types import (
 
 __all__ = [
     "MUTATING_OPS",
+    "PUBLISHER_OPS",
     "QUERY_OPS",
     "TIMED_OPS",
     "LoRAVersionRegistry",
     "holds_slot",
     "may_start_reclaim",
+    "new_publisher_token",
     "stamp_now",
 ]
 
@@ -151,6 +161,23 @@ MUTATING_OPS: tuple[str, ...] = (
     "claim_reclaim",
     "confirm_reclaim",
 )
+# The mutating ops only the publisher may call (they take ``publisher_token``): everything that
+# changes versions, the default, the cohort or the capacity slots. The rest of MUTATING_OPS are
+# session and lease ops (rollout workers) and the store's own session pruning.
+PUBLISHER_OPS: tuple[str, ...] = (
+    "record_base",
+    "reserve",
+    "record_prepared",
+    "record_ready",
+    "commit",
+    "abort",
+    "record_cleanup",
+    "register_engine_incarnation",
+    "mark_engine_unknown",
+    "declare_engine_lost",
+    "claim_reclaim",
+    "confirm_reclaim",
+)
 QUERY_OPS: tuple[str, ...] = (
     "status",
     "binding_of",
@@ -182,6 +209,18 @@ def stamp_now(op: str, kwargs: dict[str, Any], clock: Any = None) -> dict[str, A
 
         return {**kwargs, "now": (clock or time.time)()}
     return kwargs
+
+
+def new_publisher_token() -> str:
+    """A fresh publisher token: 256 random bits, URL-safe text."""
+    return secrets.token_urlsafe(32)
+
+
+def checked_publisher_token(token: Any) -> str:
+    """``token`` if it can be a publisher token; ValueError otherwise (never naming the value)."""
+    if not isinstance(token, str) or not 16 <= len(token) <= 256 or not token.isascii():
+        raise ValueError("a publisher token is an ASCII string of 16 to 256 characters")
+    return token
 
 
 def _fail(code: ErrorCode, message: str, **details: Any) -> NoReturn:
@@ -233,6 +272,7 @@ class LoRAVersionRegistry:
         capacity: int = MANAGED_CAPACITY,
         *,
         debug_checks: bool = __debug__,
+        publisher_token: str | None = None,
     ) -> None:
         self.epoch = _epoch_text(epoch)
         if isinstance(engines, str) or not engines:
@@ -245,6 +285,11 @@ class LoRAVersionRegistry:
         self.engines: tuple[str, ...] = cohort
         self.capacity = capacity
         self.debug_checks = debug_checks
+        # Whoever constructs (or opens) the registry holds publisher authority: a token given
+        # (the durable store's, kept in its database) or one drawn now. Not state: never dumped.
+        self._publisher_token = (
+            new_publisher_token() if publisher_token is None else checked_publisher_token(publisher_token)
+        )
 
         self._versions: dict[VersionKey, VersionRecord] = {}  # every version of the epoch, forever
         self._by_token: dict[str, VersionKey] = {}
@@ -269,12 +314,33 @@ class LoRAVersionRegistry:
         # lora_contract.base_identity), fixed by the first publication for the whole epoch.
         self._base: str | None = None
 
+    # ================================================================ publisher authority
+
+    @property
+    def publisher_token(self) -> str:
+        """The token publication ops must carry. For the holder of this object only: no op
+        returns it (a worker reaches the registry through ops, never through this object)."""
+        return self._publisher_token
+
+    def _authorize(self, op: str, publisher_token: str | None) -> None:
+        """The one publisher check, first in every op of PUBLISHER_OPS (before any lookup, so a
+        non-publisher gets no replayed answer either). Constant time; the token is never named."""
+        given = publisher_token.encode() if isinstance(publisher_token, str) else b""
+        if not given or not hmac.compare_digest(given, self._publisher_token.encode()):
+            _fail(
+                ErrorCode.NOT_PUBLISHER,
+                f"{op} is a publication op: only the publisher that opened the registry may call it "
+                f"({'no' if publisher_token is None else 'another'} publisher token given)",
+                op=op,
+            )
+
     # ================================================================ publication (RFC 3)
 
-    def record_base(self, fingerprint: str) -> str:
+    def record_base(self, fingerprint: str, *, publisher_token: str | None = None) -> str:
         """Fix the epoch's base model (the cohort's fingerprint, read by the publisher before its
         first publication); the same fingerprint again changes nothing, another one is
         BASE_MISMATCH forever (versions of one epoch are deltas on one base)."""
+        self._authorize("record_base", publisher_token)
         _text("fingerprint", fingerprint, SHA256_RE)
         if self._base is not None and self._base != fingerprint:
             _fail(
@@ -289,13 +355,20 @@ class LoRAVersionRegistry:
         return self._base
 
     def reserve(
-        self, version_key: VersionKey | Sequence[str], digest: str, lora_name: str, request_id: str
+        self,
+        version_key: VersionKey | Sequence[str],
+        digest: str,
+        lora_name: str,
+        request_id: str,
+        *,
+        publisher_token: str | None = None,
     ) -> ReserveResult:
         """Accept a new candidate in LOADING (one slot) and hand out its attempt token.
 
         Same key + same digest replays the existing version (no second slot, no second attempt);
         same key + other digest is VERSION_CONFLICT for the whole epoch.
         """
+        self._authorize("reserve", publisher_token)
         key = self._key(version_key)
         _text("digest", digest, SHA256_RE)
         _text("lora_name", lora_name)
@@ -382,8 +455,11 @@ class LoRAVersionRegistry:
         self._accepted()
         return result
 
-    def record_prepared(self, engine_id: str, receipt: PreparedEvidence) -> EngineAck:
+    def record_prepared(
+        self, engine_id: str, receipt: PreparedEvidence, *, publisher_token: str | None = None
+    ) -> EngineAck:
         """An engine accepted ``begin`` for the live attempt (observability; commit needs READY)."""
+        self._authorize("record_prepared", publisher_token)
         eng = self._engine(engine_id)
         receipt = self._receipt(receipt, PreparedEvidence)
         rec = self._attempt(receipt.attempt_token, receipt.version_key)
@@ -405,8 +481,11 @@ class LoRAVersionRegistry:
         self._accepted()
         return ack
 
-    def record_ready(self, engine_id: str, receipt: ReadyEvidence) -> EngineAck:
+    def record_ready(
+        self, engine_id: str, receipt: ReadyEvidence, *, publisher_token: str | None = None
+    ) -> EngineAck:
         """READY_LOCAL from an engine's current incarnation for the live attempt."""
+        self._authorize("record_ready", publisher_token)
         eng = self._engine(engine_id)
         receipt = self._receipt(receipt, ReadyEvidence)
         rec = self._attempt(receipt.attempt_token, receipt.version_key)
@@ -434,13 +513,19 @@ class LoRAVersionRegistry:
         return ack
 
     def commit(
-        self, version_key: VersionKey | Sequence[str], attempt_token: str, expected_default_revision: int
+        self,
+        version_key: VersionKey | Sequence[str],
+        attempt_token: str,
+        expected_default_revision: int,
+        *,
+        publisher_token: str | None = None,
     ) -> CommitReceipt:
         """Make the candidate the default once every engine is READY from its current incarnation.
 
         Replaying a commit (same version and attempt) returns the stored receipt and changes
         nothing, even if the version has since been retired or reclaimed.
         """
+        self._authorize("commit", publisher_token)
         key = self._key(version_key)
         _text("attempt_token", attempt_token, TOKEN_RE)
         if not isinstance(expected_default_revision, int) or isinstance(expected_default_revision, bool):
@@ -488,8 +573,9 @@ class LoRAVersionRegistry:
         self._accepted()
         return receipt
 
-    def abort(self, attempt_token: str, reason: str) -> AbortResult:
+    def abort(self, attempt_token: str, reason: str, *, publisher_token: str | None = None) -> AbortResult:
         """LOADING -> ABORTED. The slot stays held until every engine confirmed cleanup."""
+        self._authorize("abort", publisher_token)
         rec = self._attempt(attempt_token)
         _text("reason", reason, max_len=1024)
         if rec.commit is not None:
@@ -507,8 +593,16 @@ class LoRAVersionRegistry:
         self._accepted()
         return result
 
-    def record_cleanup(self, engine_id: str, attempt_token: str, receipt: CleanupEvidence) -> EngineAck:
+    def record_cleanup(
+        self,
+        engine_id: str,
+        attempt_token: str,
+        receipt: CleanupEvidence,
+        *,
+        publisher_token: str | None = None,
+    ) -> EngineAck:
         """Cleanup confirmed on one engine; FAILED_CLEAN (slot freed) once every engine confirmed."""
+        self._authorize("record_cleanup", publisher_token)
         eng = self._engine(engine_id)
         receipt = self._receipt(receipt, CleanupEvidence)
         if receipt.attempt_token != attempt_token:
@@ -534,9 +628,12 @@ class LoRAVersionRegistry:
         self._accepted()
         return ack
 
-    def register_engine_incarnation(self, engine_id: str, incarnation: str) -> IncarnationResult:
+    def register_engine_incarnation(
+        self, engine_id: str, incarnation: str, *, publisher_token: str | None = None
+    ) -> IncarnationResult:
         """A (re)started engine. A new incarnation drops that engine's PREPARED / READY for the
         pending attempt: a READY from an earlier incarnation never counts toward a commit."""
+        self._authorize("register_engine_incarnation", publisher_token)
         eng = self._engine(engine_id)
         _text("incarnation", incarnation, TOKEN_RE)
         nk = ("incarnation", engine_id, incarnation)
@@ -567,11 +664,14 @@ class LoRAVersionRegistry:
         self._accepted()
         return result
 
-    def mark_engine_unknown(self, engine_id: str, ref: str, op: str, reason: str) -> EngineAck:
+    def mark_engine_unknown(
+        self, engine_id: str, ref: str, op: str, reason: str, *, publisher_token: str | None = None
+    ) -> EngineAck:
         """The publisher could not learn the outcome of ``op`` on ``engine_id`` for ``ref`` (an
         attempt token or a reclaim id). Nothing is freed; the engine's earlier PREPARED/READY for
         that attempt no longer counts; new publications are refused (OUTCOME_UNKNOWN) until a
         READY, cleanup or UNLOADED receipt from that engine resolves it."""
+        self._authorize("mark_engine_unknown", publisher_token)
         self._engine(engine_id)
         _text("ref", ref, TOKEN_RE)
         _text("op", op, max_len=64)
@@ -597,7 +697,9 @@ class LoRAVersionRegistry:
         self._accepted()
         return ack
 
-    def declare_engine_lost(self, engine_id: str, reason: str) -> EngineLostResult:
+    def declare_engine_lost(
+        self, engine_id: str, reason: str, *, publisher_token: str | None = None
+    ) -> EngineLostResult:
         """An operator's declaration that ``engine_id`` is gone for good (its host died, its
         disk was wiped): it leaves the cohort for the rest of the epoch.
 
@@ -611,6 +713,7 @@ class LoRAVersionRegistry:
         call (the audit trail); a repeat returns the first answer.
         Decision: the last engine of a cohort cannot be declared lost (INVALID_REQUEST): a
         cohort without engines could commit nothing and free everything."""
+        self._authorize("declare_engine_lost", publisher_token)
         nk = ("lost", str(engine_id))
         if nk in self._results:
             return self._results[nk]
@@ -884,9 +987,12 @@ class LoRAVersionRegistry:
 
     # ===================================================================== reclaim (RFC 5)
 
-    def claim_reclaim(self, version_key: VersionKey | Sequence[str]) -> ReclaimClaim:
+    def claim_reclaim(
+        self, version_key: VersionKey | Sequence[str], *, publisher_token: str | None = None
+    ) -> ReclaimClaim:
         """RETIRED with session_refs == 0 -> RECLAIMING with a stable reclaim id (a repeat
         returns the same claim)."""
+        self._authorize("claim_reclaim", publisher_token)
         key = self._key(version_key)
         rec = self._version(key)
         if rec.reclaim_id is not None:
@@ -917,10 +1023,16 @@ class LoRAVersionRegistry:
         return self._claim(new)
 
     def confirm_reclaim(
-        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadEvidence
+        self,
+        version_key: VersionKey | Sequence[str],
+        engine_id: str,
+        receipt: UnloadEvidence,
+        *,
+        publisher_token: str | None = None,
     ) -> EngineAck:
         """UNLOADED on one engine; RECLAIMED (slot freed) once every engine confirmed. A late or
         duplicate receipt changes nothing."""
+        self._authorize("confirm_reclaim", publisher_token)
         key = self._key(version_key)
         eng = self._engine(engine_id)
         receipt = self._receipt(receipt, UnloadEvidence)
@@ -1094,10 +1206,19 @@ class LoRAVersionRegistry:
         return json.dumps(encode(state), sort_keys=True, separators=(",", ":"))
 
     @classmethod
-    def load(cls, text: str, *, debug_checks: bool = __debug__) -> LoRAVersionRegistry:
-        """Rebuild a registry from :meth:`dump` output (used for checkpoints and tests)."""
+    def load(
+        cls, text: str, *, debug_checks: bool = __debug__, publisher_token: str | None = None
+    ) -> LoRAVersionRegistry:
+        """Rebuild a registry from :meth:`dump` output (used for checkpoints and tests). A dump
+        holds no publisher token: the loader gives the one to keep (the store's), or gets a new one."""
         state = decode(json.loads(text))
-        reg = cls(state["epoch"], state["engines"], state["capacity"], debug_checks=debug_checks)
+        reg = cls(
+            state["epoch"],
+            state["engines"],
+            state["capacity"],
+            debug_checks=debug_checks,
+            publisher_token=publisher_token,
+        )
         for rec in state["versions"]:
             reg._put(rec)
             reg._by_token[rec.attempt_token] = rec.key

@@ -12,6 +12,9 @@ its signatures are written once. The generated methods carry the typed signature
 (``inspect.signature``, ``help``) through ``functools.wraps``; static checkers read them from
 :class:`AsyncRegistryAPI`, the coroutine forms written out (``test_registry_ops`` holds each
 equal to its sync declaration), so no generated method is ``Any`` to them.
+
+Publication ops (``PUBLISHER_OPS``) take a keyword-only ``publisher_token`` (None by default); a
+client that carries the publisher token fills it in for them (:mod:`relax_glue.actor`).
 """
 
 from __future__ import annotations
@@ -54,48 +57,106 @@ class RegistryOps:
 
     # --------------------------------------------------------------------- mutating ops
 
-    def record_base(self, fingerprint: str) -> str:
-        return self._dispatch("record_base", fingerprint=fingerprint)
+    def record_base(self, fingerprint: str, *, publisher_token: str | None = None) -> str:
+        return self._dispatch("record_base", fingerprint=fingerprint, publisher_token=publisher_token)
 
     def reserve(
-        self, version_key: VersionKey | Sequence[str], digest: str, lora_name: str, request_id: str
+        self,
+        version_key: VersionKey | Sequence[str],
+        digest: str,
+        lora_name: str,
+        request_id: str,
+        *,
+        publisher_token: str | None = None,
     ) -> ReserveResult:
         return self._dispatch(
-            "reserve", version_key=version_key, digest=digest, lora_name=lora_name, request_id=request_id
+            "reserve",
+            version_key=version_key,
+            digest=digest,
+            lora_name=lora_name,
+            request_id=request_id,
+            publisher_token=publisher_token,
         )
 
-    def record_prepared(self, engine_id: str, receipt: PreparedEvidence) -> EngineAck:
-        return self._dispatch("record_prepared", engine_id=engine_id, receipt=receipt)
+    def record_prepared(
+        self, engine_id: str, receipt: PreparedEvidence, *, publisher_token: str | None = None
+    ) -> EngineAck:
+        return self._dispatch(
+            "record_prepared", engine_id=engine_id, receipt=receipt, publisher_token=publisher_token
+        )
 
-    def record_ready(self, engine_id: str, receipt: ReadyEvidence) -> EngineAck:
-        return self._dispatch("record_ready", engine_id=engine_id, receipt=receipt)
+    def record_ready(
+        self, engine_id: str, receipt: ReadyEvidence, *, publisher_token: str | None = None
+    ) -> EngineAck:
+        return self._dispatch(
+            "record_ready", engine_id=engine_id, receipt=receipt, publisher_token=publisher_token
+        )
 
     def commit(
-        self, version_key: VersionKey | Sequence[str], attempt_token: str, expected_default_revision: int
+        self,
+        version_key: VersionKey | Sequence[str],
+        attempt_token: str,
+        expected_default_revision: int,
+        *,
+        publisher_token: str | None = None,
     ) -> CommitReceipt:
         return self._dispatch(
             "commit",
             version_key=version_key,
             attempt_token=attempt_token,
             expected_default_revision=expected_default_revision,
+            publisher_token=publisher_token,
         )
 
-    def abort(self, attempt_token: str, reason: str) -> AbortResult:
-        return self._dispatch("abort", attempt_token=attempt_token, reason=reason)
-
-    def record_cleanup(self, engine_id: str, attempt_token: str, receipt: CleanupEvidence) -> EngineAck:
+    def abort(self, attempt_token: str, reason: str, *, publisher_token: str | None = None) -> AbortResult:
         return self._dispatch(
-            "record_cleanup", engine_id=engine_id, attempt_token=attempt_token, receipt=receipt
+            "abort", attempt_token=attempt_token, reason=reason, publisher_token=publisher_token
         )
 
-    def register_engine_incarnation(self, engine_id: str, incarnation: str) -> IncarnationResult:
-        return self._dispatch("register_engine_incarnation", engine_id=engine_id, incarnation=incarnation)
+    def record_cleanup(
+        self,
+        engine_id: str,
+        attempt_token: str,
+        receipt: CleanupEvidence,
+        *,
+        publisher_token: str | None = None,
+    ) -> EngineAck:
+        return self._dispatch(
+            "record_cleanup",
+            engine_id=engine_id,
+            attempt_token=attempt_token,
+            receipt=receipt,
+            publisher_token=publisher_token,
+        )
 
-    def mark_engine_unknown(self, engine_id: str, ref: str, op: str, reason: str) -> EngineAck:
-        return self._dispatch("mark_engine_unknown", engine_id=engine_id, ref=ref, op=op, reason=reason)
+    def register_engine_incarnation(
+        self, engine_id: str, incarnation: str, *, publisher_token: str | None = None
+    ) -> IncarnationResult:
+        return self._dispatch(
+            "register_engine_incarnation",
+            engine_id=engine_id,
+            incarnation=incarnation,
+            publisher_token=publisher_token,
+        )
 
-    def declare_engine_lost(self, engine_id: str, reason: str) -> EngineLostResult:
-        return self._dispatch("declare_engine_lost", engine_id=engine_id, reason=reason)
+    def mark_engine_unknown(
+        self, engine_id: str, ref: str, op: str, reason: str, *, publisher_token: str | None = None
+    ) -> EngineAck:
+        return self._dispatch(
+            "mark_engine_unknown",
+            engine_id=engine_id,
+            ref=ref,
+            op=op,
+            reason=reason,
+            publisher_token=publisher_token,
+        )
+
+    def declare_engine_lost(
+        self, engine_id: str, reason: str, *, publisher_token: str | None = None
+    ) -> EngineLostResult:
+        return self._dispatch(
+            "declare_engine_lost", engine_id=engine_id, reason=reason, publisher_token=publisher_token
+        )
 
     def open_session(
         self, session_key: SessionKey | Sequence[str], lease_id: str | None = None
@@ -126,14 +187,25 @@ class RegistryOps:
     def prune_sessions(self, keep_last: int) -> int:
         return self._dispatch("prune_sessions", keep_last=keep_last)
 
-    def claim_reclaim(self, version_key: VersionKey | Sequence[str]) -> ReclaimClaim:
-        return self._dispatch("claim_reclaim", version_key=version_key)
+    def claim_reclaim(
+        self, version_key: VersionKey | Sequence[str], *, publisher_token: str | None = None
+    ) -> ReclaimClaim:
+        return self._dispatch("claim_reclaim", version_key=version_key, publisher_token=publisher_token)
 
     def confirm_reclaim(
-        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadEvidence
+        self,
+        version_key: VersionKey | Sequence[str],
+        engine_id: str,
+        receipt: UnloadEvidence,
+        *,
+        publisher_token: str | None = None,
     ) -> EngineAck:
         return self._dispatch(
-            "confirm_reclaim", version_key=version_key, engine_id=engine_id, receipt=receipt
+            "confirm_reclaim",
+            version_key=version_key,
+            engine_id=engine_id,
+            receipt=receipt,
+            publisher_token=publisher_token,
         )
 
     # -------------------------------------------------------------------------- queries
@@ -179,31 +251,59 @@ class AsyncRegistryAPI(Protocol):
     coroutine form of the :class:`RegistryOps` method of the same name (a test holds the two
     equal, op by op). The bodies are generated by :class:`AsyncRegistryOps`."""
 
-    async def record_base(self, fingerprint: str) -> str: ...
+    async def record_base(self, fingerprint: str, *, publisher_token: str | None = None) -> str: ...
 
     async def reserve(
-        self, version_key: VersionKey | Sequence[str], digest: str, lora_name: str, request_id: str
+        self,
+        version_key: VersionKey | Sequence[str],
+        digest: str,
+        lora_name: str,
+        request_id: str,
+        *,
+        publisher_token: str | None = None,
     ) -> ReserveResult: ...
 
-    async def record_prepared(self, engine_id: str, receipt: PreparedEvidence) -> EngineAck: ...
-
-    async def record_ready(self, engine_id: str, receipt: ReadyEvidence) -> EngineAck: ...
-
-    async def commit(
-        self, version_key: VersionKey | Sequence[str], attempt_token: str, expected_default_revision: int
-    ) -> CommitReceipt: ...
-
-    async def abort(self, attempt_token: str, reason: str) -> AbortResult: ...
-
-    async def record_cleanup(
-        self, engine_id: str, attempt_token: str, receipt: CleanupEvidence
+    async def record_prepared(
+        self, engine_id: str, receipt: PreparedEvidence, *, publisher_token: str | None = None
     ) -> EngineAck: ...
 
-    async def register_engine_incarnation(self, engine_id: str, incarnation: str) -> IncarnationResult: ...
+    async def record_ready(
+        self, engine_id: str, receipt: ReadyEvidence, *, publisher_token: str | None = None
+    ) -> EngineAck: ...
 
-    async def mark_engine_unknown(self, engine_id: str, ref: str, op: str, reason: str) -> EngineAck: ...
+    async def commit(
+        self,
+        version_key: VersionKey | Sequence[str],
+        attempt_token: str,
+        expected_default_revision: int,
+        *,
+        publisher_token: str | None = None,
+    ) -> CommitReceipt: ...
 
-    async def declare_engine_lost(self, engine_id: str, reason: str) -> EngineLostResult: ...
+    async def abort(
+        self, attempt_token: str, reason: str, *, publisher_token: str | None = None
+    ) -> AbortResult: ...
+
+    async def record_cleanup(
+        self,
+        engine_id: str,
+        attempt_token: str,
+        receipt: CleanupEvidence,
+        *,
+        publisher_token: str | None = None,
+    ) -> EngineAck: ...
+
+    async def register_engine_incarnation(
+        self, engine_id: str, incarnation: str, *, publisher_token: str | None = None
+    ) -> IncarnationResult: ...
+
+    async def mark_engine_unknown(
+        self, engine_id: str, ref: str, op: str, reason: str, *, publisher_token: str | None = None
+    ) -> EngineAck: ...
+
+    async def declare_engine_lost(
+        self, engine_id: str, reason: str, *, publisher_token: str | None = None
+    ) -> EngineLostResult: ...
 
     async def open_session(
         self, session_key: SessionKey | Sequence[str], lease_id: str | None = None
@@ -227,10 +327,17 @@ class AsyncRegistryAPI(Protocol):
 
     async def prune_sessions(self, keep_last: int) -> int: ...
 
-    async def claim_reclaim(self, version_key: VersionKey | Sequence[str]) -> ReclaimClaim: ...
+    async def claim_reclaim(
+        self, version_key: VersionKey | Sequence[str], *, publisher_token: str | None = None
+    ) -> ReclaimClaim: ...
 
     async def confirm_reclaim(
-        self, version_key: VersionKey | Sequence[str], engine_id: str, receipt: UnloadEvidence
+        self,
+        version_key: VersionKey | Sequence[str],
+        engine_id: str,
+        receipt: UnloadEvidence,
+        *,
+        publisher_token: str | None = None,
     ) -> EngineAck: ...
 
     async def status(self) -> StatusView: ...

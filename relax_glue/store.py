@@ -37,6 +37,12 @@ Guarantees
   while a second live writer is refused with :class:`StoreLockedError` (no split brain).
 * A database of another epoch / cohort / capacity, of a newer schema, or not written by this
   module is refused with a clear error; nothing is migrated silently.
+* Publisher authority lives in the file: a publisher token is drawn when the database is
+  created and kept in its ``meta`` table (never in a journal row, a dump or an answer), so the
+  process that opens the file (the trainer, also after a restart) holds it
+  (:attr:`DurableRegistry.publisher_token`). An opener that brings its own token (a registry
+  actor started by the trainer) makes it the file's: one writer at a time holds the file, and
+  that writer is the publisher.
 * If a commit itself fails (disk full, I/O error) the in-memory state is ahead of the disk: the
   instance refuses every further call (:class:`StoreBrokenError`) until it is reopened.
 """
@@ -55,7 +61,15 @@ from typing import Any, TypeVar
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.names import MANAGED_CAPACITY
-from relax_glue.registry import DERIVED_OPS, MUTATING_OPS, LoRAVersionRegistry, stamp_now
+from relax_glue.registry import (
+    DERIVED_OPS,
+    MUTATING_OPS,
+    PUBLISHER_OPS,
+    LoRAVersionRegistry,
+    checked_publisher_token,
+    new_publisher_token,
+    stamp_now,
+)
 from relax_glue.registry_ops import RegistryOps
 from relax_glue.registry_types import dumps, loads
 
@@ -74,7 +88,8 @@ __all__ = [
 
 # 2: the registry's per-engine records renamed from *Receipt to *Evidence (journal type tags).
 # 3: worker leases (grant_lease / end_leases journaled; renewals soft); per-session leases gone.
-SCHEMA_VERSION = 3
+# 4: the publisher token in ``meta`` (publication ops are refused without it).
+SCHEMA_VERSION = 4
 # PRAGMA application_id: marks a file as ours, so a foreign SQLite file is refused, not adopted.
 APPLICATION_ID = 0x4C525631  # "LRV1"
 _SYNC_MODES = ("FULL", "NORMAL", "OFF")
@@ -82,6 +97,7 @@ _SYNC_MODES = ("FULL", "NORMAL", "OFF")
 # small enough that a long RL run (millions of session binds) keeps a bounded database.
 DEFAULT_COMPACT_EVERY = 100_000  # journal rows between automatic compactions (None: never)
 DEFAULT_SESSION_WINDOW = 100_000  # transitions a CLOSED session record is kept after its close
+_TOKEN_KEY = "publisher_token"  # its row in meta (not in _meta_of: it is no identity to compare)
 
 T = TypeVar("T")
 
@@ -137,14 +153,20 @@ class DurableRegistry(RegistryOps):
         compact_every: int | None = DEFAULT_COMPACT_EVERY,
         session_window: int | None = DEFAULT_SESSION_WINDOW,
         must_exist: bool = False,
+        publisher_token: str | None = None,
     ) -> DurableRegistry:
         """Open (or create) the registry database at ``path`` and take the writer lock.
 
         ``must_exist``: the caller served this epoch before (a restarted actor), so a missing or
         empty database is not a first start but lost state: :class:`StoreMissingError`, and
-        nothing is created (an empty registry under the epoch's name would fork it)."""
+        nothing is created (an empty registry under the epoch's name would fork it).
+
+        ``publisher_token``: None keeps the file's token (drawn at its creation); a token given
+        becomes the file's (the opener is the publisher: a trainer that started the actor)."""
         if synchronous not in _SYNC_MODES:
             raise ValueError(f"synchronous must be one of {_SYNC_MODES}")
+        if publisher_token is not None:
+            checked_publisher_token(publisher_token)
         for name, value in (("compact_every", compact_every), ("session_window", session_window)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None")
@@ -165,7 +187,7 @@ class DurableRegistry(RegistryOps):
             self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             try:
                 self._registry = _open_db(
-                    self._conn, self.path, epoch, engines, capacity, synchronous, must_exist
+                    self._conn, self.path, epoch, engines, capacity, synchronous, must_exist, publisher_token
                 )
             except BaseException:
                 self._conn.close()
@@ -210,6 +232,11 @@ class DurableRegistry(RegistryOps):
     def registry(self) -> LoRAVersionRegistry:
         """The in-memory state machine (read it; mutate only through this store)."""
         return self._registry
+
+    @property
+    def publisher_token(self) -> str:
+        """The file's publisher token: whoever opened the file is the publisher (no op returns it)."""
+        return self._registry.publisher_token
 
     @property
     def epoch(self) -> str:
@@ -289,7 +316,9 @@ class DurableRegistry(RegistryOps):
         result = getattr(self._registry, op)(**kwargs)
         if self._registry.seq != before:
             assert op in MUTATING_OPS and self._registry.seq == before + 1, op
-            self._pending.append((self._registry.seq, op, dumps(kwargs), dumps(result)))
+            # The journal keeps the call, not the caller's credential: replay supplies the token.
+            args = {k: v for k, v in kwargs.items() if k != "publisher_token"}
+            self._pending.append((self._registry.seq, op, dumps(args), dumps(result)))
         return result
 
     def _compaction_due(self) -> bool:
@@ -381,7 +410,11 @@ def read_registry(path: str | os.PathLike[str]) -> LoRAVersionRegistry:
                 raise StoreMismatchError(f"{path} is not a LoRA version registry database")
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
             fresh = LoRAVersionRegistry(
-                meta["epoch"], tuple(loads(meta["engines"])), int(meta["capacity"]), debug_checks=False
+                meta["epoch"],
+                tuple(loads(meta["engines"])),
+                int(meta["capacity"]),
+                debug_checks=False,
+                publisher_token=meta.get(_TOKEN_KEY),  # a reader of the file holds it anyway
             )
             return _replay(conn, path, fresh)
         finally:
@@ -418,9 +451,11 @@ def _open_db(
     capacity: int,
     synchronous: str,
     must_exist: bool = False,
+    publisher_token: str | None = None,
 ) -> LoRAVersionRegistry:
     # Constructing the registry first validates the arguments before the file is touched.
-    fresh = LoRAVersionRegistry(epoch, engines, capacity, debug_checks=False)
+    token = publisher_token or new_publisher_token()
+    fresh = LoRAVersionRegistry(epoch, engines, capacity, debug_checks=False, publisher_token=token)
     mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
     if str(mode).lower() != "wal":
         raise StoreError(f"could not switch {path} to WAL mode (got {mode})")
@@ -451,7 +486,15 @@ def _open_db(
                 f"{path} belongs to {field}={meta.get(field)}, not {expected[field]}: "
                 "a new deployment epoch needs a new registry database"
             )
-    return _replay(conn, path, fresh)
+    stored = meta.get(_TOKEN_KEY)
+    if stored is None:
+        raise StoreMismatchError(f"{path} has no publisher token: not written by this module")
+    if publisher_token is None:
+        fresh = LoRAVersionRegistry(epoch, engines, capacity, debug_checks=False, publisher_token=stored)
+    reg = _replay(conn, path, fresh)
+    if reg.publisher_token != stored:  # the opener brought its own: from now on it is the file's
+        conn.execute("UPDATE meta SET value = ? WHERE key = ?", (reg.publisher_token, _TOKEN_KEY))
+    return reg
 
 
 def _missing(path: Path) -> str:
@@ -481,7 +524,8 @@ def _create_schema(conn: sqlite3.Connection, reg: LoRAVersionRegistry) -> None:
             "args TEXT NOT NULL, result TEXT NOT NULL)"
         )
         conn.execute("CREATE TABLE checkpoint (seq INTEGER PRIMARY KEY, state TEXT NOT NULL)")
-        conn.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", sorted(_meta_of(reg).items()))
+        rows = {**_meta_of(reg), _TOKEN_KEY: reg.publisher_token}
+        conn.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", sorted(rows.items()))
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -489,9 +533,10 @@ def _create_schema(conn: sqlite3.Connection, reg: LoRAVersionRegistry) -> None:
 
 
 def _replay(conn: sqlite3.Connection, path: Path, reg: LoRAVersionRegistry) -> LoRAVersionRegistry:
+    """``reg`` (fresh, holding the file's publisher token) brought to the file's state."""
     row = conn.execute("SELECT seq, state FROM checkpoint ORDER BY seq DESC LIMIT 1").fetchone()
     if row is not None:
-        reg = LoRAVersionRegistry.load(row[1], debug_checks=False)
+        reg = LoRAVersionRegistry.load(row[1], debug_checks=False, publisher_token=reg.publisher_token)
         if reg.seq != row[0]:
             raise JournalDivergenceError(f"{path}: checkpoint {row[0]} holds state of seq {reg.seq}")
     rows = conn.execute("SELECT seq, op, args, result FROM journal WHERE seq > ? ORDER BY seq", (reg.seq,))
@@ -499,8 +544,11 @@ def _replay(conn: sqlite3.Connection, path: Path, reg: LoRAVersionRegistry) -> L
         where = f"{path}: journal row {seq} ({op})"
         if op not in MUTATING_OPS:
             raise JournalDivergenceError(f"{where}: not a registry operation")
+        kwargs = loads(args)
+        if op in PUBLISHER_OPS:  # every journaled call was the publisher's: it was accepted
+            kwargs["publisher_token"] = reg.publisher_token
         try:
-            result = getattr(reg, op)(**loads(args))
+            result = getattr(reg, op)(**kwargs)
         except LoraVersionError as exc:
             raise JournalDivergenceError(f"{where} is refused on replay: {exc}") from exc
         if reg.seq != seq:

@@ -933,10 +933,10 @@ def _registry(
         from relax_glue.registry import LoRAVersionRegistry
 
         return LoRAVersionRegistry(epoch, cohort, capacity=config.capacity), RayRole()
-    handle, started, joined, answer = None, False, False, {}
+    handle, started, joined, answer, token = None, False, False, {}, None
     if rank.is_main:
         try:
-            handle, started, answer = _start_ray_registry(epoch, cohort, config)
+            handle, started, answer, token = _start_ray_registry(epoch, cohort, config)
         except Exception as exc:  # every rank learns it and raises: nobody waits for a registry
             answer = {"error": f"{type(exc).__name__}: {exc}"}
     answer = broadcast_from_main(answer, rank)
@@ -946,25 +946,27 @@ def _registry(
         handle, joined = _join_ray_registry(epoch, answer)
     from relax_glue.actor import AsyncRegistryClient
 
-    return AsyncRegistryClient.for_actor(handle), RayRole(started, joined, used=True)
+    # only rank 0 publishes: its client alone carries the publisher token (never broadcast)
+    return AsyncRegistryClient.for_actor(handle, publisher_token=token), RayRole(started, joined, used=True)
 
 
 def _start_ray_registry(
     epoch: str, cohort: tuple[str, ...], config: VersionsConfig
-) -> tuple[Any, bool, dict]:
+) -> tuple[Any, bool, dict, str]:
     import ray
 
-    from relax_glue.actor import start_registry_actor
+    from relax_glue.actor import new_publisher_token, start_registry_actor
 
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=config.ray_num_cpus, include_dashboard=False, log_to_driver=False)
     # the handle is kept (by the client): a non-detached actor dies with its last handle
-    handle = start_registry_actor(epoch, cohort, config.capacity)
+    token = new_publisher_token()
+    handle = start_registry_actor(epoch, cohort, config.capacity, publisher_token=token)
     # Ray turns token auth on for a new local cluster (RAY_AUTH_MODE in this process only): the
     # other ranks must join in the same mode (the token itself: ~/.ray/auth_token, one host)
     answer = {"address": ray.get_runtime_context().gcs_address, "auth": os.environ.get(RAY_AUTH, "")}
-    return handle, started, answer
+    return handle, started, answer, token
 
 
 def _join_ray_registry(epoch: str, answer: Mapping[str, str]) -> tuple[Any, bool]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lora_contract.errors import ErrorCode, LoraVersionError
-from relax_glue.registry import MUTATING_OPS, LoRAVersionRegistry
+from relax_glue.registry import MUTATING_OPS, PUBLISHER_OPS, LoRAVersionRegistry
 from relax_glue.registry_types import (
     CleanupEvidence,
     CommitReceipt,
@@ -57,7 +57,9 @@ def snapshot(reg: Any) -> dict[str, Any]:
 class Checked:
     """Proxy over a registry (or durable store) that checks invariants and no-side-effect.
 
-    ``fast=True`` compares :func:`snapshot` instead of the canonical ``dump()`` text.
+    It calls as the publisher (the holder of the registry object): a publication op gets the
+    registry's publisher token unless the test passes one itself (``publisher_token=None`` too:
+    a worker's call). ``fast=True`` compares :func:`snapshot` instead of the canonical ``dump()``.
     """
 
     def __init__(self, reg: Any, fast: bool = False) -> None:
@@ -70,6 +72,8 @@ class Checked:
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if name in PUBLISHER_OPS:
+                kwargs.setdefault("publisher_token", self.inner.publisher_token)
             before = self.state()
             try:
                 result = attr(*args, **kwargs)
@@ -101,6 +105,9 @@ class Publisher:
 
     def __init__(self, reg: Any) -> None:
         self.reg = reg
+        # The holder of a registry object (or store) publishes with its token; a client fills
+        # in the one it carries.
+        self.auth = {"publisher_token": getattr(reg, "publisher_token", None)}
         self.incarnation: dict[str, str] = {}
         self.results: dict[str, ReserveResult] = {}
         for engine in reg.engines:
@@ -109,12 +116,14 @@ class Publisher:
     def restart(self, engine: str) -> str:
         n = int(self.incarnation.get(engine, f"{engine}-i0").rsplit("i", 1)[1]) + 1
         self.incarnation[engine] = f"{engine}-i{n}"
-        self.reg.register_engine_incarnation(engine, self.incarnation[engine])
+        self.reg.register_engine_incarnation(engine, self.incarnation[engine], **self.auth)
         return self.incarnation[engine]
 
     def reserve(self, vid: str, content: str | None = None, request_id: str | None = None) -> ReserveResult:
         dig = digest(content or vid)
-        res = self.reg.reserve(vk(vid), dig, lora_name(vid, dig), request_id or f"req-{vid}-{content or vid}")
+        res = self.reg.reserve(
+            vk(vid), dig, lora_name(vid, dig), request_id or f"req-{vid}-{content or vid}", **self.auth
+        )
         self.results[vid] = res
         return res
 
@@ -123,17 +132,19 @@ class Publisher:
 
     def prepared(self, vid: str, engine: str) -> Any:
         return self.reg.record_prepared(
-            engine, PreparedEvidence(vk(vid), self.token(vid), self.incarnation[engine])
+            engine, PreparedEvidence(vk(vid), self.token(vid), self.incarnation[engine]), **self.auth
         )
 
     def ready(self, vid: str, engine: str, incarnation: str | None = None) -> Any:
         res = self.results[vid]
         inc = incarnation or self.incarnation[engine]
-        return self.reg.record_ready(engine, ReadyEvidence(vk(vid), res.digest, res.attempt_token, inc))
+        return self.reg.record_ready(
+            engine, ReadyEvidence(vk(vid), res.digest, res.attempt_token, inc), **self.auth
+        )
 
     def commit(self, vid: str, revision: int | None = None) -> CommitReceipt:
         rev = self.reg.status().default_revision if revision is None else revision
-        return self.reg.commit(vk(vid), self.token(vid), rev)
+        return self.reg.commit(vk(vid), self.token(vid), rev, **self.auth)
 
     def publish(self, vid: str) -> CommitReceipt:
         self.reserve(vid)
@@ -144,21 +155,23 @@ class Publisher:
 
     def cleanup(self, vid: str, engine: str) -> Any:
         tok = self.token(vid)
-        return self.reg.record_cleanup(engine, tok, CleanupEvidence(tok, self.incarnation[engine]))
+        return self.reg.record_cleanup(
+            engine, tok, CleanupEvidence(tok, self.incarnation[engine]), **self.auth
+        )
 
     def fail(self, vid: str) -> None:
         self.reserve(vid)
-        self.reg.abort(self.token(vid), "test failure")
+        self.reg.abort(self.token(vid), "test failure", **self.auth)
         for engine in self.reg.engines:
             self.cleanup(vid, engine)
 
     def unloaded(self, vid: str, engine: str, claim: ReclaimClaim) -> Any:
         return self.reg.confirm_reclaim(
-            vk(vid), engine, UnloadEvidence(claim.reclaim_id, self.incarnation[engine])
+            vk(vid), engine, UnloadEvidence(claim.reclaim_id, self.incarnation[engine]), **self.auth
         )
 
     def reclaim(self, vid: str) -> ReclaimClaim:
-        claim = self.reg.claim_reclaim(vk(vid))
+        claim = self.reg.claim_reclaim(vk(vid), **self.auth)
         for engine in self.reg.engines:
             self.unloaded(vid, engine, claim)
         return claim

@@ -28,6 +28,8 @@ from relax_glue.actor import (  # noqa: E402
     RegistryClient,
     actor_name,
     get_registry_actor,
+    new_publisher_token,
+    publisher_fingerprint,
     start_registry_actor,
 )
 from relax_glue.registry import LoRAVersionRegistry  # noqa: E402
@@ -60,10 +62,11 @@ def _kill(handle: Any) -> None:
 def test_named_in_memory_actor_serves_the_registry_api_sync_and_async(ray_cluster: None) -> None:
     """One actor (worker processes are slow to start on a loaded box): typed errors, one named
     actor per epoch, config mismatch refused, the async client, the sync client."""
-    handle = start_registry_actor(EPOCH, ENGINES)
+    token = new_publisher_token()
+    handle = start_registry_actor(EPOCH, ENGINES, publisher_token=token)
     local = AsyncRegistryClient.in_process(LoRAVersionRegistry(EPOCH, ENGINES))
     try:
-        client = RegistryClient.for_actor(handle)
+        client = RegistryClient.for_actor(handle, publisher_token=token)
         assert (client.epoch, client.engines, client.capacity) == (EPOCH, ENGINES, 2)
         err = refused(ErrorCode.NO_PUBLISHED_VERSION, client.bind_first, sk("early"))
         assert isinstance(err, LoraVersionError) and err.http_status == 409
@@ -75,9 +78,17 @@ def test_named_in_memory_actor_serves_the_registry_api_sync_and_async(ray_cluste
         assert actor_name(EPOCH) == f"lora_version_registry@{EPOCH}"
         with pytest.raises(StoreError, match="already serves"):
             start_registry_actor(EPOCH, ENGINES, capacity=3)
+        # the running actor keeps its publisher: another trainer's token is refused at start
+        assert start_registry_actor(EPOCH, ENGINES, publisher_token=token)._actor_id == handle._actor_id
+        with pytest.raises(StoreError, match="another publisher"):
+            start_registry_actor(EPOCH, ENGINES, publisher_token=new_publisher_token())
+        desc = ray.get(handle.describe.remote())
+        assert desc["publisher"] == publisher_fingerprint(token) and token not in repr(desc)
 
         # the async client through the actor answers exactly like the in-process one
-        remote_dump = asyncio.run(async_scenario(AsyncRegistryClient.for_actor(handle)))
+        remote_dump = asyncio.run(
+            async_scenario(AsyncRegistryClient.for_actor(handle, publisher_token=token))
+        )
         local_dump = asyncio.run(async_scenario(local))
         assert remote_dump == local_dump
         assert client.version(vk("A")).state is VersionState.RECLAIMED
@@ -85,6 +96,7 @@ def test_named_in_memory_actor_serves_the_registry_api_sync_and_async(ray_cluste
         # and the sync client goes on with the same state: B is the default, C fills capacity
         pub = Publisher.__new__(Publisher)
         pub.reg, pub.incarnation, pub.results = client, {e: f"{e}-i1" for e in ENGINES}, {}
+        pub.auth = {"publisher_token": None}  # the client carries the token
         binding = client.bind_first(sk("s2"))
         assert binding.version_key == vk("B") and client.binding_of(sk("s2")) == binding
         pub.publish("C")
@@ -101,9 +113,10 @@ def test_durable_actor_restarts_after_its_process_dies_with_every_transition(
     ray_cluster: None, tmp_path: Path
 ) -> None:
     db = tmp_path / "registry.db"
-    handle = start_registry_actor(EPOCH, ENGINES, db_path=db, name="durable-test")
+    token = new_publisher_token()
+    handle = start_registry_actor(EPOCH, ENGINES, db_path=db, name="durable-test", publisher_token=token)
     try:
-        client = RegistryClient.for_actor(handle)
+        client = RegistryClient.for_actor(handle, publisher_token=token)
         pub = Publisher(client)
         receipt = pub.publish("A")
         binding = client.bind_first(sk("s"))
@@ -115,6 +128,9 @@ def test_durable_actor_restarts_after_its_process_dies_with_every_transition(
         # retries of calls whose replies were lost in the crash get the original answers
         assert pub.commit("A", 0) == receipt
         assert client.bind_first(sk("s")) == binding
+        # the restarted actor kept its publisher: a worker's client (by name) gets no replay
+        worker = RegistryClient.for_actor(get_registry_actor(EPOCH, name="durable-test"))
+        refused(ErrorCode.NOT_PUBLISHER, worker.commit, vk("A"), receipt.attempt_token, 0)
 
         # a second writer on the same database (here: this driver process) is refused
         with pytest.raises(StoreLockedError, match="another registry writer"):
@@ -150,9 +166,10 @@ def test_a_sigkilled_durable_actor_comes_back_on_its_node_with_its_state(
     database (here the driver's), and after a SIGKILL of its process Ray restarts it there, with
     every transition."""
     db = tmp_path / "registry.db"
-    handle = start_registry_actor(EPOCH, ENGINES, db_path=db, name="pinned-test")
+    token = new_publisher_token()
+    handle = start_registry_actor(EPOCH, ENGINES, db_path=db, name="pinned-test", publisher_token=token)
     try:
-        client = RegistryClient.for_actor(handle)
+        client = RegistryClient.for_actor(handle, publisher_token=token)
         Publisher(client).publish("A")
         before = client.dump()
         first = ray.get(handle.describe.remote())
@@ -173,9 +190,10 @@ def test_a_restarted_actor_that_finds_no_database_refuses_and_never_starts_empty
     """The same restart with the database gone (a wrong path, another node's disk): the actor
     refuses every call with REGISTRY_STATE_LOST naming the path, and creates nothing there."""
     db = tmp_path / "registry.db"
-    handle = start_registry_actor(EPOCH, ENGINES, db_path=db, name="lost-db-test")
+    token = new_publisher_token()
+    handle = start_registry_actor(EPOCH, ENGINES, db_path=db, name="lost-db-test", publisher_token=token)
     try:
-        client = RegistryClient.for_actor(handle)
+        client = RegistryClient.for_actor(handle, publisher_token=token)
         Publisher(client).publish("A")
         pid = ray.get(handle.describe.remote())["pid"]
         for f in tmp_path.glob("registry.db*"):
@@ -201,9 +219,11 @@ def test_concurrent_calls_through_the_durable_actor_share_round_trips_and_commit
     committed in groups (far fewer transactions than journaled calls); each op keeps its own
     answer, a refusal in the middle of a batch refuses only that op, and a keep-alive commits
     nothing. The state is then exactly what the same calls make one by one."""
-    handle = start_registry_actor(EPOCH, ENGINES, db_path=tmp_path / "registry.db", name="group-test")
+    token = new_publisher_token()
+    db = tmp_path / "registry.db"
+    handle = start_registry_actor(EPOCH, ENGINES, db_path=db, name="group-test", publisher_token=token)
     try:
-        Publisher(RegistryClient.for_actor(handle)).publish("A")
+        Publisher(RegistryClient.for_actor(handle, publisher_token=token)).publish("A")
         commits0 = ray.get(handle.describe.remote())["commits"]
 
         async def run() -> tuple[list[Any], int]:

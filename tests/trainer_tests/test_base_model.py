@@ -94,25 +94,27 @@ def test_commit_evidence_needs_the_epochs_base() -> None:
 def test_the_registry_fixes_the_base_once_per_epoch(tmp_path: Path) -> None:
     reg = LoRAVersionRegistry(EPOCH, ("E0", "E1"))
     a, b = "a" * 64, "b" * 64
-    assert reg.record_base(a) == a
+    assert reg.record_base(a, publisher_token=reg.publisher_token) == a
     seq = reg.seq
-    assert reg.record_base(a) == a and reg.seq == seq  # a replay changes nothing
+    assert (
+        reg.record_base(a, publisher_token=reg.publisher_token) == a and reg.seq == seq
+    )  # a replay changes nothing
     with pytest.raises(LoraVersionError) as info:
-        reg.record_base(b)
+        reg.record_base(b, publisher_token=reg.publisher_token)
     assert info.value.code is ErrorCode.BASE_MISMATCH and reg.seq == seq
     with pytest.raises(LoraVersionError) as info:
-        reg.record_base("not-a-digest")
+        reg.record_base("not-a-digest", publisher_token=reg.publisher_token)
     assert info.value.code is ErrorCode.INVALID_REQUEST
     assert LoRAVersionRegistry.load(reg.dump()).status().base_fingerprint == a
 
     db = tmp_path / "r.db"
     durable = DurableRegistry.open(db, EPOCH, ("E0", "E1"))
-    durable.record_base(a)
+    durable.record_base(a, publisher_token=durable.publisher_token)
     durable.close()
     reopened = DurableRegistry.open(db, EPOCH, ("E0", "E1"))  # journal replay
     assert reopened.status().base_fingerprint == a
-    with pytest.raises(LoraVersionError):
-        reopened.record_base(b)
+    with pytest.raises(LoraVersionError, match="BASE_MISMATCH"):
+        reopened.record_base(b, publisher_token=reopened.publisher_token)
     reopened.close()
 
 

@@ -100,7 +100,7 @@ def test_the_declaration_survives_dump_load_and_a_journal_replay(tmp_path: Path)
     path = tmp_path / "reg.db"
     with DurableRegistry.open(path, EPOCH, ENGINES, 2) as d:
         Publisher(d).publish("A")
-        d.declare_engine_lost("E1", "gone")
+        d.declare_engine_lost("E1", "gone", publisher_token=d.publisher_token)
         before = d.dump()
     with DurableRegistry.open(path, EPOCH, ENGINES, 2) as d:
         assert d.dump() == before and tuple(d.status().engines) == ("E0",)

@@ -22,7 +22,7 @@ from _optional import optional_module
 
 from lora_contract import protocol
 from lora_versions_dev.farm import ADMIN_KEY
-from relax_glue.actor import AsyncRegistryClient, start_registry_actor
+from relax_glue.actor import AsyncRegistryClient, new_publisher_token, start_registry_actor
 from relax_glue.publisher import Publisher, PublishOutcome
 from relax_glue.registry_types import SessionState, VersionKey, VersionState
 from relax_glue.sessions import SessionManager
@@ -68,10 +68,11 @@ async def test_a_worker_killed_right_after_its_first_bind_is_released_after_the_
     TTL and the retired version is reclaimed. (Before issue 10's fix the bind dropped the lease:
     the ref, the retired version and its slot stayed forever.)"""
     epoch = new_epoch()
+    token = new_publisher_token()
     actor = start_registry_actor(
-        epoch, ("E0", "E1"), db_path=tmp_path / "registry.db", lease_reaper_s=REAPER_S
+        epoch, ("E0", "E1"), db_path=tmp_path / "registry.db", lease_reaper_s=REAPER_S, publisher_token=token
     )
-    client = AsyncRegistryClient.for_actor(actor)
+    client = AsyncRegistryClient.for_actor(actor, publisher_token=token)
     clients = make_clients(engines, ADMIN_KEY, ("E0", "E1"))
     pub = Publisher(client, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
     snaps = {n: snapshot_of(fixtures.adapter_dir(n)) for n in "AB"}
@@ -112,10 +113,11 @@ async def test_a_sigkilled_worker_releases_its_refs_after_the_ttl_and_capacity_r
     engines, fixtures, ray_local, tmp_path
 ) -> None:
     epoch = new_epoch()
+    token = new_publisher_token()
     actor = start_registry_actor(
-        epoch, ("E0", "E1"), db_path=tmp_path / "registry.db", lease_reaper_s=REAPER_S
+        epoch, ("E0", "E1"), db_path=tmp_path / "registry.db", lease_reaper_s=REAPER_S, publisher_token=token
     )
-    client = AsyncRegistryClient.for_actor(actor)
+    client = AsyncRegistryClient.for_actor(actor, publisher_token=token)
     clients = make_clients(engines, ADMIN_KEY, ("E0", "E1"))
     pub = Publisher(client, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
     snaps = {n: snapshot_of(fixtures.adapter_dir(n)) for n in "ABC"}

@@ -216,12 +216,13 @@ async def test_rfc52_capacity_refusal_then_safe_reclaim_through_the_ray_actor(
     reclaimed while a session holds it; all A sessions close; reclaim unloads A exactly once per
     engine; C is then accepted and the default stays B until C commits. The registry is the
     single-writer Ray actor, reached through the async actor client."""
-    from relax_glue.actor import AsyncRegistryClient, start_registry_actor
+    from relax_glue.actor import AsyncRegistryClient, new_publisher_token, start_registry_actor
 
     epoch = new_epoch()
-    handle = start_registry_actor(epoch, COHORT)
+    token = new_publisher_token()  # the publisher's; the sessions' calls need none
+    handle = start_registry_actor(epoch, COHORT, publisher_token=token)
     try:
-        registry = AsyncRegistryClient.for_actor(handle)
+        registry = AsyncRegistryClient.for_actor(handle, publisher_token=token)
         async with World(engines, stock_engine, fixtures, registry=registry, epoch=epoch) as w:
             tx, N = w.tx, 6
             assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED

@@ -6,7 +6,7 @@ import pickle
 from typing import Any
 
 import pytest
-from _rg_helpers import EPOCH, Publisher, digest, lora_name, new_registry, refused, sk, vk
+from _rg_helpers import EPOCH, Checked, Publisher, digest, lora_name, new_registry, refused, sk, vk
 
 from lora_contract.errors import HTTP_STATUS, ErrorCode, LoraVersionError
 from relax_glue.registry import _TRANSITIONS, LoRAVersionRegistry, holds_slot, may_start_reclaim
@@ -348,7 +348,7 @@ def test_dump_load_round_trip_and_codec() -> None:
     pub.reserve("C")
     reg.mark_engine_unknown("E1", pub.token("C"), "begin", "timeout")
     text = reg.dump()
-    back = LoRAVersionRegistry.load(text)
+    back = Checked(LoRAVersionRegistry.load(text))  # the loader holds the new object: it publishes
     assert back.dump() == text
     assert back.status() == reg.inner.status()
     # identical answers after load

@@ -63,8 +63,10 @@ def test_refused_and_replayed_calls_write_nothing(db: Path) -> None:
         store.bind_first(sk("s"))
         rows = _rows(db)
         refused(ErrorCode.VERSION_CONFLICT, pub.reserve, "A", "other content")
-        refused(ErrorCode.STALE_ATTEMPT, store.commit, vk("A"), "att-x", 1)
-        refused(ErrorCode.VERSION_IN_USE, store.claim_reclaim, vk("A"))
+        refused(
+            ErrorCode.STALE_ATTEMPT, store.commit, vk("A"), "att-x", 1, publisher_token=store.publisher_token
+        )
+        refused(ErrorCode.VERSION_IN_USE, store.claim_reclaim, vk("A"), publisher_token=store.publisher_token)
         pub.commit("A", 0)  # replay
         store.bind_first(sk("s"))  # replay
         pub.ready("A", "E0")  # duplicate receipt
@@ -124,8 +126,10 @@ def test_reopen_restores_identical_state_and_identical_answers(db: Path) -> None
         binding = store.bind_first(sk("s1"))
         pub.publish("B")
         store.close_and_release(sk("s1"))
-        claim = store.claim_reclaim(vk("A"))
-        ack = store.confirm_reclaim(vk("A"), "E0", UnloadEvidence(claim.reclaim_id, pub.incarnation["E0"]))
+        claim = store.claim_reclaim(vk("A"), publisher_token=store.publisher_token)
+        ack = store.confirm_reclaim(
+            vk("A"), "E0", UnloadEvidence(claim.reclaim_id, pub.incarnation["E0"]), **pub.auth
+        )
         refused(ErrorCode.CAPACITY_ERROR, pub.reserve, "C")  # A is still RECLAIMING on E1
         store.begin_close(sk("early"))
         before, seq = store.dump(), store.seq
@@ -135,16 +139,30 @@ def test_reopen_restores_identical_state_and_identical_answers(db: Path) -> None
         assert again.dump() == before and again.seq == seq
         pub2 = Publisher.__new__(Publisher)
         pub2.reg, pub2.incarnation, pub2.results = again, {"E0": "E0-i1", "E1": "E1-i1"}, results
+        pub2.auth = {"publisher_token": again.publisher_token}  # read back from the file
         # retries after a coordinator restart get the first answers and change nothing
         assert pub2.reserve("A") == results["A"]
-        assert again.commit(vk("A"), results["A"].attempt_token, 0) == receipt_a
-        assert again.claim_reclaim(vk("A")) == claim
-        assert again.confirm_reclaim(vk("A"), "E0", UnloadEvidence(claim.reclaim_id, "E0-i1")) == ack
+        assert (
+            again.commit(vk("A"), results["A"].attempt_token, 0, publisher_token=again.publisher_token)
+            == receipt_a
+        )
+        assert again.claim_reclaim(vk("A"), publisher_token=again.publisher_token) == claim
+        assert (
+            again.confirm_reclaim(
+                vk("A"),
+                "E0",
+                UnloadEvidence(claim.reclaim_id, "E0-i1"),
+                publisher_token=again.publisher_token,
+            )
+            == ack
+        )
         assert again.binding_of(sk("s1")) == binding
         refused(ErrorCode.SESSION_CLOSED, again.bind_first, sk("early"))
         assert again.seq == seq
         # and the state machine goes on where it stopped
-        again.confirm_reclaim(vk("A"), "E1", UnloadEvidence(claim.reclaim_id, "E1-i1"))
+        again.confirm_reclaim(
+            vk("A"), "E1", UnloadEvidence(claim.reclaim_id, "E1-i1"), publisher_token=again.publisher_token
+        )
         assert pub2.reserve("C").created
 
 
@@ -286,3 +304,52 @@ def test_a_database_that_must_exist_is_never_created_in_its_place(db: Path) -> N
     again = _open(db, must_exist=True)
     assert again.status().default_lora_name is not None
     again.close()
+
+
+def test_the_publisher_token_is_drawn_at_creation_and_read_back_by_whoever_reopens_the_file(db: Path) -> None:
+    """Issue 36: the trainer that reopens its database after a crash is still the publisher (it
+    commits the attempt it left pending); a caller without the file's token is not, also after
+    the reopen; the token is in no journal row and no checkpoint."""
+    with _open(db) as store:
+        token = store.publisher_token
+        pub = Publisher(store)
+        pub.publish("A")
+        pub.reserve("B")
+        for engine in ENGINES:
+            pub.ready("B", engine)
+        store.checkpoint()
+        pending = pub.results["B"].attempt_token
+    with _open(db) as again:  # the restarted trainer: same file, same token
+        assert again.publisher_token == token
+        refused(ErrorCode.NOT_PUBLISHER, again.commit, vk("B"), pending, 1)
+        refused(ErrorCode.NOT_PUBLISHER, again.commit, vk("B"), pending, 1, publisher_token="x" * 43)
+        assert again.status().default == vk("A")
+        again.commit(vk("B"), pending, 1, publisher_token=again.publisher_token)
+        assert again.status().default == vk("B")
+    with _open(db) as third:
+        assert third.publisher_token == token and third.status().default == vk("B")  # replayed
+    with sqlite3.connect(db) as conn:
+        journal = [row[0] for row in conn.execute("SELECT args FROM journal")]
+        checkpoints = [row[0] for row in conn.execute("SELECT state FROM checkpoint")]
+        (kept,) = conn.execute("SELECT value FROM meta WHERE key = 'publisher_token'").fetchone()
+    assert kept == token and journal and checkpoints
+    assert not any(token in text or "publisher_token" in text for text in journal + checkpoints)
+
+
+def test_an_opener_that_brings_its_own_token_becomes_the_publisher(db: Path) -> None:
+    """A registry actor the trainer starts opens the file with the trainer's token: from then on
+    that token is the file's (one writer at a time holds the file) and the old one is refused."""
+    with _open(db) as store:
+        old = store.publisher_token
+        Publisher(store).publish("A")
+    mine = "t" * 43
+    with _open(db, publisher_token=mine) as store:
+        assert store.publisher_token == mine
+        refused(
+            ErrorCode.NOT_PUBLISHER, store.register_engine_incarnation, "E0", "E0-i7", publisher_token=old
+        )
+        store.register_engine_incarnation("E0", "E0-i7", publisher_token=mine)
+    with _open(db) as store:
+        assert store.publisher_token == mine and store.status().engines["E0"] == "E0-i7"
+    with pytest.raises(ValueError, match="publisher token"):
+        _open(db, publisher_token="short")
