@@ -67,7 +67,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, TypeVar
 
-from lora_contract.errors import ErrorCode
+from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.names import MANAGED_CAPACITY
 from relax_glue.backpressure import (
     Decision,
@@ -138,6 +138,13 @@ class PublicationOutcome:
     @classmethod
     def failed(cls, step: int, vid: str, code: str, detail: str = "", **kw: Any) -> PublicationOutcome:
         return cls(step, vid, OutcomeKind.FAILED, code=code, detail=detail[:500], **kw)
+
+    @classmethod
+    def raised(cls, step: int, vid: str, exc: BaseException) -> PublicationOutcome:
+        """The step failed with ``exc``: a typed error keeps its code (a sharded adapter's
+        INVALID_REQUEST), anything else is named by its type."""
+        code = exc.code.value if isinstance(exc, LoraVersionError) else type(exc).__name__
+        return cls.failed(step, vid, code, str(exc))
 
 
 class PublicationFailed(RuntimeError):
@@ -500,7 +507,7 @@ class GRPOVersions:
             snapshot = Snapshot.from_peft_model(_unwrap(model))
         except Exception as exc:  # a snapshot that cannot be taken is this step's typed failure
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            done.set_result(PublicationOutcome.failed(step, self.vid(step), type(exc).__name__, str(exc)))
+            done.set_result(PublicationOutcome.raised(step, self.vid(step), exc))
             return done
         return self.loop.submit(self._publish_step(snapshot, step, required))
 
@@ -516,7 +523,7 @@ class GRPOVersions:
                 step, vid, "PUBLISH_TIMEOUT", f"no outcome within {self.config.publish_timeout_s}s"
             )
         except Exception as exc:
-            return PublicationOutcome.failed(step, vid, type(exc).__name__, str(exc))
+            return PublicationOutcome.raised(step, vid, exc)
 
     def record(self, outcome: PublicationOutcome) -> None:
         """Every rank, with the agreed outcome: count it; past ``max_failures`` raise (on every
@@ -533,7 +540,7 @@ class GRPOVersions:
         try:
             outcome = await self._publish_with_backpressure(snapshot, step, vid, required, t0)
         except Exception as exc:  # a registry that cannot be reached, a bug: typed, never a hang
-            outcome = PublicationOutcome.failed(step, vid, type(exc).__name__, str(exc))
+            outcome = PublicationOutcome.raised(step, vid, exc)
         rec = PublishRecord(outcome, wall0, time.time())
         if outcome.kind is OutcomeKind.PUBLISHED:
             self.last_published = step
