@@ -64,7 +64,8 @@ class NativeEdge(Protocol):
 
     async def load_pinned(self, lora_name: str, adapter_dir: Path) -> str:
         """Load the verified adapter directory and register it, pinned; the new lora_id.
-        Raises LoraVersionError, loading nothing."""
+        Raises LoraVersionError; if some rank loaded it anyway, its ``leftover_lora_id`` detail
+        names that id (never registered), for the caller's removal to take back out."""
         ...
 
     async def probe(self, lora_name: str, expected_lora_id: str) -> None:
@@ -133,19 +134,13 @@ class NativeLora:
         if not result.success:
             message = result.error_message or "unknown error"
             if any(r.success or lora_name in (r.loaded_adapters or {}) for r in ranks):
-                # Some rank loaded it: take it back out through the one unload path. If that
-                # fails too, name what stays loaded, so the caller keeps it visible (FAILED)
-                # instead of forgetting a pinned adapter.
-                try:
-                    await self.physical_unload(lora_name, ref.lora_id)
-                except Exception as exc:
-                    raise LoraVersionError(
-                        ErrorCode.LOAD_FAILED,
-                        f"SGLang refused the load ({message}) and its partial load could not be "
-                        f"taken back out ({exc})",
-                        lora_name=lora_name,
-                        leftover_lora_id=ref.lora_id,
-                    ) from None
+                # Some rank loaded it: name what stays loaded (never registered, so no request
+                # can hold it). The caller takes it back out through the one removal of a
+                # managed version (publication.remove_version, which asks may_unload_now), or
+                # keeps it visible (FAILED) if that fails; nothing here unloads on its own.
+                err = refused_load(lora_name, f"SGLang refused the load: {message}")
+                err.details["leftover_lora_id"] = ref.lora_id
+                raise err
             raise refused_load(lora_name, f"SGLang refused the load: {message}")
         await upstream.register(self.tm, ref)
         return ref.lora_id

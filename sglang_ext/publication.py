@@ -42,6 +42,7 @@ from sglang_ext.version_table import (
     CleanupDecision,
     EndDecision,
     VersionTable,
+    failed_refusal,
     in_flight_anomaly,
     may_unload_now,
 )
@@ -92,17 +93,26 @@ async def remove_version(
     table: VersionTable, native: NativeEdge, lora_name: str, lora_id: str | None, timeout_s: float
 ) -> RemovalPending | None:
     """Unregister -> drain (bounded, without any SGLang lock) -> physical unload, the last step
-    only when :func:`may_unload_now` says so. Shared by reclaim, cleanup and a failed probe.
+    only when :func:`may_unload_now` says so, asked with SGLang's reading of the id right before
+    it. The one removal of a managed version: reclaim, cleanup, a failed probe and a partial load
+    taken back all come here, and nothing else unloads one.
 
     Returns None once unloaded, else what is still pending (call again later)."""
     if lora_id is None:
         return None  # nothing was ever loaded under that name
+    v = table.get(lora_name)
+    if v is not None and v.unloaded and v.lora_id == lora_id:
+        return None  # an earlier call unloaded it and was cut off before the state said so
     await native.unregister(lora_name, lora_id)
     left = await native.drain(lora_id, timeout_s)
     anomaly = in_flight_anomaly(lora_name, left)
     if anomaly is not None:
         raise anomaly  # the drain can never end: refuse, keep everything as it is
-    if left is not None and not may_unload_now(table.get(lora_name), left):
+    resolvable = native.lora_id_of(lora_name) == lora_id
+    if not may_unload_now(table.get(lora_name), left, resolvable=resolvable):
+        if left is None:
+            # A registered id whose counter is gone: whether a request still holds it is unknown.
+            return RemovalPending(0, f"SGLang has no in-flight count for {lora_id}: not unloaded on a guess")
         return RemovalPending(left)
     try:
         await native.physical_unload(lora_name, lora_id)
@@ -112,6 +122,7 @@ async def remove_version(
         # SGLang answered "not unloaded" after the name was unregistered: a 4xx would tell the
         # caller nothing changed, which is false. Pending, and retried by the next call.
         return RemovalPending(left or 0, err.message)
+    table.mark_unloaded(lora_name, lora_id)
     return None
 
 
@@ -282,19 +293,25 @@ class PublicationService:
             await self.native.probe(lora_name, lora_id)
             phases.load_ms, phases.probe_ms = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
         except BaseException as exc:
-            # What stayed loaded: the id the load returned (the probe failed), or the id of a
-            # partial load that native_lora could not take back out (LOAD_FAILED's details).
+            # What stayed loaded: the id the load returned and registered (the probe failed), or
+            # the id of a partial load SGLang refused after some rank loaded it, never registered
+            # (LOAD_FAILED's details).
             details = exc.details if isinstance(exc, LoraVersionError) else {}
             leftover = lora_id or details.get("leftover_lora_id")
             if leftover is not None:
                 # Take it out again through the one removal path; never forget it on a failure.
-                self.table.abandon_load(lora_name, attempt_token)
+                self.table.abandon_load(lora_name, attempt_token, leftover, registered=lora_id is not None)
                 try:
                     if await remove_version(self.table, self.native, lora_name, leftover, 30.0) is None:
                         leftover = None  # removed: nothing stays loaded
                 except Exception:
                     pass  # still loaded: FAILED below keeps it visible and its slot held
             self.table.fail_load(lora_name, attempt_token, leftover_lora_id=leftover)
+            v = self.table.get(lora_name)
+            if leftover is not None and isinstance(exc, Exception) and v is not None:
+                # FAILED now: the one refusal after which the version is not as it was. It says
+                # so (state, leftover id), as every repeat of this end will (docs/serving.md).
+                raise failed_refusal(v) from exc
             raise
         receipt = self.table.finish_load(lora_name, attempt_token, lora_id)
         # The schedulers hold the weights now: the files go (a failed load keeps them, so the

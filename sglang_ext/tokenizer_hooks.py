@@ -399,16 +399,22 @@ def release_only_what_was_acquired(original: Any, self: Any, state: Any) -> Any:
 
 
 async def lru_never_picks_managed(self: Any, exclude_pinned: bool = False) -> str | None:
-    """REPLACE LoRARegistry.lru_lora_name: the max_loaded_loras eviction path asks the same rule
-    as reclaim (version_table.may_unload_now), and a registered managed version is never
-    unloadable."""
+    """REPLACE LoRARegistry.lru_lora_name: the max_loaded_loras eviction path asks the one rule of
+    every unload (version_table.may_unload_now) with SGLang's reading of each candidate: its
+    count, and that its name resolves (every candidate comes from the registry). So a managed
+    version is never the stock path's to evict: its removal (reclaim, cleanup) unregisters it
+    first. A managed-looking name the table does not hold is not ours: stock rules."""
     from sglang_ext.engine_state import engine_state
     from sglang_ext.version_table import may_unload_now
 
-    table = engine_state().table
+    state = engine_state()
+    table, native = state.table, state.native
 
     def may_evict(name: str) -> bool:
-        return not is_managed_name(name) or may_unload_now(table.get(name) if table else None, None)
+        if not is_managed_name(name):
+            return True
+        in_flight = native.in_flight(native.lora_id_of(name)) if native is not None else None
+        return may_unload_now(table.get(name) if table else None, in_flight, resolvable=True)
 
     return await upstream.lru_lora_name_never_managed(self, exclude_pinned, may_evict)
 

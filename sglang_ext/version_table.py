@@ -41,11 +41,23 @@ from sglang_ext.adapter_compat import EngineLoraShape, serving_problem
 S = EngineVersionState
 
 
-def may_unload_now(v: ManagedVersion | None, in_flight: int | None) -> bool:
+def may_unload_now(v: ManagedVersion | None, in_flight: int | None, *, resolvable: bool) -> bool:
     """The one predicate for "may this managed version be physically unloaded now" (the vLLM seed's
-    lesson: release and eviction paths share one rule). Only a version whose removal has started
-    (reclaim, or cleanup of a never-committed candidate) and whose native in-flight count is
-    exactly zero; a negative or unknown count never qualifies.
+    lesson: release and eviction paths share one rule). Every path that unloads one asks it with
+    SGLang's own reading of the id: removal (reclaim, cleanup, a failed probe or a partial load
+    taken back: :func:`sglang_ext.publication.remove_version`) and the ``max_loaded_loras`` LRU
+    eviction (:func:`sglang_ext.tokenizer_hooks.lru_never_picks_managed`).
+
+    Yes only when all hold: the version's removal has started (reclaim, or cleanup of a candidate
+    that never committed); its name no longer resolves to the id (``resolvable``: while it does,
+    the next request can acquire it, so a zero count says nothing about the moment after); and
+    its native in-flight count is exactly zero. A negative count never qualifies.
+
+    ``in_flight=None`` means SGLang has no counter for the id. SGLang creates the counter when it
+    registers an id and the plugin drops it only after the id's physical unload, so that is either
+    a partial load that was never registered (no request could ever resolve to it: its count is
+    zero by construction, ``v.registered`` is False) or a counter gone for a reason this table did
+    not see: unknown, and an unknown count is never a yes (fail closed).
 
     Without the overlap scheduler (which the plugin refuses, ``setup_checks``), a count of zero
     also means every GPU step that read the adapter's slot has completed: SGLang's normal loop
@@ -55,8 +67,12 @@ def may_unload_now(v: ManagedVersion | None, in_flight: int | None) -> bool:
     in the scheduler process at the unload itself (:mod:`sglang_ext.step_fence`; gpu_tests/README.md,
     "The overlap scheduler")."""
     if v is None:
-        return True  # not managed: stock rules apply
+        return True  # not a managed version: stock rules apply
+    if resolvable:
+        return False
     removal_started = v.state is S.RECLAIMING or v.cleaning
+    if in_flight is None:
+        return removal_started and not v.registered
     return removal_started and in_flight == 0
 
 
@@ -116,6 +132,12 @@ class ManagedVersion:
     lora_id: str | None = None
     reclaim_id: str | None = None
     cleaning: bool = False  # cleanup has unregistered it natively; the unload may still be draining
+    # SGLang's registry has held lora_id under this name, so requests may have acquired it and
+    # only its counter says when none still does. False for a partial load SGLang never registered.
+    registered: bool = False
+    # SGLang confirmed the physical unload of lora_id. Set by the removal itself, before the state
+    # says UNLOADED or CLEANED: a removal interrupted between the two goes on without a second one.
+    unloaded: bool = False
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
 
@@ -180,13 +202,17 @@ def _not_owner(v: ManagedVersion, attempt_token: str) -> LoraVersionError:
     )
 
 
-def _failed(v: ManagedVersion) -> LoraVersionError:
+def failed_refusal(v: ManagedVersion) -> LoraVersionError:
+    """The answer to every call about a FAILED version but its cleanup: the end whose removal
+    failed (the one 4xx after which the version is not as it was: docs/serving.md) and every
+    repeat of it say the same, naming the state and what stays loaded."""
     return _err(
         ErrorCode.LOAD_FAILED,
         f"{v.lora_name!r} failed to load and what it loaded is still pinned here; clean up attempt "
         f"{v.attempt_token} to remove it",
         lora_name=v.lora_name,
         state=S.FAILED.value,
+        leftover_lora_id=v.lora_id,
     )
 
 
@@ -370,7 +396,7 @@ class VersionTable:
                 raise _not_owner(existing, req.attempt_token)
             return self.ready_receipt(existing)
         if existing is not None and existing.state is S.FAILED:
-            raise _failed(existing)
+            raise failed_refusal(existing)
         if existing is not None and existing.state in (S.PREPARED, S.LOADING):
             if existing.attempt_token == req.attempt_token:
                 return self.prepared_receipt(existing)
@@ -482,7 +508,7 @@ class VersionTable:
         if v.state is S.LOADING:
             return EndDecision.JOIN
         if v.state is S.FAILED:
-            raise _failed(v)
+            raise failed_refusal(v)
         if v.state is not S.PREPARED:
             raise _err(ErrorCode.STALE_ATTEMPT, f"{lora_name!r} is {v.state.value}")
         if not v.all_buckets_received:
@@ -505,17 +531,26 @@ class VersionTable:
         v = self._current_attempt(lora_name, attempt_token)
         assert v.state is S.LOADING
         v.lora_id = lora_id
+        v.registered = True
         v.touch(S.READY_LOCAL)
         v.shed_staging()
         return self.ready_receipt(v)
 
-    def abandon_load(self, lora_name: str, attempt_token: str) -> None:
-        """The native load ran but the probe failed: removing what it loaded starts now (the
-        version is unservable and :func:`may_unload_now` may say yes)."""
+    def abandon_load(self, lora_name: str, attempt_token: str, lora_id: str, *, registered: bool) -> None:
+        """The native load left ``lora_id`` loaded and failed (its probe failed: ``registered``;
+        or SGLang refused it after some rank loaded it: never registered). Removing it starts now:
+        the version is unservable and :func:`may_unload_now` may say yes."""
         v = self._current_attempt(lora_name, attempt_token)
         assert v.state is S.LOADING
+        v.lora_id, v.registered, v.unloaded = lora_id, registered, False
         v.cleaning = True
         v.touch()
+
+    def mark_unloaded(self, lora_name: str, lora_id: str) -> None:
+        """SGLang confirmed the physical unload of ``lora_id`` (the removal goes on to its end)."""
+        v = self.versions.get(lora_name)
+        if v is not None and v.lora_id == lora_id:
+            v.unloaded = True
 
     def fail_load(self, lora_name: str, attempt_token: str, leftover_lora_id: str | None = None) -> None:
         """The load (or its probe) failed. With nothing left loaded the attempt is PREPARED again
@@ -529,6 +564,7 @@ class VersionTable:
                 v.lora_id = leftover_lora_id
                 v.touch(S.FAILED)
             else:
+                v.lora_id, v.registered, v.unloaded = None, False, False
                 v.touch(S.PREPARED)
 
     # ----------------------------------------------------------------------------- reclaim

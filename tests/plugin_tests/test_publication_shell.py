@@ -6,92 +6,21 @@ Each ends by checking what holds a slot, what is servable and how many physical 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import uuid
 
 import pytest
-import torch
-from _fake_native import FakeNative, fake_staging
+from _fake_native import fake_staging
+from _publication_shell import Shell, partial_load_of
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.protocol import (
-    CleanupRequest,
     DrainingReply,
-    EndRequest,
     ReceiveBucketMeta,
-    ReclaimRequest,
 )
-from relax_glue.snapshot import Snapshot
-from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
-from sglang_ext.engine_state import EngineState, assemble_engine
 from sglang_ext.publication import NameLocks, PublicationService
 from sglang_ext.reclaim import ReclaimService
-from sglang_ext.version_table import StagingLimits, VersionTable
-
-GEOMETRY = ModelGeometry(
-    "Qwen3ForCausalLM", num_layers=2, hidden_size=16, intermediate_size=32, q_size=16, kv_size=16
-)
-
-
-class Shell:
-    def __init__(self) -> None:
-        limits = StagingLimits(
-            managed_capacity=2,
-            lora=EngineLoraShape(GEOMETRY, max_lora_rank=8, served_modules=None),
-            max_version_bytes=10**9,
-            max_bucket_bytes=10**8,
-        )
-        self.table = VersionTable("inc", limits)
-        self.native = FakeNative()
-        state = assemble_engine(EngineState(incarnation="inc"), self.table, self.native, fake_staging())
-        assert state.publication is not None and state.reclaim is not None
-        self.publication, self.reclaim_service = state.publication, state.reclaim
-        self.locks = state.publication._locks  # the one set both services share
-        self.begin_req: dict = {}  # name -> its begin request
-        self.snapshots: dict = {}  # seed -> its snapshot
-
-    async def stage(self, seed: int) -> tuple[str, str]:
-        """begin + every bucket of a fresh version; (name, attempt token)."""
-        g = torch.Generator().manual_seed(seed)
-        tensors = {}
-        for layer in range(2):
-            for m in ("q_proj", "v_proj"):
-                stem = f"base_model.model.model.layers.{layer}.self_attn.{m}"
-                tensors[f"{stem}.lora_A.weight"] = torch.randn(4, 16, generator=g)
-                tensors[f"{stem}.lora_B.weight"] = torch.randn(16, 4, generator=g)
-        snap = Snapshot.from_tensors(
-            {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, tensors
-        )
-        self.snapshots[seed] = snap
-        req = snap.begin_request("p", "e", f"v{seed}", uuid.uuid4().hex)
-        self.begin_req[req.lora_name] = req
-        await self.publication.begin(req)
-        for b in snap.iter_buckets():
-            meta = ReceiveBucketMeta(
-                lora_name=req.lora_name, attempt_token=req.attempt_token, index=b.spec.index, sha256=b.sha256
-            )
-
-            async def read(cap: int, receiver, payload: bytes = b.payload) -> None:
-                receiver.feed(payload)
-
-            await self.publication.receive_bucket(meta, read)
-        return req.lora_name, req.attempt_token
-
-    async def end(self, name: str, token: str):
-        return await self.publication.end(EndRequest(lora_name=name, attempt_token=token))
-
-    async def cleanup(self, name: str, token: str, drain_timeout_s: float = 5.0):
-        return await self.publication.cleanup(
-            CleanupRequest(lora_name=name, attempt_token=token), drain_timeout_s
-        )
-
-    async def reclaim(self, name: str, reclaim_id: str, timeout_s: float = 0.05):
-        return await self.reclaim_service.reclaim(
-            ReclaimRequest(lora_name=name, reclaim_id=reclaim_id, timeout_s=timeout_s)
-        )
-
-    def servable(self, name: str) -> bool:
-        return self.table.request_gate(name, self.native.lora_id_of(name)) is None
 
 
 @pytest.fixture
@@ -237,11 +166,7 @@ async def test_a_partial_load_that_cannot_be_taken_back_is_kept_failed(shell, mo
     name, token = await shell.stage(8)
     real_load = shell.native.load_pinned
 
-    async def partial_load(lora_name, adapter_dir):
-        lora_id = await real_load(lora_name, adapter_dir)
-        raise LoraVersionError(ErrorCode.LOAD_FAILED, "rank 1 failed", leftover_lora_id=lora_id)
-
-    monkeypatch.setattr(shell.native, "load_pinned", partial_load)
+    monkeypatch.setattr(shell.native, "load_pinned", partial_load_of(shell.native, real_load))
     shell.native.fail_next("physical_unload")
     with pytest.raises(LoraVersionError):
         await shell.end(name, token)
@@ -268,7 +193,7 @@ async def test_a_negative_native_count_is_shown_raw_and_refuses_reclaim_and_clea
         v = shell.table.get(name)
         assert v.state == "READY_LOCAL" and not v.cleaning and shell.servable(name)  # nothing changed
     assert shell.native.unloads[name] == 0 and shell.native.registry[name] == lora_id
-    assert not may_unload_now(v, -1)
+    assert not may_unload_now(v, -1, resolvable=False)
 
 
 async def test_a_count_that_goes_negative_during_the_drain_is_refused_not_unloaded(shell):
@@ -907,3 +832,216 @@ def test_one_function_wires_the_engine_with_one_lock_set():
     assert set(built_in) == {("engine_state.py", "assemble_engine")}, built_in
     sh = Shell()
     assert sh.publication._locks is sh.reclaim_service._locks
+
+
+# ------------------------------------------------------------------ the one door to an unload
+
+
+class UnloadSpy:
+    """Wraps the native edge's physical unload: each call records whether the one rule said yes
+    at that moment, asked with SGLang's reading of the id (its count, whether its name resolves)."""
+
+    def __init__(self, shell: Shell, monkeypatch) -> None:
+        from sglang_ext.version_table import may_unload_now
+
+        self.calls: list[tuple[str, bool]] = []
+        real = shell.native.physical_unload
+
+        async def unload(lora_name: str, lora_id: str) -> None:
+            native = shell.native
+            allowed = may_unload_now(
+                shell.table.get(lora_name),
+                native.in_flight(lora_id),
+                resolvable=native.lora_id_of(lora_name) == lora_id,
+            )
+            self.calls.append((lora_name, allowed))
+            await real(lora_name, lora_id)
+
+        monkeypatch.setattr(shell.native, "physical_unload", unload)
+
+    def of(self, name: str) -> list[bool]:
+        return [allowed for n, allowed in self.calls if n == name]
+
+
+async def _path_reclaim_drains_first(shell: Shell) -> str:
+    name, token = await shell.stage(90)
+    await shell.end(name, token)
+    lora_id = shell.native.acquire(name)
+    assert isinstance(await shell.reclaim(name, "r1"), DrainingReply)
+    shell.native.release(lora_id)
+    assert (await shell.reclaim(name, "r1")).state == "UNLOADED"
+    return name
+
+
+async def _path_cleanup_drains_first(shell: Shell) -> str:
+    name, token = await shell.stage(91)
+    await shell.end(name, token)
+    lora_id = shell.native.acquire(name)
+    assert isinstance(await shell.cleanup(name, token, drain_timeout_s=0.02), DrainingReply)
+    shell.native.release(lora_id)
+    assert (await shell.cleanup(name, token)).state == "CLEANED"
+    return name
+
+
+async def _path_failed_probe(shell: Shell) -> str:
+    name, token = await shell.stage(92)
+    shell.native.fail_next("probe")
+    with pytest.raises(LoraVersionError):
+        await shell.end(name, token)
+    assert shell.table.get(name).state == "PREPARED"
+    return name
+
+
+async def _path_partial_load_taken_back(shell: Shell) -> str:
+    name, token = await shell.stage(93)
+    real_load = shell.native.load_pinned
+    shell.native.load_pinned = partial_load_of(shell.native, real_load)
+    try:
+        with pytest.raises(LoraVersionError) as info:
+            await shell.end(name, token)
+    finally:
+        shell.native.load_pinned = real_load
+    assert info.value.details["leftover_lora_id"] and shell.table.get(name).state == "PREPARED"
+    return name
+
+
+async def _path_failed_leftover_cleaned(shell: Shell) -> str:
+    name, token = await shell.stage(94)
+    real_load = shell.native.load_pinned
+    shell.native.load_pinned = partial_load_of(shell.native, real_load)
+    shell.native.fail_next("physical_unload")  # the take-back fails: FAILED, still loaded
+    try:
+        with pytest.raises(LoraVersionError):
+            await shell.end(name, token)
+    finally:
+        shell.native.load_pinned = real_load
+    assert shell.table.get(name).state == "FAILED"
+    assert (await shell.cleanup(name, token)).state == "CLEANED"
+    return name
+
+
+_UNLOAD_PATHS = {
+    # path -> the unload calls it makes, each the rule's yes (a failed take-back is one more call)
+    "reclaim": (_path_reclaim_drains_first, [True]),
+    "cleanup": (_path_cleanup_drains_first, [True]),
+    "failed_probe": (_path_failed_probe, [True]),
+    "partial_load_taken_back": (_path_partial_load_taken_back, [True]),
+    "failed_leftover_cleaned": (_path_failed_leftover_cleaned, [True, True]),
+}
+
+
+@pytest.mark.parametrize("path", list(_UNLOAD_PATHS))
+async def test_every_path_that_unloads_a_managed_version_does_so_only_on_the_rules_yes(
+    shell, monkeypatch, path: str
+):
+    """Issue 36: reclaim, cleanup, a failed probe, a partial load taken back and the cleanup of a
+    FAILED leftover each unload through the one removal, and only when may_unload_now says yes
+    with SGLang's reading of the id at that moment; nothing stays loaded or registered."""
+    spy = UnloadSpy(shell, monkeypatch)
+    run, want = _UNLOAD_PATHS[path]
+    name = await run(shell)
+    assert spy.of(name) == want
+    assert shell.native.loaded == {} and name not in shell.native.registry
+
+
+async def test_a_registered_version_whose_count_is_gone_is_never_unloaded_on_a_guess(shell, monkeypatch):
+    """Issue 36: remove_version skipped the rule once SGLang had no counter for the id, and so
+    unloaded a registered version whose in-flight count nobody could read. Now an unknown count
+    is pending (with the reason), nothing is unloaded, and the reclaim stays RECLAIMING."""
+    spy = UnloadSpy(shell, monkeypatch)
+    name, token = await shell.stage(95)
+    await shell.end(name, token)
+    lora_id = shell.native.lora_id_of(name)
+    shell.native.acquire(name)  # a request holds it ...
+    del shell.native.counters[lora_id]  # ... and its count is lost (no counter in SGLang)
+    pending = await shell.reclaim(name, "r1")
+    assert isinstance(pending, DrainingReply) and pending.unload_error
+    assert "no in-flight count" in pending.unload_error
+    assert spy.calls == [] and lora_id in shell.native.loaded
+    assert shell.table.get(name).state == "RECLAIMING" and shell.table.slots_in_use() == 1
+
+
+async def test_a_removal_cut_off_after_its_unload_ends_without_a_second_one(shell, monkeypatch):
+    """The unload happened, then the cleanup failed before it recorded CLEANED (its staged files
+    could not be removed). SGLang dropped the id's counter with the unload, so the retried
+    cleanup has no count to read: it ends CLEANED from the table's record of the unload, with
+    no second unload and no removal pending forever."""
+    spy = UnloadSpy(shell, monkeypatch)
+    name, token = await shell.stage(96)
+    await shell.end(name, token)
+    forget = shell.publication._forget
+    calls = {"n": 0}
+
+    def forget_failing_once(key):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError("staging directory busy")
+        forget(key)
+
+    monkeypatch.setattr(shell.publication, "_forget", forget_failing_once)
+    with pytest.raises(OSError):
+        await shell.cleanup(name, token)
+    assert spy.of(name) == [True] and shell.table.get(name).state == "READY_LOCAL"
+    assert (await shell.cleanup(name, token)).state == "CLEANED"
+    assert spy.of(name) == [True] and shell.table.slots_in_use() == 0
+
+
+@pytest.mark.parametrize("state_name", ["READY_LOCAL", "LOADING", "RECLAIMING", "READY_CLEANING"])
+@pytest.mark.parametrize("count", [0, 1])
+async def test_the_lru_eviction_never_takes_a_managed_version_it_can_see(
+    shell, monkeypatch, state_name, count
+):
+    """SGLang's max_loaded_loras eviction asks the same rule with its own reading: every candidate
+    still resolves, so no managed version is evicted by the stock path in any state, even at
+    zero in flight (a RECLAIMING one between its reclaim's start and its unregister included);
+    a plain adapter is."""
+    import types
+
+    import sglang_ext.engine_state as engine_state_module
+    from sglang_ext.tokenizer_hooks import lru_never_picks_managed
+    from sglang_ext.version_table import S
+
+    name, token = await shell.stage(97)
+    await shell.end(name, token)
+    v = shell.table.get(name)
+    if state_name == "LOADING":
+        v.state = S.LOADING
+    elif state_name == "RECLAIMING":
+        shell.table.start_reclaim(name, "r1")  # still registered: the reclaim has not unregistered yet
+    elif state_name == "READY_CLEANING":
+        shell.table.mark_cleaning(name, token)
+    for _ in range(count):
+        shell.native.acquire(name)
+    state = types.SimpleNamespace(table=shell.table, native=shell.native)
+    monkeypatch.setattr(engine_state_module, "engine_state", lambda: state)
+    refs = {name: types.SimpleNamespace(pinned=False), "plain-a": types.SimpleNamespace(pinned=False)}
+    registry = types.SimpleNamespace(
+        _registry=refs, _registry_lock=types.SimpleNamespace(reader_lock=contextlib.nullcontext())
+    )
+    assert await lru_never_picks_managed(registry) == "plain-a"
+    del refs["plain-a"]
+    assert await lru_never_picks_managed(registry) is None
+
+
+def test_nothing_but_the_one_removal_calls_sglangs_physical_unload():
+    """A structural guard for the one door: in the plugin's source, ``physical_unload`` is called
+    only inside publication.remove_version (which asks may_unload_now right before it)."""
+    import ast
+    from pathlib import Path
+
+    import sglang_ext
+
+    callers = []
+    for path in sorted(Path(sglang_ext.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "physical_unload"
+                ):
+                    callers.append(f"{path.name}:{fn.name}")
+    assert sorted(set(callers)) == ["publication.py:remove_version"], callers

@@ -446,7 +446,8 @@ def state(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
 
     fake = types.SimpleNamespace(
         table=FakeTable(),
-        native=types.SimpleNamespace(lora_id_of=lambda name: f"id-of-{name}"),
+        # every id at zero in flight: the LRU's reading (never a reason by itself to evict)
+        native=types.SimpleNamespace(lora_id_of=lambda name: f"id-of-{name}", in_flight=lambda lora_id: 0),
         metrics=FakeMetrics(),
     )
     for module in (engine_state_module, http_routes):  # http_routes bound the name at import

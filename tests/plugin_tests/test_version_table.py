@@ -224,11 +224,13 @@ def test_reclaim_transitions_are_idempotent_by_reclaim_id(table):
 
     ready = staged_ready(table, snap(9), "3")
     v = table.get(ready.lora_name)
-    assert not may_unload_now(v, 0), "a READY version is never unloadable"
+    assert not may_unload_now(v, 0, resolvable=False), "a READY version is never unloadable"
     assert table.start_reclaim(ready.lora_name, "r1") is ReclaimDecision.START
     assert gate(table, ready.lora_name).code is ErrorCode.VERSION_RECLAIMED
-    assert not may_unload_now(v, 1) and not may_unload_now(v, -1) and not may_unload_now(v, None)
-    assert may_unload_now(v, 0)
+    for in_flight in (1, -1, None):
+        assert not may_unload_now(v, in_flight, resolvable=False)
+    assert not may_unload_now(v, 0, resolvable=True), "not while its name still resolves"
+    assert may_unload_now(v, 0, resolvable=False)
     assert table.start_reclaim(ready.lora_name, "r1") is ReclaimDecision.RESUME
     refused_without_trace(table, lambda: table.start_reclaim(ready.lora_name, "r2"), ErrorCode.STALE_ATTEMPT)
     table.finish_reclaim(ready.lora_name, "r1")
@@ -373,7 +375,7 @@ def table_in(label: str, seed: int = 40, earlier: str | None = None) -> tuple[Ve
             t.accept_bucket(m)
         t.start_load(name, token)
     if label == "LOADING_CLEANING":
-        t.abandon_load(name, token)
+        t.abandon_load(name, token, "id-probed", registered=True)
     elif label == "FAILED":
         t.fail_load(name, token, leftover_lora_id="id-left")
     elif label in ("READY_LOCAL", "READY_LOCAL_CLEANING", "RECLAIMING", "UNLOADED"):
@@ -743,20 +745,46 @@ def test_the_request_gate_has_one_answer_for_every_state_and_registered_id(label
 
 @pytest.mark.parametrize("label", [s for s in STATES if s != "ABSENT"])
 @pytest.mark.parametrize("in_flight", [None, -2, -1, 0, 1, 2])
-def test_may_unload_now_only_once_removal_started_and_exactly_zero_in_flight(label, in_flight):
+@pytest.mark.parametrize("resolvable", [False, True])
+def test_may_unload_now_only_once_removal_started_unresolvable_and_exactly_zero_in_flight(
+    label, in_flight, resolvable
+):
+    """Every version here was registered (a probe's, a READY one's) or holds no id: an unknown
+    count (None: no counter) is never a yes for them."""
     from sglang_ext.version_table import may_unload_now
 
     t, req = table_in(label)
     v = t.get(req.lora_name)
     removal_started = label in ("RECLAIMING",) or label.endswith("_CLEANING")
-    assert may_unload_now(v, in_flight) == (removal_started and in_flight == 0)
+    want = removal_started and in_flight == 0 and not resolvable
+    assert may_unload_now(v, in_flight, resolvable=resolvable) == want
 
 
 @pytest.mark.parametrize("in_flight", [None, -2, -1, 0, 1, 2])
-def test_a_name_the_table_does_not_manage_follows_stock_rules(in_flight):
+@pytest.mark.parametrize("resolvable", [False, True])
+def test_a_partial_load_never_registered_has_no_count_and_is_unloadable_once_abandoned(in_flight, resolvable):
+    """SGLang refused a load after some rank loaded it: the id was never registered, so no request
+    could ever resolve to it and it has no counter (None). Only that, for a version whose removal
+    started, is a yes without a count; a count it somehow has is read as any other."""
     from sglang_ext.version_table import may_unload_now
 
-    assert may_unload_now(None, in_flight) is True
+    t, req = table_in("LOADING")
+    v = t.get(req.lora_name)
+    assert not may_unload_now(v, None, resolvable=False), "not before its removal started"
+    t.abandon_load(req.lora_name, req.attempt_token, "id-partial", registered=False)
+    want = not resolvable and in_flight in (None, 0)
+    assert may_unload_now(v, in_flight, resolvable=resolvable) == want
+    t.fail_load(req.lora_name, req.attempt_token, leftover_lora_id="id-partial")  # its removal failed
+    t.mark_cleaning(req.lora_name, req.attempt_token)  # a cleanup of the FAILED leftover
+    assert may_unload_now(v, in_flight, resolvable=resolvable) == want
+
+
+@pytest.mark.parametrize("in_flight", [None, -2, -1, 0, 1, 2])
+@pytest.mark.parametrize("resolvable", [False, True])
+def test_a_name_the_table_does_not_manage_follows_stock_rules(in_flight, resolvable):
+    from sglang_ext.version_table import may_unload_now
+
+    assert may_unload_now(None, in_flight, resolvable=resolvable) is True
 
 
 @pytest.mark.parametrize("in_flight", [None, -5, -1, 0, 1, 7])
@@ -846,7 +874,7 @@ def _step(t: VersionTable, req, step: str) -> None:
     {
         "start_load": lambda: t.start_load(name, token),
         "finish_load": lambda: t.finish_load(name, token, "id-new"),
-        "abandon_load": lambda: t.abandon_load(name, token),
+        "abandon_load": lambda: t.abandon_load(name, token, "id-probed", registered=True),
         "mark_cleaning": lambda: t.mark_cleaning(name, token),
         "finish_reclaim": lambda: t.finish_reclaim(name, "r1"),
     }[step]()
