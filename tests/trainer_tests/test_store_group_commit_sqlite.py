@@ -118,6 +118,26 @@ def test_every_acknowledged_transition_is_in_the_file_once_in_order_with_its_ans
     assert groups < transitions / 2, f"{groups} commits for {transitions} transitions: no groups formed"
 
 
+def _started(store: DurableRegistry, target: Callable[[], None]) -> threading.Thread:
+    """``target`` on a thread of its own, returned once the store has decided its call (so a
+    wait measured from here is the store's, however loaded the machine)."""
+    decided = threading.Event()
+    real = store._decide
+
+    def decide(op: str, kwargs: dict[str, Any]) -> Any:
+        try:
+            return real(op, kwargs)
+        finally:
+            if threading.current_thread() is thread:
+                decided.set()
+
+    store._decide = decide  # type: ignore[method-assign]
+    thread = threading.Thread(target=target)
+    thread.start()
+    assert decided.wait(10), "the call never reached the store"
+    return thread
+
+
 def _held_group(store: DurableRegistry) -> tuple[threading.Event, threading.Event]:
     """A gate on the NEXT group write: ``entered`` is set when the leader is about to write (its
     rows decided, in memory only), and the write waits until ``release`` is set."""
@@ -178,8 +198,7 @@ def test_an_answer_that_observes_a_transition_waits_until_its_group_is_in_the_fi
             answer = exc
         seen.append((answer, _in_file(store.path, "begin_close", "s")))  # at the moment it answered
 
-    watcher = threading.Thread(target=observer)
-    watcher.start()
+    watcher = _started(store, observer)
     watcher.join(0.3)
     answered_early = not watcher.is_alive()
     release.set()
@@ -208,8 +227,7 @@ def test_a_call_decided_while_a_group_is_written_joins_the_next_group_and_answer
         store.bind_first(sk("second"))
         answers.append(_in_file(store.path, "bind_first", "second"))
 
-    late = threading.Thread(target=second)
-    late.start()
+    late = _started(store, second)
     late.join(0.3)
     assert late.is_alive()  # decided, waiting for a group of its own
     assert not _in_file(store.path, "bind_first", "first")
