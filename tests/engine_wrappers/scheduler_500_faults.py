@@ -10,6 +10,12 @@ travels through the output streamer and the tokenizer manager, which release the
 count and answer HTTP 500. One more marker is not a fault but a delay of the marked call alone:
 the prefix request of a parallel request (n > 1) is held in the scheduler (``HOLD_PREFIX``).
 
+Two more markers let a test say *when*: a request marked ``FAIL_ON_SIGNAL`` decodes normally
+until its signal file (:func:`signal_path`) exists, then takes the same mid-decode 500; one marked
+``FINISH_ON_SIGNAL`` then finishes normally, by length (its ``max_new_tokens`` is cut to what it
+has decoded, so upstream's own finish check ends it). So a test can hold two requests on one
+version and read the native count between the two ends (RFC 7.1: 2 -> 1 -> 0).
+
 The scheduler runs in a process started with ``spawn``, so a patch made in the launching process
 would not reach it: :func:`run_scheduler_process_with_500s` is handed to ``launch_server`` as
 its ``run_scheduler_process_func`` and installs the hooks inside the scheduler process.
@@ -17,10 +23,13 @@ its ``run_scheduler_process_func`` and installs the hooks inside the scheduler p
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import sys
 import time
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 # Marker suffixes. A resend by the session layer uses another rid ("<rid>.resend1"), so it passes.
@@ -33,6 +42,17 @@ DECODE_TOKENS_BEFORE_FAULT = 4
 HOLD_PREFIX = ":hold@prefix"
 HOLD_PREFIX_S = 2.0
 LOG_LINE = "scheduler-500 fault injected"
+FAIL_ON_SIGNAL = ":500@signal"
+FINISH_ON_SIGNAL = ":finish@signal"
+SIGNAL_LOG_LINE = "scheduler-500 signal taken"
+
+
+def signal_path(local_source_dir: str | os.PathLike[str], rid: str) -> Path:
+    """The file whose existence ends the request ``rid`` (marked ``FAIL_ON_SIGNAL`` or
+    ``FINISH_ON_SIGNAL``): beside the farm's local source directory, whose path is in E1's
+    environment, named by a hash of the rid (any rid is a valid file name then)."""
+    source = Path(local_source_dir)
+    return source.with_name(f"{source.name}.signal-{hashlib.sha256(rid.encode()).hexdigest()[:16]}")
 
 
 def _marked(rid: str, marker: str) -> bool:
@@ -69,9 +89,32 @@ def install() -> None:
     # Upstream: SchedulerBatchResultProcessor.process_batch_result_decode(batch, result); the
     # grammar path sets req.to_finish = FINISH_ABORT(..., INTERNAL_SERVER_ERROR) in that loop.
     decode = SchedulerBatchResultProcessor.process_batch_result_decode
+    from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV
+
+    source = os.environ.get(LOCAL_SOURCE_DIR_ENV)
+
+    def signalled(req: Any, marker: str) -> bool:
+        return (
+            source is not None
+            and req.rid.endswith(marker)
+            and not req.finished()
+            and req.to_finish is None
+            and signal_path(source, req.rid).exists()
+        )
 
     def process_batch_result_decode(self: Any, batch: Any, result: Any) -> Any:
         for req in batch.reqs:
+            if signalled(req, FAIL_ON_SIGNAL):
+                req.to_finish = FINISH_ABORT(
+                    "injected scheduler fault (tests): 500 mid-decode on signal",
+                    HTTPStatus.INTERNAL_SERVER_ERROR,
+                    "InternalServerError",
+                )
+                _note(req.rid, "mid-decode on signal")
+            elif signalled(req, FINISH_ON_SIGNAL):
+                # upstream's own length check (Req.check_finished) ends it after this step's token
+                req.sampling_params.max_new_tokens = len(req.output_ids) + 1
+                print(f"{SIGNAL_LOG_LINE}: finish rid={req.rid}", file=sys.stderr, flush=True)
             if (
                 _marked(req.rid, MID_DECODE)
                 and not req.finished()
