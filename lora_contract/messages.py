@@ -37,6 +37,11 @@ from lora_contract.wire_models import (
 )
 
 DEFAULT_LORA_PREFIX = "relax_policy_lora"
+# SGLang 0.5.23's 503 for a generation its scheduler refused before running it (waiting queue full:
+# Scheduler._abort_on_queued_limit): the trainer side reads it as "not admitted, may be sent again".
+# An SGLang fact, here because both sides read it; the plugin checks it at start against the
+# installed scheduler (sglang_ext.lora_registry_patch.MESSAGES).
+QUEUE_FULL_MESSAGE = "The request queue is full."
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import httpx
 from pydantic import BaseModel
 
 from lora_contract.errors import LoraVersionError
+from lora_contract.messages import QUEUE_FULL_MESSAGE
 from lora_contract.protocol import (
     BeginRequest,
     BucketAck,
@@ -97,8 +98,6 @@ FORBIDDEN_PATHS: frozenset[str] = frozenset(
 # httpx errors raised before a single request byte left this process: the engine cannot have
 # seen the request. Still an unknown outcome for the publisher (conservative), but the session
 # layer may use ``maybe_sent=False`` to decide that a generation retry cannot double-submit.
-# Scheduler._abort_on_queued_limit's message in SGLang 0.5.23 (a 503 before the request runs).
-QUEUE_FULL_MESSAGE = "The request queue is full."
 _GENERATION_OPS = frozenset({"generate", "generate_stream"})
 _NOT_SENT_ERRORS: tuple[type[Exception], ...] = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 

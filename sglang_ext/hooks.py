@@ -71,7 +71,7 @@ async def refuse_managed_names_on_stock_lora_api(
 
     # The plugin itself never calls these methods (managed loads and unloads go through the
     # scheduler fan-out in native_lora), so there is no exception to make.
-    name = getattr(obj, "lora_name", None)
+    name = obj.lora_name  # on each of the three request types (checked at start: DECLARED_FIELDS)
     if isinstance(name, str) and is_managed_name(name):
         raise LoraVersionError(
             ErrorCode.MANAGED_ADAPTER,

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 from array import array
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+
+from lora_contract.messages import QUEUE_FULL_MESSAGE
 
 # ------------------------------------------------------------------------------ hook targets
 # Patched through SGLang's own HookRegistry (sglang.srt.plugins.hook_registry).
@@ -123,6 +126,23 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "LoRARef": ("sglang.srt.lora.lora_registry", "LoRARef"),
     "LoRARegistry": ("sglang.srt.lora.lora_registry", "LoRARegistry"),
     "GenerateReqInput": ("sglang.srt.managers.io_struct", "GenerateReqInput"),
+    # the other request type TokenizerManager.generate_request takes (the guards see it too)
+    "EmbeddingReqInput": ("sglang.srt.managers.io_struct", "EmbeddingReqInput"),
+    # what _send_one_request sends (abort_samples_sent_after_their_request_was_aborted reads its rid)
+    "TokenizedGenerateReqInput": ("sglang.srt.managers.io_struct", "TokenizedGenerateReqInput"),
+    "TokenizedEmbeddingReqInput": ("sglang.srt.managers.io_struct", "TokenizedEmbeddingReqInput"),
+    "LoadLoRAAdapterFromTensorsReqInput": (
+        "sglang.srt.managers.io_struct",
+        "LoadLoRAAdapterFromTensorsReqInput",
+    ),
+    # the server arguments setup_checks and engine_state read (through resolved_server_args)
+    "ServerArgs": ("sglang.srt.server_args", "ServerArgs"),
+    # the OpenAI requests precheck_openai reads (model, lora_path)
+    "CompletionRequest": ("sglang.srt.entrypoints.openai.protocol", "CompletionRequest"),
+    "ChatCompletionRequest": ("sglang.srt.entrypoints.openai.protocol", "ChatCompletionRequest"),
+    # the owners of the upstream messages the plugin matches (see MESSAGES)
+    "Scheduler": ("sglang.srt.managers.scheduler", "Scheduler"),
+    "LoRAManager": ("sglang.srt.lora.lora_manager", "LoRAManager"),
     # the class TokenizerManager builds every request's sampling parameters with
     "SamplingParams": ("sglang.srt.sampling.sampling_params", "SamplingParams"),
     "LoadLoRAAdapterReqInput": ("sglang.srt.managers.io_struct", "LoadLoRAAdapterReqInput"),
@@ -170,13 +190,112 @@ LORA_REGISTRY_ATTRIBUTES = ("_registry", "_counters", "_registry_lock")
 # ReqState dataclass fields read by the release guard.
 REQ_STATE_FIELDS = ("obj", "lora_released")
 # Set in TokenizerManager.__init__ / init_communicators (checked on the live instance, see
-# tokenizer_manager_problems).
+# tokenizer_manager_problems). rid_to_state: the parallel-sampling abort reads every live request
+# state by rid (a rename read as "no state" would leave an aborted request's samples decoding).
 TOKENIZER_MANAGER_ATTRIBUTES = (
     "lora_registry",
     "lora_ref_cache",
     "model_config",
     "update_lora_adapter_communicator",
     "tokenizer",
+    "rid_to_state",
+)
+# TokenizerManager.model_config (sglang.srt.configs.model_config.ModelConfig): what base_hf_config,
+# base_serving and vocab_size read (the vocabulary bound of refuse_inputs_that_crash_the_scheduler).
+MODEL_CONFIG_ATTRIBUTES = ("hf_config", "dtype", "quantization", "vocab_size")
+
+# ------------------------------------------------------------------------------ request fields
+# GenerateReqInput fields the tokenizer manager or the engine set themselves (io_struct, 0.5.23):
+# a request may not send them (tokenizer_hooks.forbidden_fields).
+INTERNAL_FIELDS = (
+    "lora_id",
+    "http_worker_ipc",
+    "need_wait_for_mm_inputs",
+    "num_items_assigned",
+    "encoder_urls",
+)
+# The same of EmbeddingReqInput, which declares only these two of them.
+EMBEDDING_INTERNAL_FIELDS = ("lora_id", "http_worker_ipc")
+# The fields a raw /generate body may not set, with GenerateReqInput's default for each (checked
+# against the class at start): the internal fields above, and three set legitimately only by the
+# OpenAI layer or internally. A body that names a field with exactly its default changes nothing
+# and is accepted: a gateway that re-serializes the request (smg 1.13.0 writes "return_bytes":
+# false into every /generate body it buffers for retries) is not a forger. Any other value is
+# refused.
+RAW_FIELD_DEFAULTS: dict[str, Any] = {
+    **dict.fromkeys(INTERNAL_FIELDS),
+    "received_time": None,
+    "positional_embed_overrides": None,
+    "return_bytes": False,
+}
+# GenerateReqInput fields that hold one entry per prompt when they are lists.
+PER_PROMPT_LISTS = ("lora_path", "sampling_params")
+# The ids SGLang mints: LoRARef.lora_id (uuid4().hex; Req.extra_key = client extra_key + lora_id, a
+# plain concatenation) and the rid GenerateReqInput.regenerate_rid gives each sample of a parallel
+# request. Checked at start on a fresh LoRARef and a regenerated rid.
+UUID_HEX = "[0-9a-f]{32}"
+# normalize_batch_and_arguments names prompt i of a request with rid r "r_i" when n > 1 (checked at
+# start on a normalised request).
+PROMPT_RID = "{rid}_{i}"
+
+# (symbol, field) declared on the class (a dataclass field, a msgspec Struct field or a pydantic
+# model field), read by a guard, the step fence or the engine's setup. Checked at start on the
+# installed classes: a rename refuses the start, naming it, instead of reading as a default.
+DECLARED_FIELDS: tuple[tuple[str, str], ...] = (
+    *(("ReqState", f) for f in REQ_STATE_FIELDS),
+    *(
+        ("GenerateReqInput", f)
+        for f in ("rid", "lora_path", "sampling_params", "extra_key", "return_logprob", "top_logprobs_num")
+    ),
+    *(("GenerateReqInput", f) for f in RAW_FIELD_DEFAULTS),
+    *(("EmbeddingReqInput", f) for f in ("rid", "lora_path", "sampling_params", *EMBEDDING_INTERNAL_FIELDS)),
+    ("TokenizedGenerateReqInput", "rid"),
+    ("TokenizedEmbeddingReqInput", "rid"),
+    # native_lora reads each rank's reply: success, error_message, loaded_adapters (a partial load)
+    *(("LoRAUpdateOutput", f) for f in ("success", "error_message", "loaded_adapters")),
+    *(("LoRARef", f) for f in ("lora_id", "lora_name", "lora_path", "pinned")),
+    # the stock LoRA API guard (hooks.refuse_managed_names_on_stock_lora_api) reads lora_name
+    *(("LoadLoRAAdapterReqInput", f) for f in ("rid", "lora_name", "lora_path", "lora_id")),
+    *(("UnloadLoRAAdapterReqInput", f) for f in ("lora_name", "lora_id")),
+    ("LoadLoRAAdapterFromTensorsReqInput", "lora_name"),
+    *(("CompletionRequest", f) for f in ("model", "lora_path")),
+    *(("ChatCompletionRequest", f) for f in ("model", "lora_path")),
+    *(
+        ("ServerArgs", f)
+        for f in (
+            # setup_checks
+            "enable_lora",
+            "tokenizer_worker_num",
+            "dp_size",
+            "max_loras_per_batch",
+            "max_loaded_loras",
+            "tp_size",
+            "pp_size",
+            "enable_pdmux",
+            "enable_lora_overlap_loading",
+            "speculative_algorithm",
+            "disaggregation_mode",
+            "disable_overlap_schedule",
+            "disable_radix_cache",
+            "device",
+            # engine_state
+            "model_path",
+            "revision",
+            "tokenizer_path",
+            "lora_target_modules",
+            "max_lora_rank",
+        )
+    ),
+)
+# (symbol, attribute) set on the request by normalize_batch_and_arguments, read by the
+# parallel-sampling and per-prompt guards (checked at start on normalised requests). A sub-request
+# SGLang cuts from a normalised one (``obj[i]``) has none of them: see :func:`normalised`.
+NORMALISED_ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("GenerateReqInput", "is_single"),
+    ("GenerateReqInput", "batch_size"),
+    ("GenerateReqInput", "parallel_sample_num"),
+    ("EmbeddingReqInput", "is_single"),
+    ("EmbeddingReqInput", "batch_size"),
 )
 
 # Function names on the stack that tell which SGLang process loads the plugin
@@ -190,6 +309,13 @@ PROCESS_ENTRY_FUNCTIONS = {
 # Texts of LoRAManager.validate_new_adapter (sglang.srt.lora.lora_manager) that mean "this adapter
 # does not fit this engine" rather than "the load failed".
 INCOMPATIBLE_MESSAGE_MARKERS = ("incompatible with the current LoRA memory pool", "DoRA", "add tokens")
+# (symbol, method, text): every upstream message the plugin (or the trainer side, through
+# lora_contract) matches, with the method whose string constants hold it. QUEUE_FULL_MESSAGE is
+# Scheduler._abort_on_queued_limit's 503 (relax_glue.engine_client reads it as "not admitted").
+MESSAGES: tuple[tuple[str, str, str], ...] = (
+    ("Scheduler", "_abort_on_queued_limit", QUEUE_FULL_MESSAGE),
+    *(("LoRAManager", "validate_new_adapter", m) for m in INCOMPATIBLE_MESSAGE_MARKERS),
+)
 
 
 def symbol(name: str) -> Any:
@@ -238,24 +364,99 @@ def surface_problems() -> list[str]:
         ]
     except Exception as exc:  # a constructor that changed shape is a problem too
         problems.append(f"LoRARegistry() cannot be built: {exc!r}")
+    problems += declared_field_problems(DECLARED_FIELDS)
+    return problems + request_problems() + message_problems() + step_reader_problems()
+
+
+def declared_fields(cls: Any) -> set[str]:
+    """The fields ``cls`` declares: a dataclass's, a msgspec Struct's or a pydantic model's."""
+    fields = set(getattr(cls, "__dataclass_fields__", {}))
+    fields |= set(getattr(cls, "__struct_fields__", ()))
+    model_fields = getattr(cls, "model_fields", None)
+    return fields | set(model_fields) if isinstance(model_fields, dict) else fields
+
+
+def declared_field_problems(wanted: tuple[tuple[str, str], ...]) -> list[str]:
+    problems: list[str] = []
+    for owner, field in wanted:
+        try:
+            if field not in declared_fields(symbol(owner)):
+                problems.append(f"{SYMBOLS[owner][1]}.{field} is missing")
+        except (ImportError, AttributeError):
+            pass  # already reported above
+    return problems
+
+
+def request_problems() -> list[str]:
+    """What the request guards read that exists only on a built request: the attributes
+    normalisation sets, the defaults of the raw-body fields, the formats of the ids SGLang mints."""
     try:
-        fields = getattr(symbol("ReqState"), "__dataclass_fields__", {})
-        problems += [f"ReqState.{f} is missing" for f in REQ_STATE_FIELDS if f not in fields]
+        generate_cls, embedding_cls = symbol("GenerateReqInput"), symbol("EmbeddingReqInput")
+        ref_cls = symbol("LoRARef")
     except (ImportError, AttributeError):
-        pass
-    return problems + step_reader_problems()
+        return []  # already reported above
+    problems: list[str] = []
+    defaults = getattr(generate_cls, "__dataclass_fields__", {})
+    for field, default in RAW_FIELD_DEFAULTS.items():
+        upstream_default = defaults[field].default if field in defaults else default
+        if upstream_default is not default:
+            problems.append(f"GenerateReqInput.{field} defaults to {upstream_default!r}, not {default!r}")
+    try:
+        # a single prompt with n=2: normalisation makes it a batch of one prompt, two samples
+        generate = generate_cls(text="lora-versions-check", rid="r", sampling_params={"n": 2})
+        generate.normalize_batch_and_arguments()
+        embedding = embedding_cls(text="lora-versions-check")
+        embedding.normalize_batch_and_arguments()
+    except Exception as exc:  # a request that changed shape is a problem too
+        return [*problems, f"a normalised GenerateReqInput / EmbeddingReqInput cannot be built: {exc!r}"]
+    built = {"GenerateReqInput": generate, "EmbeddingReqInput": embedding}
+    missing = [(o, a) for o, a in NORMALISED_ATTRIBUTES if not hasattr(built[o], a)]
+    problems += [f"{o}().{a} is missing after normalize_batch_and_arguments" for o, a in missing]
+    prompt_rids = [PROMPT_RID.format(rid="r", i=i) for i in range(2)]
+    if getattr(generate, "rid", None) != prompt_rids:
+        problems.append(f"normalisation names a request's prompts {generate.rid!r}, not {prompt_rids!r}")
+    try:
+        minted = {
+            "LoRARef().lora_id": ref_cls(lora_name="lora-versions-check").lora_id,
+            "GenerateReqInput.regenerate_rid()": generate.regenerate_rid(),
+        }
+    except Exception as exc:
+        return [*problems, f"LoRARef() / GenerateReqInput.regenerate_rid() failed: {exc!r}"]
+    for what, value in minted.items():
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, str) and re.fullmatch(UUID_HEX, v) for v in values):
+            problems.append(f"{what} is {value!r}, not {UUID_HEX}")
+    return problems
+
+
+def _string_constants(code: Any) -> list[str]:
+    out: list[str] = []
+    for const in code.co_consts:
+        if isinstance(const, str):
+            out.append(const)
+        elif hasattr(const, "co_consts"):
+            out += _string_constants(const)
+    return out
+
+
+def message_problems() -> list[str]:
+    """Every upstream message of :data:`MESSAGES` still among its method's string constants."""
+    problems: list[str] = []
+    for owner, method, text in MESSAGES:
+        try:
+            code = getattr(symbol(owner), method).__code__
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{SYMBOLS[owner][1]}.{method} (the source of {text!r}): {exc}")
+            continue
+        if not any(text in const for const in _string_constants(code)):
+            problems.append(f"{SYMBOLS[owner][1]}.{method} no longer says {text!r}")
+    return problems
 
 
 def step_reader_problems() -> list[str]:
     """What the step fence reads that exists before a scheduler does: the step classes' fields,
     a fresh Req's ``lora_id``, the unload request's ``lora_id``."""
-    problems: list[str] = []
-    for owner, field in STEP_FIELDS:
-        try:
-            if field not in getattr(symbol(owner), "__dataclass_fields__", {}):
-                problems.append(f"{SYMBOLS[owner][1]}.{field} is missing")
-        except (ImportError, AttributeError):
-            pass  # already reported above
+    problems = declared_field_problems(STEP_FIELDS)
     try:
         req_cls, params_cls = symbol("Req"), symbol("SamplingParams")
         unload_cls = symbol("UnloadLoRAAdapterReqInput")
@@ -284,12 +485,22 @@ def scheduler_problems(scheduler: Any) -> list[str]:
     except AttributeError as exc:
         return [*problems, f"Scheduler.tp_worker.model_runner.lora_manager: {exc}"]
     missing = [a for a in LORA_MANAGER_ATTRIBUTES if not hasattr(manager, a)]
-    return problems + [f"LoRAManager.{a} is missing" for a in missing]
+    problems += [f"LoRAManager.{a} is missing" for a in missing]
+    if "memory_pool" in missing:
+        return problems
+    pool = manager.memory_pool
+    return problems + [f"LoRAMemoryPool.{a} is missing" for a in POOL_ATTRIBUTES if not hasattr(pool, a)]
 
 
 def tokenizer_manager_problems(tm: Any) -> list[str]:
-    """The instance attributes of the live TokenizerManager this module reads."""
-    return [f"TokenizerManager.{a} is missing" for a in TOKENIZER_MANAGER_ATTRIBUTES if not hasattr(tm, a)]
+    """The instance attributes of the live TokenizerManager this module and the guards read, and
+    those of its model config."""
+    missing = [a for a in TOKENIZER_MANAGER_ATTRIBUTES if not hasattr(tm, a)]
+    problems = [f"TokenizerManager.{a} is missing" for a in missing]
+    if hasattr(tm, "model_config"):  # else named above
+        config = tm.model_config
+        problems += [f"ModelConfig.{a} is missing" for a in MODEL_CONFIG_ATTRIBUTES if not hasattr(config, a)]
+    return problems
 
 
 # ------------------------------------------------------------------------------ accessors
@@ -430,6 +641,12 @@ def ref_fields(lora_ref: Any) -> tuple[Any, Any, Any]:
     return lora_ref.lora_id, lora_ref.lora_name, lora_ref.lora_path
 
 
+def rank_loaded(rank_result: Any, lora_name: str) -> bool:
+    """Whether a scheduler rank's reply to a load (LoRAUpdateOutput) says it holds ``lora_name``:
+    it succeeded, or its ``loaded_adapters`` (name -> path; None when it sent none) names it."""
+    return bool(rank_result.success) or lora_name in (rank_result.loaded_adapters or {})
+
+
 def lora_update_output(success: bool, message: str | None = None) -> Any:
     """A scheduler's reply to a LoRA update (merged by the tokenizer like any rank's)."""
     return symbol("LoRAUpdateOutput")(success=success, error_message=message)
@@ -461,8 +678,32 @@ def generate(tm: Any, request: Any) -> AsyncIterator[dict]:
 
 def resolved_lora_id(request: Any) -> str | None:
     """The lora_id SGLang resolved a generation to (set at its acquire point)."""
-    lora_id = getattr(request, "lora_id", None)
+    lora_id = request.lora_id
     return lora_id if isinstance(lora_id, str) else None
+
+
+def is_generation(request: Any) -> bool:
+    """True for a GenerateReqInput, False for an EmbeddingReqInput: the two request types
+    TokenizerManager.generate_request takes, whose fields differ (an embedding request has no
+    parallel samples, logprobs or extra_key). Any other type is a TypeError, not a guess."""
+    if isinstance(request, symbol("GenerateReqInput")):
+        return True
+    if isinstance(request, symbol("EmbeddingReqInput")):
+        return False
+    raise TypeError(f"not an SGLang generation or embedding request: {type(request).__name__}")
+
+
+def internal_fields(request: Any) -> tuple[str, ...]:
+    """The fields of :data:`INTERNAL_FIELDS` that ``request``'s type declares."""
+    return INTERNAL_FIELDS if is_generation(request) else EMBEDDING_INTERNAL_FIELDS
+
+
+def normalised(request: Any) -> bool:
+    """Whether ``request`` went through normalize_batch_and_arguments, by SGLang's own test
+    (``TokenizerManager._init_req_state``: a sub-request ``obj[i]`` has no ``is_single``). The
+    start check proves normalisation sets it (:data:`NORMALISED_ATTRIBUTES`), so a rename refuses
+    the start rather than reading every request as a sub-request."""
+    return hasattr(request, "is_single")
 
 
 def base_hf_config(tm: Any) -> Any:
@@ -503,7 +744,7 @@ def mark_lora_released(state: Any) -> None:
 
 
 def acquired_lora_id(state: Any) -> Any:
-    return getattr(state.obj, "lora_id", None)
+    return state.obj.lora_id
 
 
 def openai_lora_path(serving: Any, request: Any) -> Any:
@@ -638,6 +879,7 @@ LORA_MANAGER_ATTRIBUTES = (
     "num_pinned_loras",
     "validate_new_adapter",
     "create_lora_update_result",
+    "memory_pool",
 )
 
 
@@ -709,6 +951,18 @@ def install_prepared(manager: Any, lora_ref: Any, prepared: PreparedAdapter) -> 
 # added-token rows, written by count of added tokens, not by rank.
 POOL_RANK_MAJOR = ("embedding_A_buffer", "lm_head_A_buffer")
 POOL_RANK_MINOR = ("embedding_B_buffer", "lm_head_B_buffer")
+# What the slot zeroing reads of the live pool (LoRAManager.memory_pool), checked with the scheduler
+# (scheduler_problems): a missing one would only send every clear back to upstream's whole slot,
+# but the log line of each clear reads max_lora_rank as it is.
+POOL_ATTRIBUTES = (
+    "max_loras_per_batch",
+    "max_lora_rank",
+    "new_embeddings_buffer",
+    "A_buffer",
+    "B_buffer",
+    *POOL_RANK_MAJOR,
+    *POOL_RANK_MINOR,
+)
 
 
 def pool_slot_count(pool: Any) -> int | None:

@@ -133,7 +133,7 @@ class NativeLora:
                 await self._discard(lora_name, request(Op.DISCARD))
         if not result.success:
             message = result.error_message or "unknown error"
-            if any(r.success or lora_name in (r.loaded_adapters or {}) for r in ranks):
+            if any(upstream.rank_loaded(r, lora_name) for r in ranks):
                 # Some rank loaded it: name what stays loaded (never registered, so no request
                 # can hold it). The caller takes it back out through the one removal of a
                 # managed version (publication.remove_version, which asks may_unload_now), or

@@ -159,7 +159,5 @@ def zero_only_what_was_written(original: Any, pool: Any, buffer_id: Any, *args: 
     if written is not None:
         written.cleared(buffer_id)
     zeroed = "all" if views is None else extent
-    log_line(
-        f"{LOG_MARKER} slot={buffer_id} zeroed_ranks={zeroed} max_rank={getattr(pool, 'max_lora_rank', '?')}"
-    )
+    log_line(f"{LOG_MARKER} slot={buffer_id} zeroed_ranks={zeroed} max_rank={pool.max_lora_rank}")
     return result

@@ -28,30 +28,14 @@ from sglang_ext import lora_registry_patch as upstream
 from sglang_ext.http_routes import error_response
 from sglang_ext.native_lora import managed_call
 
-# GenerateReqInput fields the tokenizer manager or the engine set themselves (sglang 0.5.23).
-INTERNAL_FIELDS = (
-    "lora_id",
-    "http_worker_ipc",
-    "need_wait_for_mm_inputs",
-    "num_items_assigned",
-    "encoder_urls",
-)
-# The fields a raw /generate body may not set, with GenerateReqInput's default for each (sglang
-# 0.5.23): the internal fields above, and three set legitimately only by the OpenAI layer or
-# internally. A body that names a field with exactly its default changes nothing and is
-# accepted: a gateway that re-serializes the request (smg 1.13.0 writes "return_bytes": false
-# into every /generate body it buffers for retries) is not a forger. Any other value is refused.
-RAW_FIELD_DEFAULTS: dict[str, Any] = {
-    **dict.fromkeys(INTERNAL_FIELDS),
-    "received_time": None,
-    "positional_embed_overrides": None,
-    "return_bytes": False,
-}
+# The request fields the guards read, their defaults and the formats of SGLang's ids are SGLang
+# facts: named and checked at start in the pin module (upstream.INTERNAL_FIELDS,
+# RAW_FIELD_DEFAULTS, PER_PROMPT_LISTS, UUID_HEX, DECLARED_FIELDS, NORMALISED_ATTRIBUTES), and
+# read here as they are, never through a default that would switch a guard off on a rename.
+
 # Req.extra_key = client extra_key + lora_id (plain concatenation): a base request whose extra_key
 # ends like a lora_id would share that adapter's prefix-cache namespace.
-_LORA_ID_SUFFIX = re.compile(r"[0-9a-f]{32}$")
-# GenerateReqInput fields that hold one entry per prompt when they are lists (sglang 0.5.23).
-PER_PROMPT_LISTS = ("lora_path", "sampling_params")
+_LORA_ID_SUFFIX = re.compile(upstream.UUID_HEX + "$")
 
 
 class RequestRefused(LoraVersionError, ValueError):
@@ -103,13 +87,17 @@ def check_servable(names: list[str]) -> None:
 def raw_forbidden_fields(body: dict[str, Any]) -> list[str]:
     """Engine-internal fields a raw request body sets to anything but their upstream default
     (``is``: JSON null and false are singletons; 0 is not false here)."""
-    return sorted(f for f, default in RAW_FIELD_DEFAULTS.items() if f in body and body[f] is not default)
+    defaults = upstream.RAW_FIELD_DEFAULTS
+    return sorted(f for f, default in defaults.items() if f in body and body[f] is not default)
 
 
 def forbidden_fields(obj: Any) -> list[str]:
-    bad = [f for f in INTERNAL_FIELDS if getattr(obj, f, None) is not None]
-    extra_key = getattr(obj, "extra_key", None)
-    keys = extra_key if isinstance(extra_key, list) else [extra_key]
+    """The engine-set fields a request sets (a GenerateReqInput or an EmbeddingReqInput, each with
+    the fields its type declares), and an extra_key ending like a lora_id."""
+    bad = [f for f in upstream.internal_fields(obj) if getattr(obj, f) is not None]
+    if not upstream.is_generation(obj):
+        return bad  # an embedding request has no extra_key
+    keys = obj.extra_key if isinstance(obj.extra_key, list) else [obj.extra_key]
     if any(isinstance(k, str) and _LORA_ID_SUFFIX.search(k) for k in keys):
         bad.append("extra_key")
     return bad
@@ -143,18 +131,22 @@ def refuse_what_normalisation_lets_through(self: Any, obj: Any, *args: Any, **kw
     samples and per-prompt lists are settled), before any request state exists and before anything
     is acquired. Stock 0.5.23 normalisation lets each of these through, and a later step fails
     with something that is not a ValueError (an untyped 500) or acquires what nothing releases
-    (tests/plugin_tests/test_control_hardening_engines.py)."""
-    for field in PER_PROMPT_LISTS:
-        check_one_entry_per_prompt(obj, field)
-    check_rid_names_one_request(obj)
-    check_parallel_rids(obj)
+    (tests/plugin_tests/test_control_hardening_engines.py). The shape checks read what
+    normalisation set; a sub-request SGLang cuts from a normalised batch (``obj[i]``, for parallel
+    sampling) has none of it, and its batch was checked as a whole."""
+    if upstream.normalised(obj):
+        for field in upstream.PER_PROMPT_LISTS:
+            check_one_entry_per_prompt(obj, field)
+        check_rid_names_one_request(obj)
+        check_parallel_rids(obj)
     check_stop_regexes(self, obj)
     return None
 
 
 def parallel_samples(obj: Any) -> int:
-    """How many times SGLang's normalisation repeated each prompt (``n``; 1 for beam search)."""
-    return max(getattr(obj, "parallel_sample_num", 1) or 1, 1)
+    """How many times SGLang's normalisation repeated each prompt (``n``; 1 for beam search and
+    for an embedding request, which has no samples)."""
+    return max(obj.parallel_sample_num or 1, 1) if upstream.is_generation(obj) else 1
 
 
 def check_one_entry_per_prompt(obj: Any, field: str) -> None:
@@ -164,13 +156,13 @@ def check_one_entry_per_prompt(obj: Any, field: str) -> None:
     indexes past a short ``sampling_params`` list (IndexError) and reads a single prompt's list
     as its parameters (AttributeError). Normalisation repeated the list once per parallel
     sample, so the user's own count is ``len // samples``."""
-    value = getattr(obj, field, None)
+    value = getattr(obj, field)
     if not isinstance(value, list):
         return
-    if getattr(obj, "is_single", False):
+    if obj.is_single:
         raise refuse(ErrorCode.INVALID_REQUEST, f"{field} must be one value, not a list, for a single prompt")
     samples = parallel_samples(obj)
-    prompts = getattr(obj, "batch_size", len(value) // samples)
+    prompts = obj.batch_size
     if len(value) != prompts * samples:
         entries = len(value) // samples
         raise refuse(
@@ -184,7 +176,7 @@ def check_one_entry_per_prompt(obj: Any, field: str) -> None:
 def check_rid_names_one_request(obj: Any) -> None:
     """A single prompt's ``rid`` is one string. SGLang checks a batch's rid list against the batch
     but not this: a list becomes the request's key in ``rid_to_state`` (unhashable, a TypeError)."""
-    if getattr(obj, "is_single", False) and isinstance(getattr(obj, "rid", None), list):
+    if obj.is_single and isinstance(obj.rid, list):
         raise refuse(ErrorCode.INVALID_REQUEST, "rid must be a string for a single prompt, not a list")
 
 
@@ -196,17 +188,18 @@ def check_parallel_rids(obj: Any) -> None:
     the prompts' counts. The rest would hold the version's native count above 0 forever, so
     its unload would never happen."""
     samples = parallel_samples(obj)
-    rid = getattr(obj, "rid", None)
-    if samples > 1 and isinstance(rid, list) and len(rid) != getattr(obj, "batch_size", 1) * samples:
+    rid = obj.rid
+    if samples > 1 and isinstance(rid, list) and len(rid) != obj.batch_size * samples:
         raise refuse(
             ErrorCode.INVALID_REQUEST,
             f"rid as a list with n={samples}: send one rid string (each sample's rid starts with it)",
         )
 
 
-# A sample's rid under parallel sampling: the per-prompt rid ``{rid}_{i}`` (normalisation's),
-# then ``-`` and the fresh hex id SGLang gives it (sample_rids_under_the_request_rid).
-_SAMPLE_UUID = r"-[0-9a-f]{32}"
+# A sample's rid under parallel sampling: the per-prompt rid ``{rid}_{i}`` (normalisation's,
+# upstream.PROMPT_RID), then ``-`` and the fresh hex id SGLang gives it (upstream.UUID_HEX;
+# sample_rids_under_the_request_rid).
+_SAMPLE_UUID = "-" + upstream.UUID_HEX
 _SAMPLE_RID_TAIL = re.compile(rf"_\d+({_SAMPLE_UUID})?")
 
 
@@ -217,7 +210,7 @@ def sample_rids_under_the_request_rid(original: Any, self: Any, *args: Any, **kw
     client sent then reaches nothing, so a session could not abort its own turn. Here the new rid
     keeps the old one in front (``{rid}-{uuid}``), so every sample of request ``r`` is named
     ``r_{i}-{uuid}`` (see abort_every_sample_of_a_parallel_request)."""
-    old = getattr(self, "rid", None)
+    old = self.rid
     new = original(self, *args, **kwargs)
     if isinstance(old, str) and isinstance(new, str):
         self.rid = f"{old}-{new}"
@@ -261,7 +254,7 @@ async def abort_samples_sent_after_their_request_was_aborted(
     result = await original(self, tokenized_obj, *args, **kwargs)
     aborted = getattr(self, _ABORTED_PROMPTS, None)
     if aborted:
-        rid = getattr(tokenized_obj, "rid", None)
+        rid = tokenized_obj.rid
         prompt = _prompt_rid(rid) if isinstance(rid, str) else None
         if prompt is not None and prompt != rid and prompt in aborted:
             self.abort_request(rid=rid)
@@ -310,7 +303,7 @@ def check_stop_regexes(tm: Any, obj: Any) -> None:
     ``_create_tokenized_object`` (after the LoRA acquire), where the parse's ``re.error`` is not a
     ValueError and became a 500. Each distinct parameter dict once: normalisation repeats one dict
     for every prompt and sample."""
-    params = getattr(obj, "sampling_params", None)
+    params = obj.sampling_params
     distinct = {id(p): p for p in (params if isinstance(params, list) else [params]) if isinstance(p, dict)}
     for sampling_params in distinct.values():
         stop_regex = sampling_params.get("stop_regex")
@@ -356,8 +349,10 @@ def refuse_inputs_that_crash_the_scheduler(
             f"token id {bad} is outside the vocabulary [0, {vocab_size})",
             vocab_size=vocab_size,
         )
-    top = getattr(obj, "top_logprobs_num", None)
-    if getattr(obj, "return_logprob", False) and isinstance(top, int) and top > vocab_size:
+    if not upstream.is_generation(obj):
+        return None  # an embedding request has no logprobs
+    top = obj.top_logprobs_num
+    if obj.return_logprob and isinstance(top, int) and top > vocab_size:
         raise refuse(
             ErrorCode.INVALID_REQUEST,
             f"top_logprobs_num {top} exceeds the vocabulary size {vocab_size}",
@@ -372,7 +367,7 @@ async def serve_only_ready_managed_versions(
     """AROUND TokenizerManager._resolve_lora_path, the acquire point. Managed names: served only
     while READY, never implicitly reloaded; a stock ValueError after losing a race with reclaim
     (nothing was acquired: acquire is all-or-nothing) becomes the precise version error."""
-    managed = [n for n in lora_names(getattr(obj, "lora_path", None)) if is_managed_name(n)]
+    managed = [n for n in lora_names(obj.lora_path) if is_managed_name(n)]
     if not managed:
         return await original(self, obj, *args, **kwargs)
     check_servable(managed)
@@ -437,7 +432,7 @@ async def _with_refusal_sink(call: Any) -> Any:
 def check_sampling_params_not_empty(obj: Any) -> None:
     """An empty ``sampling_params`` list has no entry for any prompt; stock normalisation reads its
     first entry for ``n`` (IndexError, a 500). Only a raw /generate body can send a list."""
-    if getattr(obj, "sampling_params", None) == []:
+    if obj.sampling_params == []:
         raise refuse(ErrorCode.INVALID_REQUEST, "sampling_params is an empty list: send one per prompt")
 
 

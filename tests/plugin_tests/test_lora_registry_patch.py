@@ -55,6 +55,7 @@ def test_the_live_tokenizer_manager_is_checked_too():
         "TokenizerManager.model_config is missing",
         "TokenizerManager.update_lora_adapter_communicator is missing",
         "TokenizerManager.tokenizer is missing",
+        "TokenizerManager.rid_to_state is missing",
     ]
 
 
@@ -80,7 +81,8 @@ def test_importing_the_module_imports_no_sglang():
 def test_the_live_scheduler_is_checked_before_it_serves():
     """Scheduler instance attributes exist only on the live scheduler (set in __init__): each one
     the step fence reads is named when missing, none defaulted."""
-    manager = SimpleNamespace(**dict.fromkeys(upstream.LORA_MANAGER_ATTRIBUTES))
+    pool = SimpleNamespace(**dict.fromkeys(upstream.POOL_ATTRIBUTES))
+    manager = SimpleNamespace(**{**dict.fromkeys(upstream.LORA_MANAGER_ATTRIBUTES), "memory_pool": pool})
     lora_side = SimpleNamespace(model_runner=SimpleNamespace(lora_manager=manager))
     renamed = SimpleNamespace(enable_overlap=False, last_batch=None, tp_worker=lora_side)
     assert upstream.scheduler_problems(renamed) == ["Scheduler.result_queue is missing"]

@@ -2,8 +2,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_ext.lora_registry_patch import DECLARED_FIELDS
 from sglang_ext.setup_checks import managed_slots, setup_problems
 
+# Every server argument the rules read, at a supported value (the resolved ServerArgs' shape).
 GOOD = dict(
     enable_lora=True,
     tokenizer_worker_num=1,
@@ -11,9 +13,14 @@ GOOD = dict(
     max_loras_per_batch=3,
     max_loaded_loras=None,
     tp_size=1,
+    pp_size=1,
+    enable_pdmux=False,
+    enable_lora_overlap_loading=False,
     speculative_algorithm=None,
     disaggregation_mode="null",
     disable_overlap_schedule=True,
+    disable_radix_cache=False,
+    device="cpu",
 )
 
 
@@ -36,6 +43,7 @@ def test_supported_setup_has_no_problem():
         ("enable_lora_overlap_loading", True, "--enable-lora-overlap-loading is on"),
         ("pp_size", 2, "pp_size=2 > 1"),
         ("enable_pdmux", True, "--enable-pdmux is on"),
+        ("disable_radix_cache", True, "the radix cache is off (--disable-radix-cache"),
     ],
 )
 def test_each_unsupported_setting_is_named(field, value, needle):
@@ -81,6 +89,7 @@ _ROWS = [
     ("enable_lora_overlap_loading", [False, None], [True]),
     ("enable_lora", [True], [False, None]),
     ("disable_overlap_schedule", [True], [False, None]),
+    ("disable_radix_cache", [False, None], [True]),
 ]
 
 
@@ -95,21 +104,19 @@ def test_every_value_of_every_rule_is_accepted_or_refused(field, value, supporte
         assert len(problems) == 1
 
 
-def test_a_setting_left_out_of_the_config_takes_the_supported_default_or_is_refused():
-    """Server args without a field (an older SGLang): the defaults that mean "off" pass, and
-    the three that must be set explicitly are refused."""
-    for field in (
-        "tokenizer_worker_num",
-        "dp_size",
-        "max_loaded_loras",
-        "tp_size",
-        "speculative_algorithm",
-        "disaggregation_mode",
-    ):
-        assert setup_problems(SimpleNamespace(**{k: v for k, v in GOOD.items() if k != field}), {}) == []
-    for field in ("enable_lora", "max_loras_per_batch", "disable_overlap_schedule"):
-        cfg = SimpleNamespace(**{k: v for k, v in GOOD.items() if k != field})
-        assert len(setup_problems(cfg, {})) == 1, field
+@pytest.mark.parametrize("field", sorted(GOOD))
+def test_a_setting_missing_from_the_config_is_never_read_as_off(field):
+    """Server args without a field (a rename in another SGLang): no rule reads a default for it
+    ("off" would let the setup through). Each field is a ServerArgs field the start check names
+    when it is missing (test_sglang_renames_refuse_the_start), before these rules run."""
+    assert ("ServerArgs", field) in DECLARED_FIELDS
+    from sglang_ext.settings import OVERLAP_PROOF_ENV
+
+    # with the overlap scheduler on and the proof switch set, every rule reads its field (device too)
+    every_rule = {**GOOD, "disable_overlap_schedule": False}
+    cfg = SimpleNamespace(**{k: v for k, v in every_rule.items() if k != field})
+    with pytest.raises(AttributeError, match=field):
+        setup_problems(cfg, {OVERLAP_PROOF_ENV: "1"})
 
 
 @pytest.mark.parametrize(

@@ -36,8 +36,10 @@ def batch(*lora_ids: str) -> Any:
 def scheduler(*, overlap: bool, queue: list[tuple[Any, Any]] = (), last: Any = None) -> Any:
     from sglang_ext import lora_registry_patch as upstream
 
-    # the LoRAManager the prepared load reads (sglang_ext.prepared_load), checked at start too
-    manager = SimpleNamespace(**dict.fromkeys(upstream.LORA_MANAGER_ATTRIBUTES))
+    # the LoRAManager the prepared load reads (sglang_ext.prepared_load) and its memory pool (the
+    # slot zeroing's), checked at start too
+    pool = SimpleNamespace(**dict.fromkeys(upstream.POOL_ATTRIBUTES))
+    manager = SimpleNamespace(**{**dict.fromkeys(upstream.LORA_MANAGER_ATTRIBUTES), "memory_pool": pool})
     return SimpleNamespace(
         enable_overlap=overlap,
         result_queue=deque(queue),

@@ -14,9 +14,9 @@ from sglang.srt.sampling.sampling_params import MAX_STOP_REGEX_COUNT, MAX_STOP_R
 
 from lora_contract.errors import HTTP_STATUS, ErrorCode, LoraVersionError
 from sglang_ext import lora_registry_patch as upstream
+from sglang_ext.lora_registry_patch import INTERNAL_FIELDS
 from sglang_ext.native_lora import managed_call
 from sglang_ext.tokenizer_hooks import (
-    INTERNAL_FIELDS,
     RequestRefused,
     abort_every_sample_of_a_parallel_request,
     check_servable,
@@ -37,10 +37,9 @@ from sglang_ext.tokenizer_hooks import (
 LORA_ID = "0123456789abcdef0123456789abcdef"  # the shape of SGLang's lora_id (uuid4().hex)
 
 
-def req(**fields: object) -> types.SimpleNamespace:
-    base = dict.fromkeys(INTERNAL_FIELDS)
-    base["extra_key"] = None
-    return types.SimpleNamespace(**{**base, **fields})
+def req(**fields: object) -> Any:
+    """A GenerateReqInput as generate_request receives it (before normalisation)."""
+    return upstream.symbol("GenerateReqInput")(text="hi", **fields)
 
 
 def test_a_plain_request_is_allowed() -> None:
@@ -292,6 +291,41 @@ def test_a_rid_list_with_parallel_sampling_is_refused(prompts: int, n: int) -> N
     )
     err = refused(lambda: shape_guard(obj))
     assert err.message == f"rid as a list with n={n}: send one rid string (each sample's rid starts with it)"
+
+
+@pytest.mark.parametrize("attribute", ["batch_size", "parallel_sample_num"])
+def test_a_normalised_request_without_what_the_shape_guards_read_fails_loudly(attribute: str) -> None:
+    """Issue 36: the guards read what normalisation set as it is. An attribute gone (a rename the
+    start check missed) is an error, never a default that lets a rid list with n > 1 through."""
+    obj = normalized(input_ids=[PROMPT, PROMPT], rid=["a", "b"], sampling_params={"n": 2})
+    delattr(obj, attribute)
+    with pytest.raises(AttributeError, match=attribute):
+        shape_guard(obj)
+
+
+def test_a_sub_request_cut_from_a_checked_batch_is_not_checked_again() -> None:
+    """SGLang's ``obj[i]`` (parallel sampling's _init_req_state calls) has no is_single: SGLang's own
+    sign of a sub-request, whose batch was checked as a whole; its stop_regex still is."""
+    obj = normalized(input_ids=[PROMPT, PROMPT], rid="r", sampling_params={"n": 2})
+    assert not upstream.normalised(obj[0]) and shape_guard(obj[0]) is None
+    bad_regex = normalized(input_ids=[PROMPT, PROMPT], sampling_params={"n": 2, "stop_regex": "("})
+    refused(lambda: shape_guard(bad_regex[0]))
+
+
+def test_embedding_requests_pass_the_guards_with_the_fields_their_type_declares() -> None:
+    """TokenizerManager.generate_request takes EmbeddingReqInput too: it has no parallel samples,
+    logprobs or extra_key, and only two of the engine-set fields."""
+    embedding = upstream.symbol("EmbeddingReqInput")
+    assert forbidden_fields(embedding(text="hi")) == []
+    assert forbidden_fields(embedding(text="hi", lora_id="L", http_worker_ipc="ipc")) == [
+        "lora_id",
+        "http_worker_ipc",
+    ]
+    obj = embedding(input_ids=[PROMPT, PROMPT], lora_path=["a", "b"])
+    obj.normalize_batch_and_arguments()
+    assert shape_guard(obj) is None and crash_guard(obj, PROMPT) is None
+    with pytest.raises(TypeError):
+        forbidden_fields(types.SimpleNamespace(lora_id=None))  # neither type: no guess of its fields
 
 
 HEX = "0123456789abcdef0123456789abcdef"

@@ -1,0 +1,51 @@
+"""Issue 36 on real engines: an SGLang whose field the guards read was renamed (what a pin bump
+that forgot the pin module looks like) is refused at start, naming the field, instead of serving
+with a guard switched off. One field of each way the start check reads them: an attribute the
+request normalisation sets (read by the parallel-sampling guards; checked at plugin load, before
+SGLang spawns anything) and one of the live TokenizerManager (``rid_to_state``, read by the abort
+of a parallel request; checked when the HTTP server is set up, after the scheduler is ready).
+tests/plugin_tests/test_sglang_renames_refuse_the_start.py takes every field away, one at a time,
+without an engine."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from lora_versions_dev.launcher import EngineSpec, EngineStartError, start_engine
+from sglang_ext.plugin_log import REFUSED_EXIT_CODE
+
+WRAPPER = Path(__file__).parents[1] / "engine_wrappers" / "sglang_with_a_renamed_field.py"
+
+RENAMED = {
+    "GenerateReqInput.parallel_sample_num": (
+        "GenerateReqInput().parallel_sample_num is missing after normalize_batch_and_arguments"
+    ),
+    "TokenizerManager.rid_to_state": "TokenizerManager.rid_to_state is missing",
+}
+
+
+@pytest.mark.parametrize("renamed", sorted(RENAMED))
+def test_an_engine_whose_sglang_renamed_a_guarded_field_refuses_to_start(fixtures, run_dir, renamed):
+    case = renamed.replace(".", "-")
+    spec = EngineSpec(
+        name=f"renamed-{case}",
+        model_path=fixtures.model_dir,
+        log_path=run_dir / f"renamed-{case}.log",
+        startup_timeout_s=300,
+        env={"LORA_VERSIONS_RENAMED": renamed},
+        command_prefix=[sys.executable, str(WRAPPER)],
+    )
+    try:
+        engine = start_engine(spec)
+    except EngineStartError as exc:
+        code = exc.exit_code
+    else:
+        engine.stop()
+        raise AssertionError(f"the engine started and served with {renamed} renamed")
+    log = spec.log_path.read_text()
+    refused = [ln for ln in log.splitlines() if "[lora-versions] REFUSED TO START" in ln]
+    assert len(refused) == 1 and RENAMED[renamed] in refused[0], refused
+    assert code == REFUSED_EXIT_CODE, f"exited with {code}"
