@@ -108,6 +108,20 @@ def test_a_renamed_module_symbol_is_named(monkeypatch, owner, symbol_name):
     assert any(f"{owner}.{symbol_name}" in p for p in upstream.surface_problems())
 
 
+# every hook target but a constructor (a class always has one; a rename cannot take it away)
+_TARGETS = upstream.MAIN_PROCESS_TARGETS + upstream.SCHEDULER_PROCESS_TARGETS
+_RENAMEABLE_TARGETS = [t for t in _TARGETS if not t.endswith(".__init__")]
+
+
+@pytest.mark.parametrize("target", _RENAMEABLE_TARGETS)
+def test_a_renamed_hook_target_is_named(monkeypatch, target):
+    owner_path, _, name = target.rpartition(".")
+    owner = upstream._resolve_dotted(owner_path)
+    definer = next(c for c in getattr(owner, "__mro__", (owner,)) if name in vars(c))
+    monkeypatch.delattr(definer, name)
+    assert any(p.startswith(f"hook target {target}:") for p in upstream.surface_problems())
+
+
 @pytest.mark.parametrize(("owner", "method", "text"), upstream.MESSAGES, ids=lambda v: v)
 def test_an_upstream_message_that_changed_is_named(monkeypatch, owner, method, text):
     def reworded(*args: Any, **kwargs: Any) -> str:
