@@ -765,7 +765,9 @@ class EngineClient:
                                 err.details.setdefault("engine_id", self.engine_id)
                                 raise err
                             raise OutcomeUnknown(self.engine_id, op, f"error chunk: {_short(data)}")
-                        aborted = generation_aborted(chunk)
+                        # with n > 1 each sample ends in its own chunk: one aborted sample makes
+                        # the group's outcome aborted, whichever sample's chunk comes last
+                        aborted = aborted or generation_aborted(chunk)
                         yield chunk
                     if not done:
                         raise OutcomeUnknown(self.engine_id, op, "stream ended without [DONE]")

@@ -368,7 +368,13 @@ class Session:
                     # Only a refusal before the first chunk: nothing was admitted.
                     if streamed or not await self._wait_to_resend(err, engine_id, req["lora_path"], deadline):
                         raise self._settled_by_caller(err, engine_id, req) from None
-            outcome = CallOutcome.ABORTED if any(aborted_samples.values()) else CallOutcome.OK
+            aborted = any(aborted_samples.values())
+            n = samples_asked(req)
+            if not aborted and sorted(aborted_samples) != list(range(n)):
+                # sample()'s rule: a short (or padded) group is never a silent result (an aborted
+                # group is ABORTED already, whichever of its samples got a chunk before the abort)
+                raise _invalid(f"the engine streamed samples {sorted(aborted_samples)} for n={n}")
+            outcome = CallOutcome.ABORTED if aborted else CallOutcome.OK
         except (LoraVersionError, OutcomeUnknown) as exc:
             outcome = outcome_label(exc)
             raise

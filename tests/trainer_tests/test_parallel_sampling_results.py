@@ -134,11 +134,6 @@ async def test_a_streamed_group_with_some_samples_aborted_is_an_aborted_turn_wit
     assert view.released and world.refs() == 0  # the session's one ref, released once
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect (relax_glue/engine_client.py generate_stream): the audit's outcome is the LAST "
-    "chunk's, so a group whose aborted sample ended before another sample's last chunk is audited ok",
-)
 async def test_the_engine_clients_audit_of_a_streamed_group_names_an_aborted_sample(world: World) -> None:
     world.script.stream = lambda rid: interleaved(rid, ["abort", "stop", "length"])
     s = await world.mgr.open()
@@ -184,11 +179,6 @@ async def test_a_group_with_some_samples_aborted_is_an_aborted_turn_with_each_sa
     assert s.requests[-1].outcome == "ok" and s.in_flight == ()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect (relax_glue/sessions.py generate_stream): a streamed group is not checked against "
-    "n; an engine that streams fewer samples than asked ends as a silent short group",
-)
 async def test_a_streamed_group_with_fewer_samples_than_asked_is_a_typed_error(world: World) -> None:
     world.script.stream = lambda rid: interleaved(rid, ["stop", "stop"])  # 2 samples for n = 3
     s = await world.mgr.open()
