@@ -458,7 +458,7 @@ class Demo:
         )
 
         # 6 -------------------------------------------------------------------------
-        self.step("the A sessions close (FINALIZING -> begin_close -> release once)")
+        self.step("the A sessions close (idle: close_and_release, one release each)")
         closed = [await self.sessions[x].close() for x in [*labels_a, "S0"]]
         self.check(
             "a_sessions_released_once",
