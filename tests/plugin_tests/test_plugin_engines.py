@@ -210,6 +210,10 @@ REFUSED = {
     ),
     "pp-size": ({"extra_args": ["--pp-size", "2"]}, "pp_size=2 > 1"),
     "pdmux": ({"extra_args": ["--enable-pdmux"]}, "--enable-pdmux is on"),
+    "radix-cache-off": (
+        {"extra_args": ["--disable-radix-cache"]},
+        "the radix cache is off (--disable-radix-cache",
+    ),
     "lora-disabled": ({"lora_flags": []}, "--enable-lora is off"),
 }
 
