@@ -32,6 +32,7 @@ from lora_contract.identity import (
 )
 from lora_contract.messages import (
     DEFAULT_LORA_PREFIX,
+    QUEUE_FULL_MESSAGE,
     BaseIdentity,
     BeginReply,
     BeginRequest,
@@ -102,6 +103,7 @@ __all__ = [
     "DTYPE_ITEMSIZE",
     "LORA_NAME_HEADER",
     "MANIFEST_SCHEMA_VERSION",
+    "QUEUE_FULL_MESSAGE",
     "SERVING_CONFIG_FIELDS",
     "BaseIdentity",
     "BeginReply",

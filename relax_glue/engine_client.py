@@ -35,8 +35,8 @@ import httpx
 from pydantic import BaseModel
 
 from lora_contract.errors import LoraVersionError
-from lora_contract.messages import QUEUE_FULL_MESSAGE
 from lora_contract.protocol import (
+    QUEUE_FULL_MESSAGE,
     BeginRequest,
     BucketAck,
     CleanupReceipt,
