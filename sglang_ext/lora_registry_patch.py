@@ -278,7 +278,8 @@ DECLARED_FIELDS: tuple[tuple[str, str], ...] = (
             "disable_overlap_schedule",
             "disable_radix_cache",
             "device",
-            # engine_state
+            # engine_state (enable_metrics: through get_observability, see metrics_enabled)
+            "enable_metrics",
             "model_path",
             "revision",
             "tokenizer_path",
@@ -763,7 +764,7 @@ def http_app() -> Any:
 def metrics_enabled() -> bool:
     """True when SGLang serves /metrics (``--enable-metrics``): the same switch
     ``http_server._setup_and_run_http_server`` reads before ``add_prometheus_middleware``."""
-    return bool(getattr(symbol("get_observability")(), "enable_metrics", False))
+    return bool(symbol("get_observability")().enable_metrics)
 
 
 def mount_metrics_route(app: Any, collectors: tuple[Any, ...]) -> None:
