@@ -153,9 +153,10 @@ def engine_base(server_args: Any, tokenizer_manager: Any) -> BaseIdentity:
     from sglang_ext import lora_registry_patch as upstream
 
     model_path = str(server_args.model_path)
-    revision = getattr(server_args, "revision", None)
+    # both ServerArgs fields are pinned and checked at start (DECLARED_FIELDS): read as they are
+    revision = server_args.revision
     model_dir = base_identity.local_model_dir(model_path, revision)
-    tokenizer_path = getattr(server_args, "tokenizer_path", None) or model_path
+    tokenizer_path = server_args.tokenizer_path or model_path
     tokenizer_dir = base_identity.local_model_dir(str(tokenizer_path), revision)
     dtype, quantization = upstream.base_serving(tokenizer_manager)
     return base_identity.base_identity(
