@@ -17,6 +17,8 @@ import pytest
 from lora_versions_dev.launcher import EngineSpec, EngineStartError, start_engine
 from sglang_ext.plugin_log import REFUSED_EXIT_CODE
 
+pytestmark = pytest.mark.engine
+
 WRAPPER = Path(__file__).parents[1] / "engine_wrappers" / "sglang_with_a_renamed_field.py"
 
 RENAMED = {
