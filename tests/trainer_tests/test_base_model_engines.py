@@ -59,7 +59,8 @@ async def test_an_engine_of_another_base_refuses_the_begin_of_the_epochs_base(
     clients = make_clients([engines[0], other_base_engine], ADMIN_KEY, ("E0", "EB"))
     registry = LoRAVersionRegistry(epoch=epoch, engines=("E0", "EB"))
     try:
-        registry.record_base((await clients["E0"].status()).base.fingerprint)
+        fingerprint = (await clients["E0"].status()).base.fingerprint
+        registry.record_base(fingerprint, publisher_token=registry.publisher_token)
         result = await Publisher(registry, clients).publish(snapshot_of(fixtures.adapter_dir("A")), "A")
         assert result.outcome is PublishOutcome.FAILED_CLEAN, result
         assert result.error is not None and result.error.code is ErrorCode.BASE_MISMATCH
