@@ -45,10 +45,12 @@ class World:
         self.store = SnapshotStore(tmp / "snapshots")
         self.pub = self.publisher()
 
-    def publisher(self, store: SnapshotStore | None = None) -> Publisher:
+    def publisher(
+        self, store: SnapshotStore | None = None, clients: dict[str, Any] | None = None
+    ) -> Publisher:
         return Publisher(
             self.reg,
-            self.cluster.clients,
+            clients or self.cluster.clients,
             reclaim_wait_s=0.05,
             reclaim_poll_s=0.01,
             reclaim_deadline_s=2.0,

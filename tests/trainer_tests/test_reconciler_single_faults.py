@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _fake_engine import Cluster, make_cluster, make_snapshot
-from _rg_helpers import EPOCH, new_registry, sk
+from _fake_engine import make_snapshot
+from _rg_helpers import EPOCH, sk
+from test_reconciler import World as ReconcilerWorld
 
 from lora_contract import protocol
 from lora_contract.errors import ErrorCode
@@ -26,7 +27,6 @@ from lora_versions_dev.fault_injection import FaultInjectingClient
 from relax_glue.publisher import Publisher, PublishOutcome
 from relax_glue.reconciler import RestoreOutcome
 from relax_glue.recovery_rules import ResolveAction, RestoreAction, resolve_action, restore_action
-from relax_glue.snapshot_store import SnapshotStore
 
 S = protocol.EngineVersionState
 SNAP = make_snapshot(seed=0)
@@ -34,28 +34,14 @@ PREFIX = "relax_policy_lora"
 NAME = SNAP.lora_name(PREFIX, EPOCH, "A")
 
 
-class World:
-    def __init__(self, tmp: Path) -> None:
-        self.reg = new_registry()
-        self.cluster: Cluster = make_cluster()
-        self.fakes = self.cluster.fakes
-        self.store = SnapshotStore(tmp / "snapshots")
-        self.pub = self.publisher()
-
-    def publisher(self, clients: dict[str, Any] | None = None) -> Publisher:
-        return Publisher(
-            self.reg,
-            clients or self.cluster.clients,
-            reclaim_wait_s=0.05,
-            reclaim_poll_s=0.01,
-            registry_retry_delay_s=0.0,
-            store=self.store,
-        )
+class World(ReconcilerWorld):
+    """test_reconciler's world (the real registry, fake engines behind real clients, a snapshot
+    store), with a publisher whose client of one engine is wrapped for injection."""
 
     def faulty(self, engine: str) -> tuple[FaultInjectingClient, Publisher]:
         """A publisher whose client of ``engine`` is the real one, wrapped for injection."""
         wrapped = FaultInjectingClient(self.cluster.clients[engine])
-        return wrapped, self.publisher({**self.cluster.clients, engine: wrapped})
+        return wrapped, self.publisher(clients={**self.cluster.clients, engine: wrapped})
 
 
 @pytest.fixture()
