@@ -139,31 +139,8 @@ _COMMITTED_STATES = frozenset(
 _UNKNOWN_PHASES = frozenset({AttemptPhase.UNKNOWN, ReclaimPhase.UNKNOWN})
 _SPACE_RE = re.compile(r"\s")
 
-# The public operations, used by the durable store (journal) and the actor (dispatch allow-list).
-MUTATING_OPS: tuple[str, ...] = (
-    "record_base",
-    "reserve",
-    "record_prepared",
-    "record_ready",
-    "commit",
-    "abort",
-    "record_cleanup",
-    "register_engine_incarnation",
-    "mark_engine_unknown",
-    "declare_engine_lost",
-    "open_session",
-    "bind_first",
-    "begin_close",
-    "close_and_release",
-    "grant_lease",
-    "end_leases",
-    "prune_sessions",
-    "claim_reclaim",
-    "confirm_reclaim",
-)
 # The mutating ops only the publisher may call (they take ``publisher_token``): everything that
-# changes versions, the default, the cohort or the capacity slots. The rest of MUTATING_OPS are
-# session and lease ops (rollout workers) and the store's own session pruning.
+# changes versions, the default, the cohort or the capacity slots.
 PUBLISHER_OPS: tuple[str, ...] = (
     "record_base",
     "reserve",
@@ -178,6 +155,19 @@ PUBLISHER_OPS: tuple[str, ...] = (
     "claim_reclaim",
     "confirm_reclaim",
 )
+# The other mutating ops: session and lease ops (rollout workers) and the store's own pruning.
+SESSION_OPS: tuple[str, ...] = (
+    "open_session",
+    "bind_first",
+    "begin_close",
+    "close_and_release",
+    "grant_lease",
+    "end_leases",
+    "prune_sessions",
+)
+# The public mutating operations, used by the durable store (journal) and the actor (dispatch
+# allow-list): each name is written once, in one of the two lists above.
+MUTATING_OPS: tuple[str, ...] = (*PUBLISHER_OPS, *SESSION_OPS)
 QUERY_OPS: tuple[str, ...] = (
     "status",
     "binding_of",
