@@ -136,7 +136,7 @@ class NativeLora:
             if any(upstream.rank_loaded(r, lora_name) for r in ranks):
                 # Some rank loaded it: name what stays loaded (never registered, so no request
                 # can hold it). The caller takes it back out through the one removal of a
-                # managed version (publication.remove_version, which asks may_unload_now), or
+                # managed version (removal.remove_version, which asks may_unload_now), or
                 # keeps it visible (FAILED) if that fails; nothing here unloads on its own.
                 err = refused_load(lora_name, f"SGLang refused the load: {message}")
                 err.details["leftover_lora_id"] = ref.lora_id

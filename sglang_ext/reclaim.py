@@ -15,7 +15,7 @@ import time
 from lora_contract.protocol import DrainingReply, EngineVersionState, ReclaimRequest, UnloadedReceipt
 from sglang_ext.metrics import NO_METRICS, Metrics
 from sglang_ext.native_lora import NativeEdge
-from sglang_ext.publication import NameLocks, remove_version
+from sglang_ext.removal import NameLocks, remove_version
 from sglang_ext.version_table import ReclaimDecision, VersionTable, in_flight_anomaly
 
 

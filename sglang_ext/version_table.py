@@ -45,7 +45,7 @@ def may_unload_now(v: ManagedVersion | None, in_flight: int | None, *, resolvabl
     """The one predicate for "may this managed version be physically unloaded now" (the vLLM seed's
     lesson: release and eviction paths share one rule). Every path that unloads one asks it with
     SGLang's own reading of the id: removal (reclaim, cleanup, a failed probe or a partial load
-    taken back: :func:`sglang_ext.publication.remove_version`) and the ``max_loaded_loras`` LRU
+    taken back: :func:`sglang_ext.removal.remove_version`) and the ``max_loaded_loras`` LRU
     eviction (:func:`sglang_ext.tokenizer_hooks.lru_never_picks_managed`).
 
     Yes only when all hold: the version's removal has started (reclaim, or cleanup of a candidate

@@ -42,7 +42,7 @@ PREPARED = ([OK], [OK])  # the prepare and the first poll
 
 async def test_a_partial_load_names_its_leftover_and_unloads_nothing_itself():
     """Some rank loaded it, the load failed: the id (never registered) is named for the caller,
-    whose removal (publication.remove_version) asks may_unload_now first. No unload here: it
+    whose removal (removal.remove_version) asks may_unload_now first. No unload here: it
     was a second door to an unload, past the rule."""
     tm, sent = tm_answering(
         *PREPARED,

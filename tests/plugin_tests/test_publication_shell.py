@@ -19,8 +19,9 @@ from lora_contract.protocol import (
     DrainingReply,
     ReceiveBucketMeta,
 )
-from sglang_ext.publication import NameLocks, PublicationService
+from sglang_ext.publication import PublicationService
 from sglang_ext.reclaim import ReclaimService
+from sglang_ext.removal import NameLocks, RemovalPending, remove_version
 
 
 @pytest.fixture
@@ -337,8 +338,6 @@ async def _ready_in(shell: Shell, seed: int, removal: str) -> tuple[str, str]:
 async def test_remove_version_unloads_only_a_version_being_removed_with_nothing_in_flight(
     shell, removal: str, in_flight: int, unloaded: bool
 ):
-    from sglang_ext.publication import RemovalPending, remove_version
-
     name, _ = await _ready_in(shell, 60, removal)
     lora_id = shell.table.get(name).lora_id
     for _ in range(in_flight):
@@ -353,8 +352,6 @@ async def test_remove_version_unloads_only_a_version_being_removed_with_nothing_
 
 
 async def test_remove_version_of_a_name_with_nothing_loaded_touches_nothing(shell):
-    from sglang_ext.publication import remove_version
-
     name, _ = await _ready_in(shell, 61, "reclaim")
     registry = dict(shell.native.registry)
     assert await remove_version(shell.table, shell.native, name, None, 0.02) is None
@@ -366,7 +363,6 @@ async def test_only_sglangs_not_unloaded_answer_makes_a_removal_pending(shell, c
     """SGLang answering "not unloaded" (LOAD_FAILED) after the name was unregistered is a removal
     still pending: retried by the next call. Every other error is raised to the caller as it is,
     never turned into a pending removal that hides it."""
-    from sglang_ext.publication import RemovalPending, remove_version
 
     name, _ = await _ready_in(shell, 62, "reclaim")
     lora_id = shell.table.get(name).lora_id
@@ -382,8 +378,6 @@ async def test_only_sglangs_not_unloaded_answer_makes_a_removal_pending(shell, c
 
 
 async def test_an_error_that_is_no_lora_version_error_is_raised_too(shell):
-    from sglang_ext.publication import remove_version
-
     name, _ = await _ready_in(shell, 63, "reclaim")
     shell.native.fail_next("physical_unload", RuntimeError("scheduler died"))
     with pytest.raises(RuntimeError):
@@ -1025,7 +1019,7 @@ async def test_the_lru_eviction_never_takes_a_managed_version_it_can_see(
 
 def test_nothing_but_the_one_removal_calls_sglangs_physical_unload():
     """A structural guard for the one door: in the plugin's source, ``physical_unload`` is called
-    only inside publication.remove_version (which asks may_unload_now right before it)."""
+    only inside removal.remove_version (which asks may_unload_now right before it)."""
     import ast
     from pathlib import Path
 
@@ -1044,4 +1038,21 @@ def test_nothing_but_the_one_removal_calls_sglangs_physical_unload():
                     and node.func.attr == "physical_unload"
                 ):
                     callers.append(f"{path.name}:{fn.name}")
-    assert sorted(set(callers)) == ["publication.py:remove_version"], callers
+    assert sorted(set(callers)) == ["removal.py:remove_version"], callers
+
+
+def test_publication_and_reclaim_share_the_removal_and_neither_imports_the_other():
+    """The one removal and the lock set live in sglang_ext.removal, which both services import:
+    reclaim reaching into publication for them made the two shells one module in disguise."""
+    import ast
+    from pathlib import Path
+
+    import sglang_ext
+
+    def imported_from(name: str) -> set[str]:
+        tree = ast.parse((Path(sglang_ext.__file__).parent / name).read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+    assert "sglang_ext.publication" not in imported_from("reclaim.py")
+    assert "sglang_ext.reclaim" not in imported_from("publication.py")
+    assert "sglang_ext.removal" in imported_from("reclaim.py") & imported_from("publication.py")
