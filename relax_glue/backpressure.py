@@ -4,7 +4,7 @@ policy is pure; :func:`publish_with_backpressure` is the one loop that follows i
 in.
 
 Moved here from the online RL showcase (``examples/online_rl/policy.py`` re-exports it) so that
-shipped integrations (``relax_glue.trl_grpo``) follow the very same rule.
+shipped integrations (``relax_glue.trl``) follow the very same rule.
 
 The policy, with ``S = max_staleness``:
 

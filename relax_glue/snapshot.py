@@ -52,7 +52,7 @@ def _frozen_copy(tensor: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------ sharded parameters
 #
 # A sharded adapter is refused, not gathered here: a gather is a collective every rank must
-# enter, and only the main process takes the snapshot (relax_glue/trl_grpo.py), so a gather
+# enter, and only the main process takes the snapshot (relax_glue/trl/publication.py), so a gather
 # started here would wait forever for the other ranks. The caller gathers on every rank with
 # its framework's own API and snapshots inside it (SHARDED_ADVICE).
 

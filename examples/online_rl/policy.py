@@ -23,7 +23,7 @@ The policy, with ``S = max_staleness``:
 
 from __future__ import annotations
 
-# The rule lives in the trainer-side package, so shipped integrations (relax_glue.trl_grpo) and
+# The rule lives in the trainer-side package, so shipped integrations (relax_glue.trl) and
 # this showcase follow one and the same policy.
 from relax_glue.backpressure import Decision, PublishDecision, StalenessPolicy
 

@@ -1,5 +1,5 @@
 """TRL's GRPOTrainer on immutable LoRA versions (``python -m examples.trl_grpo``; see README.md
-here): the integration in ``relax_glue/trl_grpo.py`` on two CPU engines behind smg.
+here): the integration (the ``relax_glue.trl`` package) on two CPU engines behind smg.
 
 ``task`` (the dataset, the tool turn, the reward, the CPU ``GRPOConfig``, the probes), ``train``
 (one training process, and how several are launched), ``checks`` (pure checks over what every

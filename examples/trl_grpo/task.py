@@ -132,6 +132,34 @@ class RolloutCall:
     same_weights_diff: list[list[float] | None]
 
 
+def trainer_logprobs(
+    trainer: Any, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
+) -> list[list[float]]:
+    """The log-probabilities TRL's loss computes for these completions with the trainer's current
+    weights: its own padding (prompts left, completions right) and its own per-token function
+    (``GRPOTrainer._get_per_token_logps_and_entropies``, trl 1.16.0), without gradients."""
+    import torch
+    from trl.trainer.utils import pad
+
+    tok = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    device = trainer.accelerator.device
+    p = [torch.tensor(list(x)) for x in prompt_ids]
+    c = [torch.tensor(list(x)) for x in completion_ids]
+    ids = torch.cat(
+        [pad(p, tok.pad_token_id, padding_side="left"), pad(c, tok.pad_token_id, padding_side="right")], dim=1
+    )
+    ones = [torch.ones(len(x), dtype=torch.long) for x in (*p, *c)]
+    mask = torch.cat(
+        [pad(ones[: len(p)], 0, padding_side="left"), pad(ones[len(p) :], 0, padding_side="right")], dim=1
+    )
+    width = max(len(x) for x in completion_ids)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids.to(device), mask.to(device), width
+        )
+    return [logps[i, : len(x)].tolist() for i, x in enumerate(completion_ids)]
+
+
 class RolloutProbe:
     """Wraps TRL's rollout_func: records its output and, right after it (the trainer still holds
     the weights of this step), the trainer's own log-probabilities of every completion."""
@@ -144,8 +172,6 @@ class RolloutProbe:
         self.calls: list[RolloutCall] = []
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
-        from relax_glue.trl_grpo import trainer_logprobs
-
         out = self.rollout(prompts, trainer)
         step = int(trainer.state.global_step)
         mine = f"{self.prefix}{step}"

@@ -50,7 +50,8 @@ class TrainSpec:
 
 
 def fault_wrapper(spec: TrainSpec) -> Any:
-    """``wrap_publisher_client`` for the spec's fault (None: no fault)."""
+    """``GRPOVersions.connect``'s ``wrap_publisher_client`` test seam for the spec's fault (None:
+    no fault)."""
     if spec.fail_version is None:
         return None
     from lora_versions_dev.fault_injection import FaultInjectingClient
@@ -86,7 +87,7 @@ def train_process(spec: TrainSpec) -> dict[str, Any]:
         lora_config,
         train_dataset,
     )
-    from relax_glue.trl_grpo import GRPOVersions, PublicationFailed, VersionsConfig
+    from relax_glue.trl import GRPOVersions, PublicationFailed, VersionsConfig
 
     out = Path(spec.out_dir)
     per_device = spec.prompts_per_step * spec.group_size

@@ -1,5 +1,5 @@
-"""The body of one rank in test_trl_grpo.py's two-process test (not a test module): kept apart so
-that a spawned rank imports only what it runs (torch.distributed and relax_glue.trl_grpo)."""
+"""The body of one rank in test_trl_outcomes.py's two-process test (not a test module): kept apart
+so that a spawned rank imports only what it runs (torch.distributed and relax_glue.trl)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import concurrent.futures
 import os
 from typing import Any
 
-from relax_glue.trl_grpo import GRPOVersions, PublicationFailed, RankInfo, VersionsConfig, agree
+from relax_glue.trl import PublicationFailed, VersionsConfig
+from relax_glue.trl.publication import StepPublication
+from relax_glue.trl.ranks import RankInfo, agree
 
 
 def hung_publication_rank(rank: int, port: int, results: Any) -> None:
@@ -20,7 +22,7 @@ def hung_publication_rank(rank: int, port: int, results: Any) -> None:
     try:
         info = RankInfo(rank, 2)
         config = VersionsConfig(max_failures=0, publish_timeout_s=0.5)
-        v = GRPOVersions(None, info, "e", None, None, {}, None, config)  # type: ignore[arg-type]
+        v = StepPublication(None, info, config)
         mine = v.settle(7, concurrent.futures.Future()) if info.is_main else None
         try:
             v.record(agree(mine, info))

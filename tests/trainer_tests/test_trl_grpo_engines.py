@@ -1,5 +1,5 @@
 """TRL's ``GRPOTrainer`` (trl 1.16.0) against the farm's two real engines through the smg gateway
-(issue 28), with the integration of ``relax_glue/trl_grpo.py`` as ``examples/trl_grpo`` runs it:
+(issue 28), with the integration of ``relax_glue/trl/`` as ``examples/trl_grpo`` runs it:
 3 optimizer steps, one prompt of 4 completions per process and step, 2 assistant turns of 4
 tokens around a tool turn.
 

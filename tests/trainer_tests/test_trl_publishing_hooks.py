@@ -1,7 +1,7 @@
-"""The TRL callback's hooks (relax_glue/trl_grpo.py PublishingHooks) as transformers calls them:
+"""The TRL callback's hooks (relax_glue/trl/callback.py PublishingHooks) as transformers calls them:
 the real ``CallbackHandler`` with ``DefaultFlowCallback``, real ``TrainingArguments``,
 ``TrainerState`` and ``TrainerControl``, a real (tiny) PEFT model frozen by the real
-``Snapshot.from_peft_model``, the real ``GRPOVersions`` and its loop; only the publisher is a
+``Snapshot.from_peft_model``, the real ``StepPublication`` and its loop; only the publisher is a
 script (its results, how long each publication takes, when a slot frees up).
 
 The rules: the first version is published synchronously at train begin and may not be skipped
@@ -30,11 +30,16 @@ from transformers import TrainingArguments
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerControl, TrainerState
 
 from lora_contract.errors import ErrorCode
-from relax_glue import backpressure, trl_grpo
+from relax_glue import backpressure
 from relax_glue.backpressure import StalenessPolicy
 from relax_glue.publisher import PublishOutcome
 from relax_glue.registry_types import VersionState
-from relax_glue.trl_grpo import GRPOVersions, OutcomeKind, RankInfo, VersionsConfig, _Loop
+from relax_glue.trl import OutcomeKind, VersionsConfig
+from relax_glue.trl import publication as trl_publication
+from relax_glue.trl.callback import publishing_callback_class
+from relax_glue.trl.event_loop import LoopThread
+from relax_glue.trl.publication import StepPublication
+from relax_glue.trl.ranks import RankInfo
 
 PUBLISHED = result(PublishOutcome.PUBLISHED, state=VersionState.PUBLISHED)
 FULL = result(PublishOutcome.REFUSED, ErrorCode.CAPACITY_ERROR)
@@ -99,15 +104,15 @@ class Run:
         self.log: list[tuple[Any, ...]] = []
         self.publisher = ScriptedPublisher(self.log, seconds)
         config = VersionsConfig(background=background, publish_timeout_s=publish_timeout_s)
-        self.v = GRPOVersions(_Loop(), RankInfo(), "e", None, self.publisher, {}, None, config)
+        self.v = StepPublication(LoopThread(), RankInfo(), config, self.publisher)  # type: ignore[arg-type]
         self.submitted: list[tuple[int, bool]] = []  # (step, required) of every publication
-        submit = self.v.submit_publication
+        submit = self.v.submit
 
         def spy(model: Any, step: int, *, required: bool) -> Any:
             self.submitted.append((step, required))
             return submit(model, step, required=required)
 
-        self.v.submit_publication = spy  # type: ignore[method-assign]
+        self.v.submit = spy  # type: ignore[method-assign]
         record = self.v.record
 
         def agreed(outcome: Any) -> None:  # every rank records the agreed outcome here
@@ -116,7 +121,8 @@ class Run:
 
         self.v.record = agreed  # type: ignore[method-assign]
         model = peft_model()
-        self.ours = CallbackHandler([DefaultFlowCallback, self.v.callback()], model, None, None, None)
+        callback = publishing_callback_class()(self.v)
+        self.ours = CallbackHandler([DefaultFlowCallback, callback], model, None, None, None)
         self.stock = CallbackHandler([DefaultFlowCallback], model, None, None, None)
         self.args = TrainingArguments(output_dir=str(tmp), report_to=[], logging_steps=1, save_strategy="no")
         self.state = TrainerState(logging_steps=1)  # as the Trainer sets it from the args
@@ -239,18 +245,18 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
     # the integration's module reads time.monotonic and asyncio.sleep; the loop it shares with
     # the backpressure rule is given the same clock (its default is bound at import)
-    monkeypatch.setattr(trl_grpo, "time", types.SimpleNamespace(monotonic=c.monotonic, time=time.time))
-    monkeypatch.setattr(trl_grpo, "asyncio", types.SimpleNamespace(sleep=c.sleep))
+    monkeypatch.setattr(trl_publication, "time", types.SimpleNamespace(monotonic=c.monotonic, time=time.time))
+    monkeypatch.setattr(trl_publication, "asyncio", types.SimpleNamespace(sleep=c.sleep))
     monkeypatch.setattr(
-        trl_grpo,
+        trl_publication,
         "publish_with_backpressure",
         functools.partial(backpressure.publish_with_backpressure, clock=c.monotonic),
     )
     return c
 
 
-def capacity_versions(pub: ScriptedPublisher, last: int, policy: StalenessPolicy) -> GRPOVersions:
-    v = GRPOVersions(None, RankInfo(), "e", None, pub, {}, None, VersionsConfig(policy=policy))  # type: ignore[arg-type]
+def capacity_versions(pub: ScriptedPublisher, last: int, policy: StalenessPolicy) -> StepPublication:
+    v = StepPublication(None, RankInfo(), VersionsConfig(policy=policy), pub)  # type: ignore[arg-type]
     v.last_published = last
     return v
 
@@ -259,7 +265,7 @@ def capacity_versions(pub: ScriptedPublisher, last: int, policy: StalenessPolicy
 async def test_the_wait_for_a_slot_lasts_its_timeout_and_no_longer(clock: Clock, timeout_s: float) -> None:
     v = capacity_versions(FullPublisher([]), 4, StalenessPolicy())
     start = clock.now
-    await v._wait_for_slot(timeout_s)
+    await v.wait_for_slot(timeout_s)
     assert clock.now - start == pytest.approx(timeout_s)  # it waited the whole bound, not more
     assert all(s <= 0.1 + 1e-9 for s in clock.sleeps)  # reclaiming again every 0.1 s meanwhile
 
@@ -268,7 +274,7 @@ async def test_the_wait_for_a_slot_ends_as_soon_as_a_reclaim_frees_one(clock: Cl
     pub = FullPublisher([], free_after=3)
     v = capacity_versions(pub, 4, StalenessPolicy())
     start = clock.now
-    await v._wait_for_slot(60.0)
+    await v.wait_for_slot(60.0)
     assert pub.reclaims == 3 and clock.now - start == pytest.approx(0.2)  # two polls, then free
 
 
@@ -276,7 +282,7 @@ async def test_a_skippable_step_is_skipped_after_exactly_the_reclaim_wait(clock:
     policy = StalenessPolicy(max_staleness=2, reclaim_wait_s=1.0, forced_wait_s=60.0)
     pub = FullPublisher([])
     v = capacity_versions(pub, 4, policy)
-    o = await v._publish_step(None, 5, required=False)
+    o = await v.publish_step(None, 5, required=False)
     assert (o.kind, o.code) == (OutcomeKind.SKIPPED, "CAPACITY_ERROR")
     assert o.seconds == pytest.approx(policy.reclaim_wait_s)  # the whole reclaim wait, no longer
     assert o.capacity_refusals == o.attempts >= 2 and v.last_published == 4
@@ -293,14 +299,14 @@ async def test_the_settling_before_the_first_attempt_counts_as_waited(clock: Clo
 
     pub.resolve = slow_resolve  # type: ignore[method-assign]
     v = capacity_versions(pub, 4, policy)
-    o = await v._publish_step(None, 5, required=False)
+    o = await v.publish_step(None, 5, required=False)
     assert o.kind is OutcomeKind.SKIPPED and o.seconds == pytest.approx(policy.reclaim_wait_s)
 
 
 async def test_a_required_first_version_waits_the_forced_bound_then_fails_typed(clock: Clock) -> None:
     policy = StalenessPolicy(max_staleness=2, reclaim_wait_s=1.0, forced_wait_s=7.5)
     v = capacity_versions(FullPublisher([]), -1, policy)
-    o = await v._publish_step(None, 0, required=True)
+    o = await v.publish_step(None, 0, required=True)
     # never skipped (nothing to roll out on without it): the forced bound, then a typed failure
     assert (o.kind, o.code) == (OutcomeKind.FAILED, "CAPACITY_ERROR")
     assert o.seconds == pytest.approx(policy.forced_wait_s)
@@ -315,7 +321,7 @@ def test_a_sharded_adapter_is_this_steps_typed_failure_with_its_error_code(runs:
     model = peft_model()
     for i, p in enumerate(model.parameters()):
         p.ds_id, p.ds_status = i, types.SimpleNamespace(name="NOT_AVAILABLE")
-    o = r.v.settle(3, r.v.submit_publication(model, 3, required=False))
+    o = r.v.settle(3, r.v.submit(model, 3, required=False))
     assert (o.kind, o.code, o.version_id) == (OutcomeKind.FAILED, ErrorCode.INVALID_REQUEST.value, "step3")
     assert "gather the adapter on every rank first" in o.detail
     assert not any(e[0] == "publish" for e in r.log)

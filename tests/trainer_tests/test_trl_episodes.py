@@ -1,0 +1,90 @@
+"""One episode on one session (relax_glue/trl/rollouts.py), with a fake session layer: assistant
+turn, tool turn, assistant turn on the session's one bound version, then the close; an episode
+that never ends is a recorded, masked failure whose session still closes."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from relax_glue.trl import VersionsConfig
+from relax_glue.trl.completions import rollout_output
+from relax_glue.trl.ranks import RankInfo
+from relax_glue.trl.rollouts import Rollouts
+
+
+class FakeSession:
+    """What ``Rollouts.episode`` uses of a Session: generate (each reply 2 tokens), requests, close."""
+
+    def __init__(self, hang_at: int | None) -> None:
+        self.key, self.hang_at = "ep.key", hang_at
+        self.bodies: list[dict] = []
+        self.requests: list[SimpleNamespace] = []
+        self.closes = 0
+
+    async def generate(self, body: dict) -> dict:
+        n = len(self.bodies)
+        self.bodies.append(body)
+        if n == self.hang_at:
+            await asyncio.Event().wait()  # an engine that never answers
+        out = [10 + 2 * n, 11 + 2 * n]
+        self.requests.append(
+            SimpleNamespace(rid=f"r{n}", lora_path="lora@e-step1-x", engine_id="E0", outcome="ok")
+        )
+        return {"output_ids": out, "meta_info": {"output_token_logprobs": [[-0.5, t, ""] for t in out]}}
+
+    async def close(self) -> SimpleNamespace:
+        self.closes += 1
+        key = SimpleNamespace(version_id="step1")
+        return SimpleNamespace(
+            released=True, binding=SimpleNamespace(lora_name="lora@e-step1-x", version_key=key)
+        )
+
+
+class FakeSessions:
+    def __init__(self, hang_at: int | None = None) -> None:
+        self.opened: list[tuple[str, str | None, FakeSession]] = []
+        self.hang_at = hang_at
+
+    async def open(self, name: str, *, group: str | None = None) -> FakeSession:
+        s = FakeSession(self.hang_at)
+        self.opened.append((name, group, s))
+        return s
+
+
+def episode_rollouts(sessions: FakeSessions, timeout_s: float = 30.0) -> Rollouts:
+    config = VersionsConfig(episode_timeout_s=timeout_s)
+    return Rollouts(None, RankInfo(), sessions, config)  # type: ignore[arg-type]
+
+
+async def test_an_episode_is_assistant_tool_assistant_on_one_session_then_closed() -> None:
+    seen: list[list[list[int]]] = []
+
+    def tool(prompt: Any, turns: list[list[int]]) -> list[int]:
+        seen.append(turns)
+        return [90, 91, 92]
+
+    sessions = FakeSessions()
+    v = episode_rollouts(sessions)
+    rec = await v.episode(0, "q", [1, 2], "s1-g", 1, {"max_new_tokens": 2}, tool, 2)
+    ((_, group, s),) = sessions.opened
+    assert group == "s1-g" and s.closes == 1 and rec.error is None
+    assert seen == [[[10, 11]]]  # the tool saw the first assistant turn
+    assert [b["input_ids"] for b in s.bodies] == [[1, 2], [1, 2, 10, 11, 90, 91, 92]]
+    assert all(b["return_logprob"] for b in s.bodies)
+    assert (rec.bound_version, rec.version_id, rec.released) == ("lora@e-step1-x", "step1", True)
+    assert [t.lora_path for t in rec.turns] == ["lora@e-step1-x"] * 2
+    out = rollout_output([rec], fallback_id=3)
+    assert out["completion_ids"] == [[10, 11, 90, 91, 92, 12, 13]]
+    assert out["env_mask"] == [[1, 1, 0, 0, 0, 1, 1]]
+
+
+async def test_an_episode_that_never_ends_is_a_recorded_masked_failure_and_its_session_closes() -> None:
+    sessions = FakeSessions(hang_at=1)
+    v = episode_rollouts(sessions, timeout_s=0.2)
+    rec = await v.episode(0, "q", [1, 2], "g", 1, {}, lambda p, t: [90], 2)
+    s = sessions.opened[0][2]
+    assert rec.error is not None and rec.error.startswith("TimeoutError") and s.closes == 1
+    out = rollout_output([rec], fallback_id=3)
+    assert (out["completion_ids"], out["env_mask"], out["rollout_error"]) == ([[3]], [[0]], [rec.error])
