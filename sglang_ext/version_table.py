@@ -9,7 +9,10 @@ Per managed version (design.md, "Engine side")::
     PREPARED --end--> LOADING --load+probe ok--> READY_LOCAL --reclaim--> RECLAIMING --> UNLOADED
         |               |--failed, nothing left loaded--> PREPARED
         |               |--failed, removal failed--> FAILED (pinned leftover, holds the slot)
-        +--cleanup------+----------------------------+-----------+--> CLEANED (attempt tombstoned)
+        +--cleanup--> CLEANED (attempt tombstoned) <--cleanup-- READY_LOCAL (never committed), FAILED
+
+(a LOADING version's cleanup waits for its load to end first). The same as one table:
+:data:`_TRANSITIONS`, the only place a state changes.
 
 Attempt tokens that were cleaned up are remembered for the engine's lifetime, so a late begin,
 bucket or end of that attempt is ``STALE_ATTEMPT`` and never recreates anything.
@@ -39,6 +42,36 @@ from lora_contract.protocol import (
 from sglang_ext.adapter_compat import EngineLoraShape, serving_problem
 
 S = EngineVersionState
+
+# Every state change of a managed version, from -> the states it may move to: the one table,
+# checked in one place (:func:`_move`), as the registry's ``_TRANSITIONS`` is for its records.
+# A begin creates a record in PREPARED (in place of none or of an earlier attempt's CLEANED
+# tombstone: :data:`_REPLACEABLE`); UNLOADED and CLEANED are tombstones with no way out, so a
+# reclaimed or cleaned version never returns. ``cleaning`` (a removal started) is a flag on
+# LOADING, READY_LOCAL and FAILED, not a state: what a request or a cleanup may do reads both.
+_TRANSITIONS: dict[EngineVersionState, frozenset[EngineVersionState]] = {
+    S.PREPARED: frozenset({S.LOADING, S.CLEANED}),  # end starts the load; cleanup drops the stash
+    # the load and probe succeeded; failed with nothing left loaded (end may be retried); failed
+    # and what it loaded is still pinned
+    S.LOADING: frozenset({S.READY_LOCAL, S.PREPARED, S.FAILED}),
+    S.READY_LOCAL: frozenset({S.RECLAIMING, S.CLEANED}),  # committed: reclaim; a candidate: cleanup
+    S.FAILED: frozenset({S.CLEANED}),  # only a cleanup that removes the leftover frees the slot
+    S.RECLAIMING: frozenset({S.UNLOADED}),
+    S.UNLOADED: frozenset(),
+    S.CLEANED: frozenset(),
+}
+# what a begin of a new attempt may replace under the same name (besides no record at all)
+_REPLACEABLE = frozenset({S.CLEANED})
+
+
+def _move(v: ManagedVersion, to: EngineVersionState) -> None:
+    """The one state change: refused (an AssertionError, a defect of the shell or the table, never
+    a client's input, which the public methods refuse with a typed error before they mutate) when
+    the table has no ``v.state -> to``."""
+    if to not in _TRANSITIONS[v.state]:
+        raise AssertionError(f"illegal transition {v.state.value} -> {to.value} for {v.lora_name}")
+    v.state = to
+    v.touch()
 
 
 def may_unload_now(v: ManagedVersion | None, in_flight: int | None, *, resolvable: bool) -> bool:
@@ -156,9 +189,8 @@ class ManagedVersion:
         self.manifest = None
         self.plan = ()
 
-    def touch(self, state: EngineVersionState | None = None) -> None:
-        if state is not None:
-            self.state = state
+    def touch(self) -> None:
+        """Something of the version changed (a state change goes through :func:`_move`)."""
         self.updated_at = time.time()
 
 
@@ -182,7 +214,7 @@ class ReclaimDecision(Enum):
 
 class CleanupDecision(Enum):
     NOTHING = "nothing"  # already clean (or never seen): tombstone only
-    DROP_STASH = "drop_stash"  # staged but never loaded
+    DROP_STASH = "drop_stash"  # PREPARED (staged, never loaded): the stash goes, the token is tombstoned
     UNLOAD = "unload"  # loaded (or loading) candidate: unload it natively
     WAIT_FOR_LOAD = "wait_for_load"  # a load is running: wait for it, then ask again
 
@@ -428,6 +460,7 @@ class VersionTable:
             created_at=now,
             updated_at=now,
         )
+        assert existing is None or existing.state in _REPLACEABLE, "every other state answered above"
         self.versions[req.lora_name] = v  # replaces a CLEANED record of an earlier attempt
         self.key_digest[req.version_key] = req.digest
         self.attempt_owner[req.attempt_token] = req.lora_name
@@ -475,10 +508,9 @@ class VersionTable:
                     index=meta.index,
                 )
             return BucketDecision.DUPLICATE
-        if v.state is not S.PREPARED:
-            raise _err(
-                ErrorCode.STALE_ATTEMPT, f"{meta.lora_name!r} is {v.state.value}, not receiving buckets"
-            )
+        # No state check needed from here: every state but PREPARED has all its buckets (the only
+        # way out of PREPARED is start_load, after plan_end saw every bucket; a CLEANED attempt's
+        # token is refused above), so a bucket not received yet is one of a PREPARED version.
         if meta.index > v.next_bucket:
             raise _err(
                 ErrorCode.BUCKET_OUT_OF_ORDER,
@@ -525,14 +557,14 @@ class VersionTable:
         files passed (check before mutate: a refused end leaves the version as it was)."""
         if self.plan_end(lora_name, attempt_token) is not EndDecision.LOAD:
             raise AssertionError("start_load only after plan_end said LOAD")
-        self.versions[lora_name].touch(S.LOADING)
+        _move(self.versions[lora_name], S.LOADING)
 
     def finish_load(self, lora_name: str, attempt_token: str, lora_id: str) -> ReadyReceipt:
         v = self._current_attempt(lora_name, attempt_token)
         assert v.state is S.LOADING
         v.lora_id = lora_id
         v.registered = True
-        v.touch(S.READY_LOCAL)
+        _move(v, S.READY_LOCAL)
         v.shed_staging()
         return self.ready_receipt(v)
 
@@ -562,10 +594,10 @@ class VersionTable:
             v.cleaning = False
             if leftover_lora_id is not None:
                 v.lora_id = leftover_lora_id
-                v.touch(S.FAILED)
+                _move(v, S.FAILED)
             else:
                 v.lora_id, v.registered, v.unloaded = None, False, False
-                v.touch(S.PREPARED)
+                _move(v, S.PREPARED)
 
     # ----------------------------------------------------------------------------- reclaim
 
@@ -592,13 +624,13 @@ class VersionTable:
                 lora_name=lora_name,
             )
         v.reclaim_id = reclaim_id
-        v.touch(S.RECLAIMING)
+        _move(v, S.RECLAIMING)
         return ReclaimDecision.START
 
     def finish_reclaim(self, lora_name: str, reclaim_id: str) -> None:
         v = self.versions[lora_name]
         assert v.state is S.RECLAIMING and v.reclaim_id == reclaim_id
-        v.touch(S.UNLOADED)
+        _move(v, S.UNLOADED)
 
     # ----------------------------------------------------------------------------- cleanup
 
@@ -621,10 +653,9 @@ class VersionTable:
             return CleanupDecision.WAIT_FOR_LOAD
         if v.state in (S.READY_LOCAL, S.FAILED):
             return CleanupDecision.UNLOAD
-        if v.state in (S.RECLAIMING, S.UNLOADED):
-            # A committed version is reclaimed, never cleaned: refuse rather than guess.
-            raise _err(ErrorCode.VERSION_RECLAIMED, f"{lora_name!r} is under reclaim; cleanup does not apply")
-        return CleanupDecision.NOTHING
+        # RECLAIMING or UNLOADED (every other state answered above): a committed version is
+        # reclaimed, never cleaned; refuse rather than guess.
+        raise _err(ErrorCode.VERSION_RECLAIMED, f"{lora_name!r} is under reclaim; cleanup does not apply")
 
     def mark_cleaning(self, lora_name: str, attempt_token: str) -> None:
         v = self._current_attempt(lora_name, attempt_token)
@@ -644,7 +675,7 @@ class VersionTable:
         if v is not None and v.attempt_token == attempt_token:
             v.lora_id = None
             v.cleaning = False
-            v.touch(S.CLEANED)
+            _move(v, S.CLEANED)
             v.shed_staging()
         receipt = CleanupReceipt(
             lora_name=lora_name, attempt_token=attempt_token, incarnation=self.incarnation

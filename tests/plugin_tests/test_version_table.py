@@ -954,3 +954,88 @@ def test_begin_with_another_base_is_refused_before_anything_changes() -> None:
     assert table.begin(same).state == "PREPARED"
     unchecked = begin_req(snap(3), "3")  # no expectation (a hand-built body): not compared
     assert table.begin(unchecked).state == "PREPARED"
+
+
+# ------------------------------------------------------------------ the one transition table
+
+
+def _table_edges() -> set[tuple[S, S]]:
+    from sglang_ext.version_table import _TRANSITIONS
+
+    return {(start, to) for start, targets in _TRANSITIONS.items() for to in targets}
+
+
+def test_the_transition_table_covers_every_state_and_only_the_tombstones_have_no_way_out():
+    """Every engine state has its row; a version can move exactly while it holds its slot, so
+    UNLOADED and CLEANED (reclaimed, cleaned up) never return, as the registry's terminal states."""
+    from sglang_ext.version_table import _TRANSITIONS
+
+    assert set(_TRANSITIONS) == set(S)
+    for state, targets in _TRANSITIONS.items():
+        assert targets <= set(S) and state not in targets, state
+        assert bool(targets) == state.holds_slot, state
+
+
+@pytest.mark.parametrize(("start", "to"), [(a, b) for a in S for b in S])
+def test_a_state_change_outside_the_table_is_refused_and_changes_nothing(start, to):
+    from sglang_ext.version_table import _move
+
+    t, req = table_in("PREPARED")
+    v = t.get(req.lora_name)
+    v.state = start  # the precondition, set directly: the move under test is the only change
+    if (start, to) in _table_edges():
+        _move(v, to)
+        assert v.state is to
+        return
+    before = copy.deepcopy(v)
+    with pytest.raises(AssertionError, match=f"illegal transition {start.value} -> {to.value}"):
+        _move(v, to)
+    assert v == before
+
+
+def test_the_public_methods_make_exactly_the_tables_state_changes(monkeypatch):
+    """Every path through the table's public methods (begin to reclaim, a load that fails either
+    way, each cleanup) moves a version only along the table, and every row of the table is taken
+    by one of them: a row nothing takes is a dead case, one they need and lack is refused."""
+    import sglang_ext.version_table as version_table
+
+    made: set[tuple[S, S]] = set()
+    move = version_table._move
+
+    def recorded(v, to):
+        made.add((v.state, to))
+        move(v, to)
+
+    monkeypatch.setattr(version_table, "_move", recorded)
+    for label in STATES:
+        table_in(label)  # begin, start_load, finish_load, fail_load (FAILED), reclaim, cleanup
+    t, req = table_in("LOADING")
+    t.fail_load(req.lora_name, req.attempt_token)  # nothing left loaded: PREPARED again
+    assert t.get(req.lora_name).state is S.PREPARED
+    for label in ("READY_LOCAL", "FAILED"):  # a candidate's cleanup, after its removal
+        t, req = table_in(label)
+        t.mark_cleaning(req.lora_name, req.attempt_token)
+        t.finish_cleanup(req.lora_name, req.attempt_token)
+    assert made == _table_edges()
+
+
+@pytest.mark.parametrize(
+    "label", ["LOADING", "LOADING_CLEANING", "READY_LOCAL", "FAILED", "RECLAIMING", "UNLOADED"]
+)
+def test_a_late_bucket_after_the_end_is_a_duplicate_or_out_of_the_plan_and_changes_nothing(label):
+    """Every state an end left has all its buckets: a late bucket is answered from ``bucket_sha``
+    (DUPLICATE) or is past the plan (BUCKET_OUT_OF_ORDER); none is ever accepted again."""
+    t, req = table_in(label)
+    v = t.get(req.lora_name)
+    n = v.buckets_total
+    for i in range(n + 2):
+        sha = v.bucket_sha.get(i, "1" * 64)
+        meta = ReceiveBucketMeta(
+            lora_name=req.lora_name, attempt_token=req.attempt_token, index=i, sha256=sha
+        )
+        if i < n:
+            before = snapshot_of(t)
+            assert t.check_bucket(meta) is BucketDecision.DUPLICATE, i
+            assert snapshot_of(t) == before
+        else:
+            refused_without_trace(t, lambda meta=meta: t.check_bucket(meta), ErrorCode.BUCKET_OUT_OF_ORDER)
