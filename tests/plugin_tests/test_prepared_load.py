@@ -6,11 +6,11 @@ the same on a real scheduler process."""
 from __future__ import annotations
 
 import threading
-import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from _eventually import eventually_sync
 
 from sglang_ext import lora_registry_patch as upstream
 from sglang_ext import prepared_load as pl
@@ -18,13 +18,6 @@ from sglang_ext.prepared_load import LoadKey, OffLoopWorker, Op, Preparations, S
 
 NAME = "relax_policy_lora@1-1-abcdefabcdef"
 KEY = LoadKey("id-1", NAME, "/staged/attempt-0")
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.001)
 
 
 # ---------------------------------------------------------------------- which requests are ours
@@ -57,7 +50,7 @@ def test_a_preparation_runs_on_the_worker_thread_and_is_taken_once_by_its_exact_
     assert preps.take(KEY) is None, "nothing to install while it runs"
     assert preps.start(KEY, build) is not None, "a load is prepared exactly once"
     gate.set()
-    wait_until(lambda: preps.state(KEY)[0] is State.PREPARED)
+    eventually_sync(lambda: preps.state(KEY)[0] is State.PREPARED)
     assert ran_on == ["test-prepare"]
     for other in (
         LoadKey("id-1", NAME, "/staged/attempt-1"),  # the same id, another directory
@@ -77,7 +70,7 @@ def test_a_failed_preparation_is_reported_once_and_nothing_of_it_stays() -> None
     preps = Preparations(OffLoopWorker("test-prepare"))
     preps.start(KEY, build)
     done = preps._by_id[KEY.lora_id][1]
-    wait_until(done.done)
+    eventually_sync(done.done)
     assert preps.state(KEY) == (State.FAILED, "cannot read bucket-00001.safetensors")
     assert len(preps) == 0 and preps.state(KEY)[0] is State.UNKNOWN
     assert preps.start(KEY, lambda: "retried") is None, "the same key may be prepared again"
@@ -106,7 +99,7 @@ def test_a_discarded_preparation_drops_its_result_whether_it_ran_or_not() -> Non
     assert len(preps) == 0
     gate.set()
     done = worker.submit(lambda: "after")
-    wait_until(done.done)
+    eventually_sync(done.done)
     assert results == [], "a job discarded before it started never runs"
     assert preps.state(KEY)[0] is State.UNKNOWN and preps.take(KEY) is None
 
@@ -168,7 +161,7 @@ def test_the_scheduler_hook_prepares_polls_installs_and_passes_stock_loads(monke
     early = hook(original, scheduler, request(Op.INSTALL))
     assert not early.success and "nothing prepared" in early.error_message
     gate.set()
-    wait_until(lambda: fresh.state(KEY)[0] is State.PREPARED)
+    eventually_sync(lambda: fresh.state(KEY)[0] is State.PREPARED)
     assert hook(original, scheduler, request(Op.POLL)).success
     assert calls == [None], "no op but the install reaches SGLang's load"
     assert hook(original, scheduler, request(Op.INSTALL)).success
@@ -193,7 +186,7 @@ def test_a_failed_preparation_is_answered_at_the_poll_and_never_installed(monkey
     scheduler = SimpleNamespace(manager="manager")
     hook = pl.prepare_then_install
     assert hook(lambda *a: calls.append(a), scheduler, request(Op.PREPARE)).success
-    wait_until(lambda: fresh._by_id[KEY.lora_id][1].done())
+    eventually_sync(lambda: fresh._by_id[KEY.lora_id][1].done())
     poll = hook(lambda *a: calls.append(a), scheduler, request(Op.POLL))
     assert not poll.success and poll.error_message == "no such file: bucket-00000.safetensors"
     assert len(fresh) == 0, "forgotten where it was reported"

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
+from _eventually import eventually
 from _fake_engine import Cluster, make_cluster, make_snapshot
 from _rg_helpers import EPOCH, new_registry
 
@@ -196,10 +197,3 @@ def test_the_served_by_memory_is_bounded() -> None:
     assert gw.pick("k") == "E1"
     gw.forget("k")
     assert gw.pick("k") == GATEWAY_ID
-
-
-async def eventually(pred: Callable[[], bool], timeout: float = 3.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.002)

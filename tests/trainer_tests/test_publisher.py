@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _eventually import eventually
 from _fake_engine import Cluster, make_cluster, make_snapshot
 from _rg_helpers import EPOCH, new_registry, refused, sk
 
@@ -90,13 +91,6 @@ def world() -> Iterator[World]:
     # RFC 7.3: no publication, failure or reclaim ever pauses, flushes or aborts all.
     assert w.cluster.audit.forbidden() == []
     assert not any(op in ("pause_generation", "flush_cache") for f in w.fakes.values() for op in f.ops())
-
-
-async def eventually(pred: Callable[[], bool], timeout: float = 3.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.002)
 
 
 class LossyRegistry:

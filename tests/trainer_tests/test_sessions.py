@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _eventually import eventually
 from _fake_engine import Cluster, make_cluster, make_snapshot
 from _rg_helpers import EPOCH, new_registry
 
@@ -94,13 +95,6 @@ def world() -> Iterator[World]:
     w = World(new_registry(), make_cluster())
     yield w
     assert w.cluster.audit.forbidden() == []  # only per-rid aborts, never abort-all
-
-
-async def eventually(pred: Any, timeout: float = 3.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.002)
 
 
 async def expect(code: ErrorCode, aw: Any) -> LoraVersionError:
