@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 
-# At most two managed versions hold capacity (RFC): the registry's slots and each engine's pins.
+# The RFC's capacity: at most two managed versions hold a slot. It is the default of capacity K, set
+# per epoch (the registry's capacity=K); the registry's slots and each engine's pins follow K.
 MANAGED_CAPACITY = 2
 
 NAME_PART = r"[A-Za-z0-9_.]{1,64}"

@@ -29,7 +29,7 @@ ADMIN_KEY_ENV = "LORA_VERSIONS_ADMIN_KEY"
 # One line per error code an operator meets, saying what to do next.
 HINTS: dict[str, str] = {
     "CAPACITY_ERROR": (
-        "two versions hold capacity: close the sessions of the retired one, then `lora-versions reclaim`"
+        "all K slots are held: close the sessions of the retired versions, then `lora-versions reclaim`"
     ),
     "PUBLICATION_IN_PROGRESS": "another publication is pending: wait for it, or `lora-versions resolve` it",
     "VERSION_CONFLICT": "that version id is already used with other weights: pick a new --version-id",

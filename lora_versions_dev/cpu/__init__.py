@@ -1,6 +1,6 @@
 """CPU development mode for SGLang 0.5.23: run real engines on machines without a GPU.
 
-Four workarounds (``shared/docs/cpu-engine.md``), none of which edits SGLang's files:
+Four workarounds, none of which edits SGLang's files:
 
 1. ``SGLANG_USE_CPU_ENGINE=1`` (set by :func:`engine_env`).
 2. An import-only stand-in for ``sgl_kernel`` (``shim/sgl_kernel``) placed first on the engine's
