@@ -1,17 +1,23 @@
-"""The registry's public operations, declared once for everything that forwards them.
+"""The registry's operations as typed client surfaces, for everything that forwards them.
 
+Each operation is declared once, on the registry's method (``@operation(kind)``,
+:mod:`relax_glue.registry_spec`); ``PUBLIC_OPS`` is derived from those declarations.
 :class:`~relax_glue.store.DurableRegistry` (journal) and the clients in :mod:`relax_glue.actor`
-(in process or through the Ray actor) expose exactly the operations of
-:class:`~relax_glue.registry.LoRAVersionRegistry` (``PUBLIC_OPS``), with the same
-names, arguments and results. Each typed method below forwards its keyword arguments, in
-signature order, to one hook, ``_dispatch(op, **kwargs)``, that the user class implements.
+(in process or through the Ray actor) expose exactly those operations, with the same names,
+arguments and results. Each typed method below forwards its keyword arguments, in signature
+order, to one hook, ``_dispatch(op, **kwargs)``, that the user class implements. A timed op's
+``now`` may be left out here: the host stamps its clock.
 
-The async client uses :class:`AsyncRegistryOps`, generated from the same table: every method is a
-coroutine function that awaits what the (async) ``_dispatch`` returns, so the operation list and
-its signatures are written once. The generated methods carry the typed signatures at runtime
-(``inspect.signature``, ``help``) through ``functools.wraps``; static checkers read them from
-:class:`AsyncRegistryAPI`, the coroutine forms written out (``test_registry_ops`` holds each
-equal to its sync declaration), so no generated method is ``Any`` to them.
+The async client uses :class:`AsyncRegistryOps`, generated from the sync table: every method is a
+coroutine function that awaits what the (async) ``_dispatch`` returns. The generated methods
+carry the typed signatures at runtime (``inspect.signature``, ``help``) through
+``functools.wraps``; static checkers read them from :class:`AsyncRegistryAPI`, the coroutine
+forms written out, so no generated method is ``Any`` to them.
+
+The written-out forms are held to the declarations mechanically: ``test_registry_op_surfaces``
+fails, naming the operation, when any surface (the registry's declarations, this sync table,
+the async stubs, the generated coroutines, the clients, the actor's dispatch) misses an
+operation, has one more, or gives one another signature.
 
 Publication ops (``PUBLISHER_OPS``) take a keyword-only ``publisher_token`` (None by default); a
 client that carries the publisher token fills it in for them (:mod:`relax_glue.actor`).

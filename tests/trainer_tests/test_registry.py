@@ -9,7 +9,9 @@ import pytest
 from _rg_helpers import EPOCH, Checked, Publisher, digest, lora_name, new_registry, refused, sk, vk
 
 from lora_contract.errors import HTTP_STATUS, ErrorCode, LoraVersionError
-from relax_glue.registry import _TRANSITIONS, LoRAVersionRegistry, holds_slot, may_start_reclaim
+from lora_contract.names import make_lora_name
+from relax_glue.registry import LoRAVersionRegistry, holds_slot, may_start_reclaim
+from relax_glue.registry_rules import TRANSITIONS
 from relax_glue.registry_types import (
     AttemptPhase,
     CleanupEvidence,
@@ -34,7 +36,7 @@ def test_holds_slot_is_false_only_for_the_two_terminal_states() -> None:
 
 def test_terminal_states_have_no_way_out() -> None:
     for state in VersionState:
-        assert (not _TRANSITIONS[state]) == (not holds_slot(state))
+        assert (not TRANSITIONS[state]) == (not holds_slot(state))
 
 
 @pytest.mark.parametrize("state", list(VersionState))
@@ -142,9 +144,12 @@ def test_lora_name_is_unique_and_bound_to_its_version() -> None:
     reg = new_registry(capacity=3)
     dig = digest("A")
     reg.reserve(vk("A"), dig, lora_name("A", dig), "r1")
-    refused(ErrorCode.VERSION_CONFLICT, reg.reserve, vk("A"), dig, "other-name", "r2")
-    # the name check comes before the pending-attempt check: the conflict is the real problem
-    refused(ErrorCode.VERSION_CONFLICT, reg.reserve, vk("B"), digest("B"), lora_name("A", dig), "r3")
+    # the same version under another prefix is still its managed name: registered under another one
+    other = make_lora_name("other_prefix", EPOCH, "A", dig)
+    refused(ErrorCode.VERSION_CONFLICT, reg.reserve, vk("A"), dig, other, "r2")
+    # another version can not take A's name: a managed name carries its version (names rule),
+    # checked before the pending-attempt check, so the name is the problem named
+    refused(ErrorCode.INVALID_REQUEST, reg.reserve, vk("B"), digest("B"), lora_name("A", dig), "r3")
 
 
 def test_unknown_engine_and_unregistered_incarnation_are_refused() -> None:
@@ -819,8 +824,6 @@ def test_every_kind_of_closed_session_is_pruned_once_its_window_passed(how: str)
 
 def _text_call(reg, field: str, value: str):
     pub = Publisher(reg)
-    if field == "lora_name":
-        return lambda: reg.reserve(vk("A"), digest("A"), value, "r")
     if field == "request_id":
         return lambda: reg.reserve(vk("A"), digest("A"), lora_name("A", digest("A")), value)
     if field == "abort reason":
@@ -838,8 +841,9 @@ def _text_call(reg, field: str, value: str):
     return lambda: reg.open_session(SessionKey(EPOCH, value))
 
 
+# lora_name has no bound of its own: it must be the managed name of its version (the names
+# module's parts are bounded), see test_registry_uses_one_rule_each.
 _TEXT_BOUNDS = {
-    "lora_name": 256,
     "request_id": 256,
     "abort reason": 1024,
     "unknown op": 64,
