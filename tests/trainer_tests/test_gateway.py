@@ -15,6 +15,7 @@ import httpx
 import pytest
 from _eventually import eventually
 from _fake_engine import Cluster, make_cluster, make_snapshot
+from _in_process_world import InProcessWorld
 from _rg_helpers import EPOCH, new_registry
 
 from lora_contract.errors import ErrorCode, LoraVersionError
@@ -26,7 +27,6 @@ from relax_glue.gateway import (
     GatewayClient,
     gateway_command,
 )
-from relax_glue.publisher import Publisher
 from relax_glue.router import StickyRoundRobinRouter
 from relax_glue.sessions import SessionManager
 
@@ -69,10 +69,11 @@ class FakeGateway:
         return httpx.Response(reply.status_code, headers=headers, content=reply.content)
 
 
-class GatewayWorld:
+class GatewayWorld(InProcessWorld):
+    """The in-process world with its sessions generating through a fake gateway."""
+
     def __init__(self) -> None:
-        self.core = new_registry()
-        self.cluster = make_cluster()
+        super().__init__()
         self.fake_gw = FakeGateway(self.cluster)
         self.gw = GatewayClient("http://gateway.fake", self.cluster.clients)
         self.gw.client = EngineClient(
@@ -82,8 +83,7 @@ class GatewayWorld:
             generation_transport=httpx.MockTransport(self.fake_gw.handle),
             control_transport=httpx.MockTransport(self.fake_gw.handle),
         )
-        self.pub = Publisher(self.core, self.cluster.clients)
-        self.mgr = SessionManager(self.core, self.cluster.clients, gateway=self.gw, drain_timeout_s=2.0)
+        self.mgr = self.sessions(gateway=self.gw, drain_timeout_s=2.0)
 
     async def publish(self, vid: str) -> str:
         snap = make_snapshot(seed=7)
@@ -95,7 +95,7 @@ class GatewayWorld:
 def gw_world() -> Iterator[GatewayWorld]:
     w = GatewayWorld()
     yield w
-    assert w.cluster.audit.forbidden() == []
+    w.assert_no_stop_the_world()
 
 
 async def test_a_session_generates_through_the_gateway_with_its_key_and_exact_version(gw_world) -> None:

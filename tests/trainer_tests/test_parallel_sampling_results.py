@@ -19,13 +19,12 @@ from typing import Any
 import httpx
 import pytest
 from _fake_engine import Cluster, make_cluster, make_snapshot
-from _rg_helpers import EPOCH, new_registry
+from _in_process_world import InProcessWorld
+from _rg_helpers import EPOCH
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.engine_client import EngineClient
-from relax_glue.publisher import Publisher
 from relax_glue.registry_types import VersionKey
-from relax_glue.sessions import SessionManager
 
 SNAP = make_snapshot(seed=0)
 NAME = SNAP.lora_name("relax_policy_lora", EPOCH, "A")
@@ -61,27 +60,27 @@ class ScriptedGenerate:
         return httpx.Response(200, json=self.reply(body["rid"], n))
 
 
-class World:
+class World(InProcessWorld):
+    """The version is published on the fake engines; the sessions generate through ``scripted``."""
+
     def __init__(self, cluster: Cluster) -> None:
-        self.core = new_registry()
-        self.cluster = cluster
-        self.pub = Publisher(self.core, cluster.clients)
+        super().__init__(cluster=cluster)
         self.script = ScriptedGenerate()
         transport = httpx.MockTransport(self.script.handler)
         # every engine id answers generations through the script (the router picks one)
-        self.engines = {
+        self.scripted = {
             e: EngineClient(
                 e, f"http://{e}.mock", generation_transport=transport, control_transport=transport
             )
             for e in cluster.clients
         }
-        self.mgr = SessionManager(self.core, self.engines, drain_timeout_s=1.0, abort_interval_s=0.02)
+        self.mgr = self.sessions(engines=self.scripted, drain_timeout_s=1.0, abort_interval_s=0.02)
 
     def refs(self) -> int:
-        return self.core.version(VersionKey(EPOCH, "A")).session_refs
+        return self.reg.version(VersionKey(EPOCH, "A")).session_refs
 
     def audit(self) -> list[Any]:
-        return [e for c in self.engines.values() for e in c.audit.entries() if e.op.startswith("generate")]
+        return [e for c in self.scripted.values() for e in c.audit.entries() if e.op.startswith("generate")]
 
 
 @pytest.fixture()
@@ -89,7 +88,7 @@ async def world() -> Iterator[World]:
     w = World(make_cluster())
     assert (await w.pub.publish(SNAP, "A")).ok
     yield w
-    for c in w.engines.values():
+    for c in w.scripted.values():
         await c.aclose()
     await w.cluster.aclose()
 

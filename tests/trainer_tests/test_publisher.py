@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 from _eventually import eventually
 from _fake_engine import Cluster, make_cluster, make_snapshot
+from _in_process_world import FAST_RECLAIM, InProcessWorld
 from _rg_helpers import EPOCH, new_registry, refused, sk
 
 from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.protocol import EngineVersionState
-from lora_versions_dev.fault_injection import FaultInjectingClient
 from relax_glue.actor import AsyncRegistryClient, RegistryClient
 from relax_glue.publisher import Publisher, PublishOutcome, PublishResult
 from relax_glue.reclaimer import EngineReclaim, EngineReclaimState, ReclaimResult
@@ -46,30 +46,9 @@ def name_of(vid: str) -> str:
     return SNAP[vid].lora_name("relax_policy_lora", EPOCH, vid)
 
 
-class World:
-    def __init__(self, registry: Any, cluster: Cluster, engines: dict[str, Any] | None = None) -> None:
-        self.reg = registry
-        self.cluster = cluster
-        self.fakes = cluster.fakes
-        self.engines = engines or dict(cluster.clients)
-        self.pub = self.publisher()
-
-    def publisher(self, registry: Any = None) -> Publisher:
-        return Publisher(
-            registry if registry is not None else self.reg,
-            self.engines,
-            reclaim_wait_s=0.05,
-            reclaim_poll_s=0.01,
-            reclaim_deadline_s=2.0,
-            registry_retry_delay_s=0.0,
-        )
-
-    def wrap(self, engine: str) -> FaultInjectingClient:
-        """Put a fault-injecting wrapper around one engine's real client."""
-        wrapper = FaultInjectingClient(self.cluster.clients[engine])
-        self.engines[engine] = wrapper
-        self.pub = self.publisher()
-        return wrapper
+class World(InProcessWorld):
+    def __init__(self, registry: Any, cluster: Cluster) -> None:
+        super().__init__(registry=registry, cluster=cluster, publisher_options=FAST_RECLAIM)
 
     async def publish(self, vid: str) -> PublishResult:
         return await self.pub.publish(SNAP[vid], vid)
@@ -88,9 +67,7 @@ class World:
 def world() -> Iterator[World]:
     w = World(new_registry(), make_cluster())
     yield w
-    # RFC 7.3: no publication, failure or reclaim ever pauses, flushes or aborts all.
-    assert w.cluster.audit.forbidden() == []
-    assert not any(op in ("pause_generation", "flush_cache") for f in w.fakes.values() for op in f.ops())
+    w.assert_no_stop_the_world()
 
 
 class LossyRegistry:

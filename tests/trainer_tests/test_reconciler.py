@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _fake_engine import Cluster, make_cluster, make_snapshot
+from _fake_engine import make_snapshot
+from _in_process_world import FAST_RECLAIM, InProcessWorld
 from _rg_helpers import EPOCH, new_registry, sk
 
 from lora_contract import protocol
@@ -37,26 +38,9 @@ def name_of(vid: str) -> str:
     return SNAP[vid].lora_name(PREFIX, EPOCH, vid)
 
 
-class World:
+class World(InProcessWorld):
     def __init__(self, tmp: Path) -> None:
-        self.reg = new_registry()
-        self.cluster: Cluster = make_cluster()
-        self.fakes = self.cluster.fakes
-        self.store = SnapshotStore(tmp / "snapshots")
-        self.pub = self.publisher()
-
-    def publisher(
-        self, store: SnapshotStore | None = None, clients: dict[str, Any] | None = None
-    ) -> Publisher:
-        return Publisher(
-            self.reg,
-            clients or self.cluster.clients,
-            reclaim_wait_s=0.05,
-            reclaim_poll_s=0.01,
-            reclaim_deadline_s=2.0,
-            registry_retry_delay_s=0.0,
-            store=store or self.store,
-        )
+        super().__init__(store=SnapshotStore(tmp / "snapshots"), publisher_options=FAST_RECLAIM)
 
     async def publish(self, vid: str) -> Any:
         res = await self.pub.publish(SNAP[vid], vid)
@@ -71,7 +55,7 @@ class World:
 def world(tmp_path: Path) -> Iterator[World]:
     w = World(tmp_path)
     yield w
-    assert w.cluster.audit.forbidden() == []  # no pause, flush or abort-all, ever
+    w.assert_no_stop_the_world()
 
 
 async def _two_live_versions(w: World) -> Any:

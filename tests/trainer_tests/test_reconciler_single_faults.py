@@ -48,7 +48,7 @@ class World(ReconcilerWorld):
 def world(tmp_path: Path) -> Iterator[World]:
     w = World(tmp_path)
     yield w
-    assert w.cluster.audit.forbidden() == []  # no pause, flush or abort-all, ever
+    w.assert_no_stop_the_world()
 
 
 def _held(fake: Any) -> tuple[Any, ...]:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from _eventually import eventually
 from _fake_engine import Cluster, make_cluster, make_snapshot
+from _in_process_world import InProcessWorld
 from _rg_helpers import EPOCH, new_registry
 
 from lora_contract.errors import ErrorCode, LoraVersionError
@@ -24,7 +25,6 @@ from lora_contract.protocol import EngineVersionState
 from lora_versions_dev.fault_injection import FaultInjectingClient
 from relax_glue.actor import AsyncRegistryClient
 from relax_glue.engine_client import OutcomeUnknown
-from relax_glue.publisher import Publisher
 from relax_glue.registry import PUBLIC_OPS, LoRAVersionRegistry
 from relax_glue.registry_types import SessionState, VersionKey
 from relax_glue.router import StickyRoundRobinRouter
@@ -69,21 +69,20 @@ class GatedRegistry:
         return call
 
 
-class World:
+class World(InProcessWorld):
+    """``reg`` the real registry, ``gated`` the sessions' view of it; ``engines`` the clients new
+    session managers take (a test wraps one there)."""
+
     def __init__(self, core: Any, cluster: Cluster) -> None:
-        self.core = core
-        self.reg = GatedRegistry(core)
-        self.cluster = cluster
-        self.fakes = cluster.fakes
-        self.engines: dict[str, Any] = dict(cluster.clients)
-        self.pub = Publisher(core, cluster.clients)
-        self.mgr = SessionManager(self.reg, self.engines, drain_timeout_s=2.0, abort_interval_s=0.02)
+        super().__init__(registry=core, cluster=cluster)
+        self.gated = GatedRegistry(core)
+        self.mgr = self.sessions(self.gated, self.engines, drain_timeout_s=2.0, abort_interval_s=0.02)
 
     async def publish(self, vid: str) -> None:
         assert (await self.pub.publish(SNAP[vid], vid)).ok
 
     def refs(self, vid: str) -> int:
-        return self.core.version(VersionKey(EPOCH, vid)).session_refs
+        return self.reg.version(VersionKey(EPOCH, vid)).session_refs
 
     def sent(self, session: Session) -> list[dict[str, Any]]:
         rids = {r.rid for r in session.requests}
@@ -94,7 +93,7 @@ class World:
 def world() -> Iterator[World]:
     w = World(new_registry(), make_cluster())
     yield w
-    assert w.cluster.audit.forbidden() == []  # only per-rid aborts, never abort-all
+    w.assert_no_stop_the_world()
 
 
 async def expect(code: ErrorCode, aw: Any) -> LoraVersionError:
@@ -117,13 +116,13 @@ async def test_first_generation_binds_once_under_concurrency(flavour: str) -> No
         s = await w.mgr.open("agent")
         assert s.phase is SessionPhase.OPEN and s.binding is None  # no version at creation
         assert core.session(s.key).state is SessionState.OPEN
-        w.reg.before["bind_first"] = gate = asyncio.Event()
+        w.gated.before["bind_first"] = gate = asyncio.Event()
         turns = [asyncio.create_task(s.generate(BODY)) for _ in range(20)]
-        await w.reg.arrived["bind_first"].wait()
+        await w.gated.arrived["bind_first"].wait()
         await asyncio.sleep(0.01)  # let every waiter pile up on the shared task
         gate.set()
         outs = await asyncio.gather(*turns)
-        assert w.reg.calls["bind_first"] == 1 and s.bind_calls == 1
+        assert w.gated.calls["bind_first"] == 1 and s.bind_calls == 1
         assert {o["meta_info"]["lora_path"] for o in outs} == {name_of("A")}
         assert [b["lora_path"] for b in w.sent(s)] == [name_of("A")] * 20
         assert core.version(VersionKey(EPOCH, "A")).session_refs == 1
@@ -135,9 +134,9 @@ async def test_first_generation_binds_once_under_concurrency(flavour: str) -> No
 async def test_cancelling_a_waiter_never_cancels_the_binding(world: World) -> None:
     await world.publish("A")
     s = await world.mgr.open()
-    world.reg.after["bind_first"] = gate = asyncio.Event()  # bound in the registry, reply delayed
+    world.gated.after["bind_first"] = gate = asyncio.Event()  # bound in the registry, reply delayed
     first = asyncio.create_task(s.generate(BODY))
-    await world.reg.arrived["bind_first"].wait()
+    await world.gated.arrived["bind_first"].wait()
     first.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first
@@ -149,23 +148,23 @@ async def test_cancelling_a_waiter_never_cancels_the_binding(world: World) -> No
     gate.set()
     out = await second
     assert out["meta_info"]["lora_path"] == name_of("A")
-    assert world.reg.calls["bind_first"] == 1 and world.refs("A") == 1 and world.refs("B") == 0
+    assert world.gated.calls["bind_first"] == 1 and world.refs("A") == 1 and world.refs("B") == 0
     assert [b["lora_path"] for b in world.sent(s)] == [name_of("A")]  # the cancelled turn never sent
 
 
 async def test_a_binding_whose_only_waiter_was_cancelled_still_completes(world: World) -> None:
     await world.publish("A")
     s = await world.mgr.open()
-    world.reg.before["bind_first"] = gate = asyncio.Event()
+    world.gated.before["bind_first"] = gate = asyncio.Event()
     only = asyncio.create_task(s.generate(BODY))
-    await world.reg.arrived["bind_first"].wait()
+    await world.gated.arrived["bind_first"].wait()
     only.cancel()
     await asyncio.gather(only, return_exceptions=True)
     gate.set()
     await asyncio.sleep(0.01)
     assert s.binding is not None and s.lora_path == name_of("A") and world.refs("A") == 1
     await s.generate(BODY)
-    assert world.reg.calls["bind_first"] == 1
+    assert world.gated.calls["bind_first"] == 1
 
 
 async def test_no_published_version_is_a_typed_error_and_a_later_turn_binds(world: World) -> None:
@@ -248,7 +247,7 @@ async def test_a_maybe_admitted_turn_is_never_resent_blindly(world: World) -> No
     await world.publish("A")
     for e in ("E0", "E1"):
         world.engines[e] = FaultInjectingClient(world.cluster.clients[e]).drop_reply("generate", nth=1)
-    mgr = SessionManager(world.reg, world.engines)
+    mgr = SessionManager(world.gated, world.engines)
     s = await mgr.open()
     with pytest.raises(TurnOutcomeUnknown) as e:
         await s.generate(BODY, rid="r1")
@@ -270,7 +269,7 @@ async def test_discard_gives_up_the_unknown_turn_and_the_session_goes_on(world: 
     await world.publish("A")
     for e in ("E0", "E1"):
         world.engines[e] = FaultInjectingClient(world.cluster.clients[e]).drop_reply("generate", nth=1)
-    mgr = SessionManager(world.reg, world.engines)
+    mgr = SessionManager(world.gated, world.engines)
     s = await mgr.open()
     with pytest.raises(TurnOutcomeUnknown):
         await s.generate(BODY, rid="r1")
@@ -287,7 +286,7 @@ async def test_a_request_that_never_left_is_sent_again_automatically(world: Worl
     await world.publish("A")
     for e in ("E0", "E1"):
         world.engines[e] = FaultInjectingClient(world.cluster.clients[e]).fail_before_send("generate", nth=1)
-    mgr = SessionManager(world.reg, world.engines, resend_interval_s=0.0)
+    mgr = SessionManager(world.gated, world.engines, resend_interval_s=0.0)
     s = await mgr.open()
     out = await s.generate(BODY, rid="r1")
     assert out["meta_info"]["id"] == "r1" and s.resends == 1 and s.unknown_turns == ()
@@ -301,7 +300,7 @@ async def test_a_queue_full_503_is_sent_again_but_any_other_503_is_an_unknown_tu
     from relax_glue.engine_client import QUEUE_FULL_MESSAGE
 
     await world.publish("A")
-    mgr = SessionManager(world.reg, world.engines, resend_interval_s=0.0)
+    mgr = SessionManager(world.gated, world.engines, resend_interval_s=0.0)
     s = await mgr.open()
     await s.generate(BODY)
     fake = world.fakes[mgr.router.pick(s.key)]
@@ -342,7 +341,7 @@ async def test_bodies_that_would_escape_the_binding_are_refused_before_anything(
     await expect(ErrorCode.INVALID_REQUEST, s.generate({"text": ["a", "b"]}))
     await expect(ErrorCode.INVALID_REQUEST, s.generate({**BODY, "sampling_params": {"n": 2}}))  # sample()
     await expect(ErrorCode.INVALID_REQUEST, s.generate({**BODY, "stream": True}))
-    assert world.reg.calls["bind_first"] == 0  # nothing bound for a refused request
+    assert world.gated.calls["bind_first"] == 0  # nothing bound for a refused request
     await expect(ErrorCode.INVALID_REQUEST, s.generate({**BODY, "lora_path": name_of("B")}))
     out = await s.generate({**BODY, "lora_path": name_of("A")})  # the bound name itself is fine
     assert out["meta_info"]["lora_path"] == name_of("A")
@@ -360,7 +359,7 @@ async def test_sample_sends_one_request_for_n_completions_all_on_the_bound_versi
     assert all(o["meta_info"]["id"].startswith("g1_0-") for o in outs)
     (sent,) = world.sent(s)  # one request, not four
     assert sent["sampling_params"]["n"] == 4 and sent["lora_path"] == name_of("A")
-    assert world.reg.calls["bind_first"] == 1
+    assert world.gated.calls["bind_first"] == 1
     await world.publish("B")  # the session keeps A for every later group
     again = await s.sample(BODY, 2)
     assert [o["meta_info"]["lora_path"] for o in again] == [name_of("A")] * 2
@@ -373,7 +372,7 @@ async def test_a_bad_n_is_refused_before_anything(world: World, n: Any) -> None:
     s = await world.mgr.open()
     await expect(ErrorCode.INVALID_REQUEST, s.sample(BODY, n))
     await expect(ErrorCode.INVALID_REQUEST, s.generate({**BODY, "sampling_params": {"n": n}}))
-    assert world.reg.calls["bind_first"] == 0 and world.sent(s) == []
+    assert world.gated.calls["bind_first"] == 0 and world.sent(s) == []
 
 
 async def bound_session_on_a_held_engine(world: World) -> tuple[Session, str]:
@@ -399,7 +398,7 @@ async def test_close_aborts_a_group_in_flight_by_its_rid_and_releases(world: Wor
     assert view.released and world.refs("A") == 0
     assert world.fakes[engine].native.in_flight_by_name[name_of("A")] == 0
     # with a request in flight the close fences the registry before it aborts (not idle)
-    assert world.reg.calls["begin_close"] == 1 and world.reg.calls["close_and_release"] == 1
+    assert world.gated.calls["begin_close"] == 1 and world.gated.calls["close_and_release"] == 1
 
 
 async def test_sessions_of_one_group_share_one_engine_and_keep_their_own_binding_and_close(
@@ -449,9 +448,9 @@ async def test_close_before_bind_leaves_a_closed_tombstone(world: World) -> None
     assert view.state is SessionState.CLOSED and view.binding is None and not view.released
     assert s.phase is SessionPhase.CLOSED and world.mgr.get(s.key) is None
     await expect(ErrorCode.SESSION_CLOSED, s.generate(BODY))
-    assert world.reg.calls["bind_first"] == 0 and world.sent(s) == []
+    assert world.gated.calls["bind_first"] == 0 and world.sent(s) == []
     with pytest.raises(LoraVersionError) as exc:  # a late bind is refused by the registry too
-        world.core.bind_first(s.key)
+        world.reg.bind_first(s.key)
     assert exc.value.code is ErrorCode.SESSION_CLOSED
     assert world.refs("A") == 0
 
@@ -464,8 +463,8 @@ async def test_close_is_exactly_once_under_concurrency(world: World) -> None:
     views = await asyncio.gather(*(s.close() for _ in range(5)))
     assert len(set(views)) == 1 and views[0].released and views[0].state is SessionState.CLOSED
     # idle (nothing in flight, the bind done): nothing to fence, so one registry call
-    assert world.reg.calls["begin_close"] == 0 and world.reg.calls["close_and_release"] == 1
-    assert await s.close() == views[0] and world.reg.calls["close_and_release"] == 1
+    assert world.gated.calls["begin_close"] == 0 and world.gated.calls["close_and_release"] == 1
+    assert await s.close() == views[0] and world.gated.calls["close_and_release"] == 1
     assert world.refs("A") == 0 and world.mgr.sessions == {}
 
 
@@ -477,20 +476,20 @@ async def test_close_while_the_binding_is_in_flight(world: World, where: str) ->
     await world.publish("A")
     s = await world.mgr.open()
     gate = asyncio.Event()
-    (world.reg.before if where == "before" else world.reg.after)["bind_first"] = gate
+    (world.gated.before if where == "before" else world.gated.after)["bind_first"] = gate
     turn = asyncio.create_task(s.generate(BODY))
-    await world.reg.arrived["bind_first"].wait()
+    await world.gated.arrived["bind_first"].wait()
     closing = asyncio.create_task(s.close())
-    await world.reg.arrived["begin_close"].wait()
+    await world.gated.arrived["begin_close"].wait()
     await asyncio.sleep(0.01)
     assert s.phase is SessionPhase.FINALIZING and not closing.done()  # waits for the binding
-    assert world.reg.calls["close_and_release"] == 0
+    assert world.gated.calls["close_and_release"] == 0
     gate.set()
     view = await closing
     await expect(ErrorCode.SESSION_CLOSED, turn)  # no dispatch once FINALIZING
     assert world.sent(s) == [] and all(not f.generations for f in world.fakes.values())
     assert view.state is SessionState.CLOSED and view.released is (where == "after")
-    assert world.refs("A") == 0 and world.reg.calls["close_and_release"] == 1
+    assert world.refs("A") == 0 and world.gated.calls["close_and_release"] == 1
 
 
 @pytest.mark.timeout(30)  # a broken close rule hangs here: fail in seconds, not at the suite's 900 s
@@ -503,14 +502,14 @@ async def test_close_aborts_requests_already_sent_then_releases(world: World) ->
     world.fakes[engine].release_generations()
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert world.fakes[engine].aborts == [{"rid": "long", "abort_all": False}]
-    assert view.released and world.refs("A") == 0 and world.reg.calls["close_and_release"] == 1
+    assert view.released and world.refs("A") == 0 and world.gated.calls["close_and_release"] == 1
     ops = [(e.op, e.detail) for e in world.cluster.audit.entries(kind="control") if e.op == "abort_request"]
     assert ops == [("abort_request", "long")]
 
 
 async def test_close_releases_even_if_an_engine_never_answers_the_abort(world: World) -> None:
     await world.publish("A")
-    mgr = SessionManager(world.reg, world.engines, drain_timeout_s=0.1, abort_interval_s=0.02)
+    mgr = SessionManager(world.gated, world.engines, drain_timeout_s=0.1, abort_interval_s=0.02)
     s = await mgr.open()
     await s.generate(BODY)
     engine = mgr.router.pick(s.key)
@@ -581,7 +580,7 @@ async def test_a_settle_whose_abort_reply_is_lost_keeps_the_turn_unsettled(world
     for e in ("E0", "E1"):
         wrapped = FaultInjectingClient(world.cluster.clients[e]).drop_reply("generate", nth=1)
         world.engines[e] = wrapped.drop_reply("abort_request", nth=1)
-    mgr = SessionManager(world.reg, world.engines)
+    mgr = SessionManager(world.gated, world.engines)
     s = await mgr.open()
     with pytest.raises(TurnOutcomeUnknown):
         await s.generate(BODY, rid="r1")
@@ -604,7 +603,7 @@ async def test_an_abort_whose_reply_is_lost_leaves_the_binding_and_the_request_a
     await world.publish("A")
     for e in ("E0", "E1"):
         world.engines[e] = FaultInjectingClient(world.cluster.clients[e]).drop_reply("abort_request", nth=1)
-    mgr = SessionManager(world.reg, world.engines)
+    mgr = SessionManager(world.gated, world.engines)
     s = await mgr.open()
     for fake in world.fakes.values():
         fake.hold_generations()

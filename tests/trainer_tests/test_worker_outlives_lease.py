@@ -16,14 +16,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from _fake_engine import Cluster, make_cluster, make_snapshot
-from _rg_helpers import new_registry, vk
+from _eventually import eventually
+from _fake_engine import make_snapshot
+from _in_process_world import InProcessWorld
+from _rg_helpers import vk
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.actor import AsyncRegistryClient
-from relax_glue.publisher import Publisher
 from relax_glue.registry_types import SessionState
-from relax_glue.sessions import SessionManager, SessionPhase
+from relax_glue.sessions import SessionPhase
 
 TTL_S = 0.3
 HEARTBEAT_S = 0.05
@@ -55,31 +56,27 @@ class StalledKeepAlives:
         return await self._real(op, kwargs)
 
 
-class World:
+class World(InProcessWorld):
+    """The worker's sessions reach the registry through ``client``, whose keep-alives ``faults``
+    can stall."""
+
     def __init__(self) -> None:
-        self.reg = new_registry()
-        self.cluster: Cluster = make_cluster()
+        super().__init__(publisher_options={"registry_retry_delay_s": 0.0})
         self.client = AsyncRegistryClient.in_process(self.reg, retries=0, lease_reaper_s=REAPER_S)
         self.faults = StalledKeepAlives(self.client)
-        self.mgr = SessionManager(
-            self.client, self.cluster.clients, lease_ttl_s=TTL_S, heartbeat_s=HEARTBEAT_S
-        )
+        self.mgr = self.sessions(self.client, lease_ttl_s=TTL_S, heartbeat_s=HEARTBEAT_S)
 
     def sent(self) -> int:
         return sum(len(f.generations) for f in self.cluster.fakes.values())
 
     async def until(self, what: str, done: Any, limit_s: float = 3.0) -> None:
-        t0 = time.monotonic()
-        while not done():
-            assert time.monotonic() - t0 < limit_s, f"never: {what}"
-            await asyncio.sleep(0.01)
+        await eventually(done, timeout=limit_s, poll_s=0.01, what=what)
 
 
 @pytest.fixture()
 async def world() -> AsyncIterator[World]:
     w = World()
-    pub = Publisher(w.reg, w.cluster.clients, registry_retry_delay_s=0.0)
-    assert (await pub.publish(make_snapshot(seed=1), "A")).ok
+    assert (await w.pub.publish(make_snapshot(seed=1), "A")).ok
     yield w
     w.faults.heal()
     await w.mgr.aclose()
