@@ -27,7 +27,10 @@ CAPACITY = 6  # exactly the slots the world below holds: one more begin is CAPAC
 
 
 @dataclass
-class World:
+class EngineInEveryState:
+    """One engine (the real routes over the shell) holding a version in every state a refusal can
+    meet, by role; :meth:`snapshot` is everything a refusal must leave as it was."""
+
     shell: Shell
     client: httpx.AsyncClient
     names: dict[str, str]  # role -> lora_name
@@ -51,7 +54,7 @@ class World:
         )
 
 
-async def build_world(monkeypatch) -> World:
+async def engine_in_every_state(monkeypatch) -> EngineInEveryState:
     from fastapi import FastAPI
 
     import sglang_ext.http_routes as http_routes
@@ -97,20 +100,22 @@ async def build_world(monkeypatch) -> World:
     }
     assert shell.table.slots_in_use() == CAPACITY
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")
-    return World(shell, client, names, tokens)
+    return EngineInEveryState(shell, client, names, tokens)
 
 
 # ------------------------------------------------------------------------------ the calls
 
 
-def begin_of(w: World, seed: int, version_id: str, token: str | None = None, **update: Any) -> dict:
+def begin_of(
+    w: EngineInEveryState, seed: int, version_id: str, token: str | None = None, **update: Any
+) -> dict:
     snap = w.shell.snapshots.get(seed) or w.shell.snapshot(seed)
     req = snap.begin_request("p", "e", version_id, token or uuid.uuid4().hex)
     return req.model_copy(update=update).model_dump(mode="json")
 
 
-def post_json(route: str, body: Callable[[World], Any]) -> Callable[[World], Any]:
-    async def call(w: World) -> httpx.Response:
+def post_json(route: str, body: Callable[[EngineInEveryState], Any]) -> Callable[[EngineInEveryState], Any]:
+    async def call(w: EngineInEveryState) -> httpx.Response:
         b = body(w)
         content = b if isinstance(b, bytes) else json.dumps(b).encode()
         return await w.client.post(route, content=content, headers={"content-type": "application/json"})
@@ -118,8 +123,10 @@ def post_json(route: str, body: Callable[[World], Any]) -> Callable[[World], Any
     return call
 
 
-def bucket(role: str, *, index: int = 0, sha: str | None = None, **extra: str) -> Callable[[World], Any]:
-    async def call(w: World) -> httpx.Response:
+def bucket(
+    role: str, *, index: int = 0, sha: str | None = None, **extra: str
+) -> Callable[[EngineInEveryState], Any]:
+    async def call(w: EngineInEveryState) -> httpx.Response:
         seed = {"begun": 2, "ready": 1, "cleaned": 4, "staged": 2}[role]
         [b] = list(w.shell.snapshots[seed].iter_buckets())
         meta = ReceiveBucketMeta(
@@ -133,19 +140,21 @@ def bucket(role: str, *, index: int = 0, sha: str | None = None, **extra: str) -
     return call
 
 
-def named(role: str, token_of: str | None = None, **extra: Any) -> Callable[[World], dict]:
-    def body(w: World) -> dict:
+def named(role: str, token_of: str | None = None, **extra: Any) -> Callable[[EngineInEveryState], dict]:
+    def body(w: EngineInEveryState) -> dict:
         token = w.tokens[token_of or role] if token_of != "new" else uuid.uuid4().hex
         return {"lora_name": w.names[role], "attempt_token": token, **extra}
 
     return body
 
 
-def reclaim_of(role: str, reclaim_id: str = "r2", timeout_s: float = 0.05) -> Callable[[World], dict]:
+def reclaim_of(
+    role: str, reclaim_id: str = "r2", timeout_s: float = 0.05
+) -> Callable[[EngineInEveryState], dict]:
     return lambda w: {"lora_name": w.names[role], "reclaim_id": reclaim_id, "timeout_s": timeout_s}
 
 
-ROWS: dict[str, tuple[Callable[[World], Any], ErrorCode]] = {
+ROWS: dict[str, tuple[Callable[[EngineInEveryState], Any], ErrorCode]] = {
     # begin
     "begin: not JSON": (post_json(Routes.BEGIN, lambda w: b"{not json"), ErrorCode.INVALID_REQUEST),
     "begin: a READY version under another attempt": (
@@ -251,7 +260,7 @@ ROWS: dict[str, tuple[Callable[[World], Any], ErrorCode]] = {
 @pytest.mark.parametrize("row", list(ROWS))
 async def test_a_refused_control_call_leaves_the_engine_as_it_was(monkeypatch, row: str):
     call, code = ROWS[row]
-    w = await build_world(monkeypatch)
+    w = await engine_in_every_state(monkeypatch)
     try:
         before = w.snapshot()
         r = await call(w)
@@ -270,7 +279,7 @@ def test_the_rows_cover_every_control_route():
 # ------------------------------------------------------------------ end after a failed load
 
 
-def visible(w: World, role: str) -> dict:
+def visible(w: EngineInEveryState, role: str) -> dict:
     v = w.shell.table.get(w.names[role])
     status = w.shell.table.status_of(v, w.shell.native.in_flight(v.lora_id)).model_dump(mode="json")
     return {k: x for k, x in status.items() if k != "updated_at"}
@@ -280,7 +289,7 @@ async def test_an_end_whose_load_is_taken_back_out_changes_nothing_the_caller_ca
     """The probe failed and its load was removed again: LOAD_FAILED, and the version is as the
     end found it (PREPARED, no id, nothing loaded or registered), so the same end may be sent
     again."""
-    w = await build_world(monkeypatch)
+    w = await engine_in_every_state(monkeypatch)
     try:
         before = visible(w, "staged")
         loaded = sorted(w.shell.native.loaded)
@@ -300,7 +309,7 @@ async def test_the_one_refusal_that_changes_state_says_so_and_every_repeat_answe
     failed. The version is FAILED after the refusal, not PREPARED as before; the refusal says
     so (state FAILED, the leftover id), every repeat of the end answers the identical refusal
     and changes nothing more, and only the attempt's cleanup frees the slot."""
-    w = await build_world(monkeypatch)
+    w = await engine_in_every_state(monkeypatch)
     try:
         w.shell.native.fail_next("probe")
         w.shell.native.fail_next("physical_unload")
