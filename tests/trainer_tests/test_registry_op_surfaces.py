@@ -11,6 +11,7 @@ declared operation, has one more, or spells one with another signature.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from typing import Any
 
@@ -106,6 +107,31 @@ def test_the_generated_async_surface_has_every_operation_as_a_coroutine_with_its
         assert inspect.iscoroutinefunction(fn) and fn is not vars(AsyncRegistryAPI)[op], op
     assert _public_methods(AsyncRegistryOps, coroutines=True) == set(PUBLIC_OPS)
     assert not _differences(AsyncRegistryOps, set(PUBLIC_OPS))
+
+
+class _Recorder(RegistryOps):
+    def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
+        return op, kwargs
+
+
+class _AsyncRecorder(AsyncRegistryOps):
+    async def _dispatch(self, op: str, /, **kwargs: Any) -> Any:
+        return op, kwargs
+
+
+def _sentinels(op: str) -> dict[str, object]:
+    """A distinct value for every argument of ``op`` (the forwarding must carry each one)."""
+    params = list(inspect.signature(getattr(LoRAVersionRegistry, op)).parameters)[1:]
+    return {name: object() for name in params}
+
+
+@pytest.mark.parametrize("op", PUBLIC_OPS)
+def test_each_typed_method_forwards_its_own_operation_with_every_argument(op: str) -> None:
+    """The written-out bodies of RegistryOps (and the coroutines generated from them) send their
+    own op name and every argument, by name, to ``_dispatch``: nothing dropped, nothing renamed."""
+    args = _sentinels(op)
+    assert getattr(_Recorder(), op)(**args) == (op, args)
+    assert asyncio.run(getattr(_AsyncRecorder(), op)(**args)) == (op, args)
 
 
 @pytest.mark.parametrize("client", [RegistryClient, DurableRegistry, AsyncRegistryClient])
