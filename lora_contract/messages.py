@@ -18,9 +18,10 @@ from lora_contract.transport import (
     BUCKET_SHA256_HEADER,
     BUCKET_SOURCE_HEADER,
     BUCKET_TRANSPORT_HEADER,
-    COLLECTIVE_TRANSPORT,
+    HTTP_TRANSPORT,
     LORA_NAME_HEADER,
     BucketSpec,
+    TransportName,
     plan_problem,
 )
 from lora_contract.wire_models import (
@@ -82,10 +83,11 @@ class BeginRequest(WireModel):
     attempt_token: Token
     manifest: Manifest
     bucket_plan: tuple[BucketSpec, ...] = Field(min_length=1)
-    # How the buckets travel. Not part of the identity: a retried begin is answered from the
-    # table whatever it says. "collective": the engine posts the receives on its collective
-    # group (TRANSPORT_UNAVAILABLE, changing nothing, when it has none) before PREPARED.
-    transport: Literal["http", "collective"] = "http"
+    # How the buckets travel: a registered transport (lora_contract.transport). Not part of the
+    # identity: a retried begin is answered from the table whatever it says. Any transport but
+    # HTTP has the engine get ready for its buckets (the collective one posts the receives on
+    # its group) before PREPARED; TRANSPORT_UNAVAILABLE, changing nothing, when it cannot.
+    transport: TransportName = HTTP_TRANSPORT
     # The epoch's base model (the registry's record): an engine with another base refuses the
     # begin (BASE_MISMATCH) before anything is reserved. Not part of the version's identity.
     base_fingerprint: Sha256Hex | None = None
@@ -128,14 +130,15 @@ class ReceiveBucketMeta(WireModel):
     # A file name in the engine's local source directory that holds the payload (the body is
     # then empty): a trainer on the same host hands the bucket over without sending it.
     source: LocalSourceName | None = None
-    # The bucket came over the engine's collective group (the body is empty): this call is its
-    # acknowledgement, answered once it arrived and was verified.
-    collective: bool = False
+    # The registered transport the bucket came over. Any but HTTP carries it out of band (the
+    # body is empty, e.g. over the engine's collective group): this call is its acknowledgement,
+    # answered once it arrived and was verified.
+    transport: TransportName = HTTP_TRANSPORT
 
     @model_validator(mode="after")
     def _one_source(self) -> ReceiveBucketMeta:
-        if self.collective and self.source is not None:
-            raise invalid("a bucket comes from one place: a local source or the collective group")
+        if self.transport != HTTP_TRANSPORT and self.source is not None:
+            raise invalid(f"a bucket comes from one place: a local source or the {self.transport} transport")
         return self
 
     def to_headers(self) -> dict[str, str]:
@@ -148,8 +151,8 @@ class ReceiveBucketMeta(WireModel):
         }
         if self.source is not None:
             headers[BUCKET_SOURCE_HEADER] = self.source
-        if self.collective:
-            headers[BUCKET_TRANSPORT_HEADER] = COLLECTIVE_TRANSPORT
+        if self.transport != HTTP_TRANSPORT:
+            headers[BUCKET_TRANSPORT_HEADER] = self.transport
         return headers
 
     @classmethod
@@ -170,9 +173,9 @@ class ReceiveBucketMeta(WireModel):
             values["source"] = lowered[BUCKET_SOURCE_HEADER.lower()]
         via = lowered.get(BUCKET_TRANSPORT_HEADER.lower())
         if via is not None:
-            if via != COLLECTIVE_TRANSPORT:
-                raise invalid(f"{BUCKET_TRANSPORT_HEADER} must be {COLLECTIVE_TRANSPORT!r}, got {via[:50]!r}")
-            values["collective"] = True
+            if via == HTTP_TRANSPORT:  # the default goes unsaid: naming it is not a message we send
+                raise invalid(f"{BUCKET_TRANSPORT_HEADER} names a transport other than {HTTP_TRANSPORT!r}")
+            values["transport"] = via
         return parse_model(cls, values)
 
 

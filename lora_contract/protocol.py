@@ -2,7 +2,8 @@
 
 - :mod:`lora_contract.identity`: the normalised serving config, the canonical manifest and its digest
   (what a LoRA version *is*), read from a PEFT directory;
-- :mod:`lora_contract.transport`: the bucket plan and the bucket payloads (how its tensors travel);
+- :mod:`lora_contract.transport`: the bucket plan, the bucket payloads and the registered
+  transports (how its tensors travel);
 - :mod:`lora_contract.messages`: the engine control requests, receipts, replies and status;
 
 on top of the dependency-free name rules (:mod:`lora_contract.names`) and the pydantic base
@@ -74,6 +75,8 @@ from lora_contract.transport import (
     BUCKET_SOURCE_HEADER,
     BUCKET_TARGET_BYTES,
     BUCKET_TRANSPORT_HEADER,
+    COLLECTIVE_TRANSPORT,
+    HTTP_TRANSPORT,
     LORA_NAME_HEADER,
     BucketSpec,
     bucket_checksum,
@@ -85,6 +88,8 @@ from lora_contract.transport import (
     manifest_bucket_checksum,
     max_payload_bytes,
     plan_buckets,
+    register_transport,
+    registered_transports,
 )
 from lora_contract.wire_models import (
     parse_model,
@@ -98,9 +103,11 @@ __all__ = [
     "BUCKET_SOURCE_HEADER",
     "BUCKET_TARGET_BYTES",
     "BUCKET_TRANSPORT_HEADER",
+    "COLLECTIVE_TRANSPORT",
     "DEFAULT_LORA_PREFIX",
     "DIGEST_PREFIX_LEN",
     "DTYPE_ITEMSIZE",
+    "HTTP_TRANSPORT",
     "LORA_NAME_HEADER",
     "MANIFEST_SCHEMA_VERSION",
     "QUEUE_FULL_MESSAGE",
@@ -154,5 +161,7 @@ __all__ = [
     "parse_reclaim_reply",
     "plan_buckets",
     "read_peft_dir",
+    "register_transport",
+    "registered_transports",
     "tensor_entry",
 ]

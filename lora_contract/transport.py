@@ -7,11 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.identity import (
@@ -356,7 +357,53 @@ BUCKET_INDEX_HEADER = "X-Bucket-Index"
 BUCKET_SHA256_HEADER = "X-Bucket-Sha256"
 # Optional: the bucket is the named file of the engine's local source directory (empty body).
 BUCKET_SOURCE_HEADER = "X-Bucket-Source"
-# Optional: "collective": the bucket travelled over the collective group (empty body).
+# Optional: the registered transport the bucket travelled over, when that is not the call itself
+# (the body is then empty), e.g. "collective": its engine group.
 BUCKET_TRANSPORT_HEADER = "X-Bucket-Transport"
-COLLECTIVE_TRANSPORT = "collective"
 BUCKET_CONTENT_TYPE = "application/octet-stream"
+
+
+# --------------------------------------------------------------------------------------------
+# Transports: registered names
+# --------------------------------------------------------------------------------------------
+
+# The bytes travel in the call that acknowledges them (its body, or a file of the engine's local
+# source directory named in it): the one transport every engine and client has.
+HTTP_TRANSPORT = "http"
+# The bytes travel over the engine's collective group (lora_contract.collective_group).
+COLLECTIVE_TRANSPORT = "collective"
+TRANSPORT_NAME = r"[a-z][a-z0-9_-]{0,31}"
+_TRANSPORT_NAME = re.compile(TRANSPORT_NAME)
+
+# Every transport a message may name. Any other transport's bytes come *out of band*: the
+# acknowledging call has an empty body and names the transport (BUCKET_TRANSPORT_HEADER). Each
+# side plugs its own end in under the same name (the engine's receive:
+# sglang_ext.bucket_sources.register_receive; the trainer's sender:
+# relax_glue.bucket_transport.register_sender), so a new transport edits no message, no route
+# and no shell.
+_TRANSPORTS: set[str] = {HTTP_TRANSPORT}
+
+
+def register_transport(name: str) -> str:
+    """Make ``name`` a transport the messages may carry (idempotent); returns it."""
+    if not _TRANSPORT_NAME.fullmatch(name):  # fullmatch: "$" would let a trailing newline in
+        raise ValueError(f"a transport name matches {TRANSPORT_NAME}, got {name!r}")
+    _TRANSPORTS.add(name)
+    return name
+
+
+def registered_transports() -> frozenset[str]:
+    return frozenset(_TRANSPORTS)
+
+
+def check_transport_name(name: str) -> str:
+    """``name`` if it is a registered transport; ValueError (an INVALID_REQUEST once parsed) if not."""
+    if name not in _TRANSPORTS:
+        raise ValueError(f"unknown transport {name[:50]!r} (registered: {sorted(_TRANSPORTS)})")
+    return name
+
+
+# A message field naming a transport: validated against the registry when the message is built.
+TransportName = Annotated[str, AfterValidator(check_transport_name)]
+
+register_transport(COLLECTIVE_TRANSPORT)

@@ -36,13 +36,12 @@ from pydantic import BaseModel
 
 from lora_contract.errors import LoraVersionError
 from lora_contract.protocol import (
+    HTTP_TRANSPORT,
     QUEUE_FULL_MESSAGE,
     BeginRequest,
     BucketAck,
     CleanupReceipt,
     CleanupRequest,
-    CollectiveConnectReply,
-    CollectiveConnectRequest,
     DrainingReply,
     EndRequest,
     EngineStatus,
@@ -58,7 +57,7 @@ from lora_contract.protocol import (
     parse_model,
     parse_reclaim_reply,
 )
-from relax_glue.bucket_transport import BodyTransport, BucketTransport, CollectiveTransport
+from relax_glue.bucket_transport import BucketTransport, bucket_transport
 
 __all__ = [
     "FORBIDDEN_PATHS",
@@ -77,6 +76,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 # What ``/generate`` answers: one object, or with ``n > 1`` (parallel sampling) one per sample.
 GenerationReply = dict[str, Any] | list[dict[str, Any]]
 
@@ -392,7 +392,8 @@ class EngineClient:
 
     ``transport``: how bucket bytes reach the engine (:mod:`relax_glue.bucket_transport`: the
     call's body by default, a file in a directory the engine on this host reads, or the engine's
-    collective group); the protocol around each bucket is the same whatever carries it.
+    collective group), or the name of a registered transport, built with its defaults; the
+    protocol around each bucket is the same whatever carries it.
     """
 
     def __init__(
@@ -407,10 +408,12 @@ class EngineClient:
         audit: AuditLog | None = None,
         control_transport: httpx.AsyncBaseTransport | None = None,
         generation_transport: httpx.AsyncBaseTransport | None = None,
-        transport: BucketTransport | None = None,
+        transport: BucketTransport | str | None = None,
     ) -> None:
         self.engine_id = engine_id
-        self.transport = transport or BodyTransport()
+        if transport is None or isinstance(transport, str):
+            transport = bucket_transport(transport or HTTP_TRANSPORT)
+        self.transport: BucketTransport = transport
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts or ClientTimeouts()
         self.limits = limits or PoolLimits()
@@ -578,31 +581,25 @@ class EngineClient:
         )
 
     async def begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
-        return await self.transport.begin(req, self._begin, self.collective_connect)
+        return await self.transport.begin(req, self)
 
-    async def _begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
+    async def receive_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
+        return await self.transport.send(meta, payload, self)
+
+    # The raw calls a transport makes (relax_glue.bucket_transport.EngineCalls): begin and the
+    # bucket above go through the transport; these do not.
+
+    async def post_begin(self, req: BeginRequest) -> PreparedReceipt | ReadyReceipt:
         same = ("lora_name", "attempt_token", "digest")
         return await self._post_json("begin", Routes.BEGIN, req, parse_begin_reply, same, self.timeouts.begin)
 
-    async def collective_connect(self, group_id: str, init_method: str, backend: str) -> str:
-        """Have the engine join the collective group ``group_id``; its incarnation."""
-        assert isinstance(self.transport, CollectiveTransport)
-        req = CollectiveConnectRequest(group_id=group_id, init_method=init_method, backend=backend)
-        reply = await self._post_json(
-            "collective_connect",
-            Routes.COLLECTIVE_CONNECT,
-            req,
-            functools.partial(parse_model, CollectiveConnectReply),
-            ("group_id",),
-            # the engine starts its receiver and waits for the rendezvous, both bounded there
-            self.transport.sender.timeout_s + 90.0,
-        )
-        return reply.incarnation
+    async def post_setup(
+        self, op: str, route: str, req: BaseModel, reply: type[M], same: tuple[str, ...], read_timeout: float
+    ) -> M:
+        parser = functools.partial(parse_model, reply)
+        return await self._post_json(op, route, req, parser, same, read_timeout)
 
-    async def receive_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
-        return await self.transport.send(meta, payload, self._send_bucket)
-
-    async def _send_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
+    async def post_bucket(self, meta: ReceiveBucketMeta, payload: bytes) -> BucketAck:
         def parse(body: bytes) -> BucketAck:
             ack = parse_model(BucketAck, body)
             _check_same(ack, index=meta.index)

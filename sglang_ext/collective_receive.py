@@ -1,6 +1,7 @@
 """The collective transport's receiving end, beside the collective link: an
 :class:`~sglang_ext.bucket_sources.OutOfBandReceive` the publication shell holds for
-``transport="collective"``.
+``transport="collective"`` (registered in :mod:`sglang_ext.bucket_sources`), with the group's
+connect as its own setup call (``Routes.COLLECTIVE_CONNECT``).
 
 At begin it stages a part for every bucket not accepted yet, writes its header and posts its
 receive on the link (the engine is ready for the broadcast before it answers PREPARED); each
@@ -13,13 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from lora_contract.collective_group import token_tag
-from lora_contract.protocol import BucketSpec, Manifest, ReceiveBucketMeta, bucket_header
+from lora_contract.protocol import (
+    COLLECTIVE_TRANSPORT,
+    BucketSpec,
+    CollectiveConnectReply,
+    CollectiveConnectRequest,
+    Manifest,
+    ReceiveBucketMeta,
+    Routes,
+    bucket_header,
+)
 from sglang_ext.bucket_receiver import BucketReceiver
-from sglang_ext.bucket_sources import AttemptKey, BucketFiller, bucket_cap
+from sglang_ext.bucket_sources import AttemptKey, BucketFiller, ReceiveSetup, SetupRoute, bucket_cap
 from sglang_ext.collective_link import CollectiveLink, ExpectedBucket, transfer_failed
 from sglang_ext.staging import StagedPart, StagingArea
 from sglang_ext.version_table import ManagedVersion
@@ -61,16 +71,34 @@ class CollectiveStash:
 
 
 class CollectiveReceive:
-    transport = "collective"
+    transport = COLLECTIVE_TRANSPORT
 
-    def __init__(self, link: CollectiveLink, staging: StagingArea, max_bucket_bytes: int) -> None:
+    def __init__(
+        self, link: CollectiveLink, staging: StagingArea, max_bucket_bytes: int, incarnation: str
+    ) -> None:
         self.link = link
         self.staging = staging
         self.max_bucket_bytes = max_bucket_bytes
+        self.incarnation = incarnation
         # (name, attempt token) -> its buckets on their way over the collective group
         self._stashes: dict[AttemptKey, CollectiveStash] = {}
         self._jobs = itertools.count()
         link.on_break(self._group_broke)
+
+    @classmethod
+    def build(cls, setup: ReceiveSetup) -> CollectiveReceive:
+        """This engine's receive, over a link of its own (no group until a trainer connects)."""
+        return cls(CollectiveLink(log=setup.log), setup.staging, setup.max_bucket_bytes, setup.incarnation)
+
+    def setup_routes(self) -> Sequence[SetupRoute]:
+        return [SetupRoute(Routes.COLLECTIVE_CONNECT, CollectiveConnectRequest, self._connect)]
+
+    async def _connect(self, req: CollectiveConnectRequest) -> CollectiveConnectReply:
+        """Join the trainer's group (idempotent for the group being set up or up)."""
+        await self.link.connect(req.group_id, req.init_method, req.backend)
+        return CollectiveConnectReply(
+            group_id=req.group_id, incarnation=self.incarnation, timeout_s=self.link.timeout_s
+        )
 
     def receiving(self, key: AttemptKey) -> bool:
         return key in self._stashes

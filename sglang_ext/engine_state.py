@@ -11,21 +11,21 @@ from __future__ import annotations
 import atexit
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_contract.names import MANAGED_CAPACITY
-from lora_contract.protocol import BaseIdentity, EngineStatus
+from lora_contract.protocol import COLLECTIVE_TRANSPORT, BaseIdentity, EngineStatus
 from sglang_ext import settings
+from sglang_ext.bucket_sources import OutOfBandReceive, ReceiveSetup, build_receives, register_receive
 from sglang_ext.metrics import NO_METRICS, Metrics
 from sglang_ext.plugin_log import log_line
 from sglang_ext.setup_checks import managed_slots
 from sglang_ext.staging import local_source_dir
 
 if TYPE_CHECKING:
-    from sglang_ext.collective_link import CollectiveLink
     from sglang_ext.native_lora import NativeEdge
     from sglang_ext.publication import PublicationService
     from sglang_ext.reclaim import ReclaimService
@@ -63,7 +63,6 @@ class EngineState:
     native: NativeEdge | None = None
     publication: PublicationService | None = None
     reclaim: ReclaimService | None = None
-    collective: CollectiveLink | None = None
     metrics: Metrics = NO_METRICS
     base: BaseIdentity | None = None  # the base model adapters apply to (computed at attach)
     body_limits: BodyLimits = field(default_factory=BodyLimits.from_env)
@@ -72,7 +71,6 @@ class EngineState:
 
     def attach(self, server_args: Any, tokenizer_manager: Any) -> None:
         from sglang_ext import lora_registry_patch as upstream
-        from sglang_ext.collective_link import CollectiveLink
         from sglang_ext.native_lora import NativeLora
         from sglang_ext.staging import StagingArea
         from sglang_ext.version_table import VersionTable
@@ -92,9 +90,11 @@ class EngineState:
         )
         staging = StagingArea()
         atexit.register(staging.close)  # SIGKILL skips it: the next engine sweeps what is left
-        assemble_engine(
-            self, self.table, self.native, staging, log=log_line, collective=CollectiveLink(log=log_line)
-        )
+        # every transport registered on this engine (bucket_sources: the collective, and any a
+        # launch wrapper registered before the server started)
+        setup = ReceiveSetup(staging, self.table.limits.max_bucket_bytes, self.incarnation, log_line)
+        receives = build_receives(setup)
+        assemble_engine(self, self.table, self.native, staging, log=log_line, out_of_band=receives)
 
     def holds_slot(self, lora_name: str) -> bool:
         """Whether ``lora_name`` is a managed version holding an engine slot (a live version)."""
@@ -125,25 +125,32 @@ def assemble_engine(
     staging: StagingArea,
     *,
     log: Callable[[str], None] | None = None,
-    collective: CollectiveLink | None = None,
+    out_of_band: Sequence[OutOfBandReceive] = (),
 ) -> EngineState:
     """The one place the engine's services are wired, used by the engine (:meth:`EngineState.attach`),
     the trainer side's fake engine and the shell tests alike: publication and reclaim over one
     table, one native edge and ONE lock set (a reclaim and a cleanup of one name must serialise on
-    the very same lock; two sets would let them run at once, with no error)."""
-    from sglang_ext.collective_receive import CollectiveReceive
+    the very same lock; two sets would let them run at once, with no error). ``out_of_band``: the
+    receives of the transports other than HTTP this engine serves (none: HTTP only)."""
     from sglang_ext.publication import NameLocks, PublicationService
     from sglang_ext.reclaim import ReclaimService
 
     locks = NameLocks()
-    state.table, state.native, state.collective = table, native, collective
-    # the transports whose bytes come out of band, each beside its own link
-    out_of_band = (
-        [CollectiveReceive(collective, staging, table.limits.max_bucket_bytes)] if collective else []
-    )
+    state.table, state.native = table, native
     state.publication = PublicationService(table, native, staging, locks, log=log, out_of_band=out_of_band)
     state.reclaim = ReclaimService(table, native, locks, metrics=state.metrics)
     return state
+
+
+def _collective_receive(setup: ReceiveSetup) -> OutOfBandReceive:
+    # imported on use: the link's process machinery is needed only once an engine starts
+    from sglang_ext.collective_receive import CollectiveReceive
+
+    return CollectiveReceive.build(setup)
+
+
+# the built-in transport besides HTTP (a launch wrapper may register more before the server starts)
+register_receive(COLLECTIVE_TRANSPORT, _collective_receive)
 
 
 def engine_base(server_args: Any, tokenizer_manager: Any) -> BaseIdentity:

@@ -21,10 +21,9 @@ from starlette.requests import ClientDisconnect
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.protocol import (
     BUCKET_CONTENT_TYPE,
+    HTTP_TRANSPORT,
     BeginRequest,
     CleanupRequest,
-    CollectiveConnectReply,
-    CollectiveConnectRequest,
     DrainingReply,
     EndRequest,
     ReceiveBucketMeta,
@@ -35,6 +34,7 @@ from lora_contract.protocol import (
 from lora_contract.wire_models import invalid
 from sglang_ext import hook_timing
 from sglang_ext.bucket_receiver import BucketReceiver
+from sglang_ext.bucket_sources import SetupRoute
 from sglang_ext.engine_state import BodyLimits, EngineState, engine_state
 from sglang_ext.plugin_log import log_line
 
@@ -137,6 +137,14 @@ def _serving(service: S | None) -> S:
     return service
 
 
+def _setup_endpoint(setup: SetupRoute, json_body: Callable[[Request, Any], Any]) -> Callable[[Request], Any]:
+    async def transport_setup(request: Request) -> Any:
+        return _ok(await setup.handle(await json_body(request, setup.request)))
+
+    transport_setup.__name__ = f"lora_versions_setup{setup.path.replace('/', '_')}"
+    return transport_setup
+
+
 class _Routes:
     """Collects (path, endpoint, methods). Mounted with ``app.add_api_route`` one by one: FastAPI's
     ``include_router`` (in the version SGLang 0.5.23 pulls in) adds a lazy included-router object,
@@ -205,28 +213,21 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
             finally:
                 source.discard_moved()  # copied (or refused): the moved original goes
 
-        async def acknowledge_collective(cap: int, receiver: BucketReceiver) -> None:
-            await read_body(request, 0, state.body_limits, what)  # the bytes came over the group
-            await service.out_of_band_filler("collective", meta)(cap, receiver)
+        async def acknowledge_out_of_band(cap: int, receiver: BucketReceiver) -> None:
+            await read_body(request, 0, state.body_limits, what)  # the bytes came another way
+            await service.out_of_band_filler(meta.transport, meta)(cap, receiver)
 
-        if meta.collective:
-            fill = acknowledge_collective
+        if meta.transport != HTTP_TRANSPORT:
+            fill = acknowledge_out_of_band
         else:
             fill = read_bucket if meta.source is None else read_local_source
         with state.metrics.timed_op("bucket"):
             return _ok(await service.receive_bucket(meta, fill))
 
-    @router.post(Routes.COLLECTIVE_CONNECT)
-    async def lora_versions_collective_connect(request: Request) -> Any:
-        req = await json_body(request, CollectiveConnectRequest)
-        _serving(state.publication)
-        link = _serving(state.collective)
-        await link.connect(req.group_id, req.init_method, req.backend)
-        return _ok(
-            CollectiveConnectReply(
-                group_id=req.group_id, incarnation=state.incarnation, timeout_s=link.timeout_s
-            )
-        )
+    # the setup calls of this engine's other transports (bucket_sources: the collective's connect)
+    receives = state.publication.out_of_band.values() if state.publication is not None else ()
+    for setup in [route for receive in receives for route in receive.setup_routes()]:
+        router.post(setup.path)(_setup_endpoint(setup, json_body))
 
     @router.post(Routes.END)
     async def lora_versions_end(request: Request) -> Any:

@@ -136,7 +136,7 @@ def test_collective_bucket_meta_travels_in_headers() -> None:
         attempt_token="tok1",
         index=2,
         sha256="0" * 64,
-        collective=True,
+        transport="collective",
     )
     headers = meta.to_headers()
     assert headers[p.BUCKET_TRANSPORT_HEADER] == "collective"

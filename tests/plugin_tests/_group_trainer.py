@@ -107,7 +107,7 @@ class GroupTrainer:
             attempt_token=s.attempt,
             index=bucket.spec.index if index is None else index,
             sha256=bucket.sha256,
-            collective=True,
+            transport="collective",
         )
         return httpx.post(
             f"{self.url}{Routes.RECEIVE_BUCKET}",
