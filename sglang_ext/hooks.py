@@ -121,6 +121,7 @@ def register_all(role: str) -> None:
         return
     if role != "main":
         return
+    from sglang_ext import parallel_sampling as ps
     from sglang_ext import tokenizer_hooks as th
 
     hooks: list[tuple[str, Any, str]] = [
@@ -134,9 +135,9 @@ def register_all(role: str) -> None:
         (upstream.VALIDATE_ONE_REQUEST, th.refuse_inputs_that_crash_the_scheduler, "BEFORE"),
         (upstream.RESOLVE_LORA_PATH, th.serve_only_ready_managed_versions, "AROUND"),
         (upstream.RELEASE_LORA_ONCE, th.release_only_what_was_acquired, "AROUND"),
-        (upstream.REGENERATE_RID, th.sample_rids_under_the_request_rid, "AROUND"),
-        (upstream.ABORT_REQUEST, th.abort_every_sample_of_a_parallel_request, "AROUND"),
-        (upstream.SEND_ONE_REQUEST, th.abort_samples_sent_after_their_request_was_aborted, "AROUND"),
+        (upstream.REGENERATE_RID, ps.sample_rids_under_the_request_rid, "AROUND"),
+        (upstream.ABORT_REQUEST, ps.abort_every_sample_of_a_parallel_request, "AROUND"),
+        (upstream.SEND_ONE_REQUEST, ps.abort_samples_sent_after_their_request_was_aborted, "AROUND"),
         (upstream.LRU_LORA_NAME, th.lru_never_picks_managed, "REPLACE"),
         (upstream.SERVE_GENERATE, th.precheck_generate, "AROUND"),
         (upstream.OPENAI_HANDLE_REQUEST, th.precheck_openai, "AROUND"),

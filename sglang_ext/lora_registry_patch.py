@@ -19,6 +19,7 @@ delete that override then, and re-read every accessor below against the new sour
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import re
 from array import array
@@ -238,6 +239,55 @@ UUID_HEX = "[0-9a-f]{32}"
 # start on a normalised request).
 PROMPT_RID = "{rid}_{i}"
 
+# ------------------------------------------------------------------------------ parallel sampling
+# What sglang_ext.parallel_sampling reads of SGLang's n > 1 path besides the fields above
+# (GenerateReqInput.rid and parallel_sample_num, TokenizedGenerateReqInput.rid,
+# TokenizerManager.rid_to_state; all checked at start): the pattern of PROMPT_RID's tail after the
+# request's rid, and TokenizerManager.abort_request's parameters after self, in order (the abort
+# hook reads both, sent by position or by name; checked at start on the method's signature).
+PROMPT_RID_TAIL = PROMPT_RID.removeprefix("{rid}").format(i=r"\d+")
+ABORT_REQUEST_PARAMETERS = ("rid", "abort_all")
+
+
+def abort_request_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """(rid, abort_all) of a call ``abort_request(*args, **kwargs)``, with upstream's defaults."""
+    rid_name, all_name = ABORT_REQUEST_PARAMETERS
+    rid = kwargs.get(rid_name, args[0] if args else "")
+    return rid, kwargs.get(all_name, args[1] if len(args) > 1 else False)
+
+
+def abort_one_request(rid: str) -> dict[str, Any]:
+    """The keyword arguments of ``abort_request`` that abort the one request ``rid``."""
+    rid_name, all_name = ABORT_REQUEST_PARAMETERS
+    return {rid_name: rid, all_name: False}
+
+
+def live_request_rids(tm: Any) -> list[Any]:
+    """The rids the tokenizer manager holds a request state for now (a copy: the loop changes it)."""
+    return list(tm.rid_to_state)
+
+
+def has_request_state(tm: Any, rid: Any) -> bool:
+    return rid in tm.rid_to_state
+
+
+def parallel_sample_num(request: Any) -> Any:
+    """``n`` as normalisation set it on a generation request (None or an int)."""
+    return request.parallel_sample_num
+
+
+def signature_problems() -> list[str]:
+    """The upstream methods whose parameters the hooks read by name or position."""
+    try:
+        method = symbol("TokenizerManager").abort_request
+    except (ImportError, AttributeError):
+        return []  # already reported above
+    params = tuple(inspect.signature(method).parameters)[1 : 1 + len(ABORT_REQUEST_PARAMETERS)]
+    if params != ABORT_REQUEST_PARAMETERS:
+        return [f"TokenizerManager.abort_request takes {params!r}, not {ABORT_REQUEST_PARAMETERS!r}"]
+    return []
+
+
 # (symbol, field) declared on the class (a dataclass field, a msgspec Struct field or a pydantic
 # model field), read by a guard, the step fence or the engine's setup. Checked at start on the
 # installed classes: a rename refuses the start, naming it, instead of reading as a default.
@@ -366,7 +416,8 @@ def surface_problems() -> list[str]:
     except Exception as exc:  # a constructor that changed shape is a problem too
         problems.append(f"LoRARegistry() cannot be built: {exc!r}")
     problems += declared_field_problems(DECLARED_FIELDS)
-    return problems + request_problems() + message_problems() + step_reader_problems()
+    problems += request_problems() + signature_problems()
+    return problems + message_problems() + step_reader_problems()
 
 
 def declared_fields(cls: Any) -> set[str]:
@@ -767,14 +818,19 @@ def metrics_enabled() -> bool:
     return bool(symbol("get_observability")().enable_metrics)
 
 
+# Upstream copy: sglang.srt.utils.common:add_prometheus_middleware (sglang 0.5.23).
+# Changed: the collectors passed in are registered on the CollectorRegistry it builds (one loop,
+# before the Mount); the rest is upstream's, line for line.
+# Why: that registry is local to the function and is the one /metrics collects, so the plugin's
+# per-version series (which must be able to end) can only be served by a collector on it.
 def mount_metrics_route(app: Any, collectors: tuple[Any, ...]) -> None:
     """``sglang.srt.utils.common.add_prometheus_middleware`` (0.5.23) line for line, with
     ``collectors`` on the registry it builds. That registry, not prometheus_client's default, is
     what SGLang's /metrics collects (a ``MultiProcessCollector`` reading the multiprocess
     directory), and it is local to that function: a series that must be able to end (the
     plugin's per-version series) can only be served by a collector on it."""
-    import re
-
+    # Imported here, as upstream does: prometheus_client only after SGLang has set
+    # PROMETHEUS_MULTIPROC_DIR, and neither is imported on the trainer side.
     from prometheus_client import CollectorRegistry, make_asgi_app, multiprocess
     from starlette.routing import Mount
 
@@ -804,6 +860,12 @@ def unapplied_hooks(targets: tuple[str, ...]) -> list[str]:
     return [t for t in targets if t not in patched]
 
 
+# Upstream copy: sglang.srt.lora.lora_registry:LoRARegistry.lru_lora_name (sglang 0.5.23).
+# Changed: a name ``may_evict`` refuses is skipped (one more ``continue``), and the
+# ``exclude_pinned=False`` case walks the registry as the pinned case does instead of taking its
+# first name (the same name whenever nothing is refused).
+# Why: a managed version is never an eviction candidate; its removal is reclaim's or cleanup's
+# (upstream's later ``LoRARef.reloadable`` expresses the same rule: see the module docstring).
 async def lru_lora_name_never_managed(
     registry: Any, exclude_pinned: bool, may_evict: Callable[[str], bool]
 ) -> str | None:
@@ -841,6 +903,12 @@ def _log_lora_update(what: str, manager: Any, lora_ref: Any) -> None:
     )
 
 
+# Upstream copy: sglang.srt.lora.lora_manager:LoRAManager.load_lora_adapter (sglang 0.5.23).
+# Changed: the two log lines read the free memory with ``empty_cache=False``
+# (:func:`_available_memory_gb`); an adapter prepared off the scheduler thread is installed
+# (:func:`install_prepared`) instead of built by ``_load_lora_adapter`` (``prepared=None``: upstream's).
+# Why: no device-wide cache flush on the scheduler thread around a load (issue 29), and the disk
+# reads and re-shaping off that thread (:mod:`sglang_ext.prepared_load`).
 def load_without_a_cache_flush(manager: Any, lora_ref: Any, prepared: Any = None) -> Any:
     """LoRAManager.load_lora_adapter (0.5.23) with the same two log lines, their memory read
     without a cache flush; the load itself is upstream's _load_lora_adapter, or, for an adapter
@@ -854,6 +922,10 @@ def load_without_a_cache_flush(manager: Any, lora_ref: Any, prepared: Any = None
     return result
 
 
+# Upstream copy: sglang.srt.lora.lora_manager:LoRAManager.unload_lora_adapter (sglang 0.5.23).
+# Changed: the two log lines read the free memory with ``empty_cache=False``; the unload itself is
+# upstream's ``_unload_lora_adapter``.
+# Why: no device-wide cache flush on the scheduler thread around an unload (issue 29).
 def unload_without_a_cache_flush(manager: Any, lora_ref: Any) -> Any:
     """LoRAManager.unload_lora_adapter (0.5.23), the same way."""
     _log_lora_update("unloading starts", manager, lora_ref)
@@ -898,6 +970,14 @@ class PreparedAdapter:
     adapter: Any  # LoRAAdapter, weights read and normalised
 
 
+# Upstream copy: the two builds of sglang.srt.lora.lora_manager:LoRAManager._load_lora_adapter
+# (``LoRAConfig(...)``) and LoRAManager.load_lora_weights (``LoRAAdapter(...)``,
+# ``initialize_weights()``), sglang 0.5.23.
+# Changed: both run in a closure over the manager's fixed configuration, on another thread, and
+# before ``validate_new_adapter`` (upstream validates the config before it reads the weights: an
+# incompatible adapter's weights are read here and then refused, with no state changed).
+# Why: the safetensors reads and re-shaping are the slow part of a load and touch no state a step
+# uses; the scheduler thread only installs (:func:`install_prepared`).
 def adapter_builder(manager: Any, lora_id: str, lora_path: str) -> Callable[[], PreparedAdapter]:
     """Upstream's build of an adapter from disk (0.5.23: ``LoRAConfig(path, base_vocab_size=)`` in
     _load_lora_adapter, then load_lora_weights' ``LoRAAdapter(...)`` and ``initialize_weights()``:
@@ -919,6 +999,13 @@ def adapter_builder(manager: Any, lora_id: str, lora_path: str) -> Callable[[], 
     return build
 
 
+# Upstream copy: sglang.srt.lora.lora_manager:LoRAManager._load_lora_adapter with the state half
+# of LoRAManager.load_lora_weights (sglang 0.5.23).
+# Changed: the config and the adapter come built (:func:`adapter_builder`); the failure path also
+# pops what it had set (``configs``, ``loras``, ``lora_refs`` of the id); the second assert's
+# message is shortened. Same validation, same state, same order, same result type.
+# Why: the scheduler thread only installs what was prepared off it, and a failed install leaves
+# nothing of the adapter behind (upstream keeps ``configs[lora_id]``).
 def install_prepared(manager: Any, lora_ref: Any, prepared: PreparedAdapter) -> Any:
     """LoRAManager._load_lora_adapter (0.5.23) with its two builds (config, weights) already done:
     the same validation against the live pool, then the same state, in the same order. On a

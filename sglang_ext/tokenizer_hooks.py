@@ -12,6 +12,11 @@
   prompt, a ``rid`` list for a single prompt and a ``stop_regex`` SGLang's own parse refuses
   (before any request state), an empty prompt, a token id outside the vocabulary and
   ``top_logprobs_num`` past it (after tokenisation, before the scheduler).
+- With ``n > 1``: one entry per prompt in a per-prompt list, read against the samples SGLang's
+  normalisation repeated, and a ``rid`` sent as one string (a list would leave LoRA counts that
+  nothing releases). What happens to the samples themselves (their rids, an abort reaching each
+  one) is :mod:`sglang_ext.parallel_sampling`'s.
+- The ``max_loaded_loras`` eviction never picks a managed version (the one unload rule decides).
 - HTTP pre-checks answer with our own status and body before a streaming response starts.
 """
 
@@ -27,6 +32,7 @@ from lora_contract.protocol import is_managed_name
 from sglang_ext import lora_registry_patch as upstream
 from sglang_ext.http_routes import error_response
 from sglang_ext.native_lora import managed_call
+from sglang_ext.parallel_sampling import parallel_samples
 
 # The request fields the guards read, their defaults and the formats of SGLang's ids are SGLang
 # facts: named and checked at start in the pin module (upstream.INTERNAL_FIELDS,
@@ -143,12 +149,6 @@ def refuse_what_normalisation_lets_through(self: Any, obj: Any, *args: Any, **kw
     return None
 
 
-def parallel_samples(obj: Any) -> int:
-    """How many times SGLang's normalisation repeated each prompt (``n``; 1 for beam search and
-    for an embedding request, which has no samples)."""
-    return max(obj.parallel_sample_num or 1, 1) if upstream.is_generation(obj) else 1
-
-
 def check_one_entry_per_prompt(obj: Any, field: str) -> None:
     """A per-prompt list has exactly one entry per prompt (SGLang's own rule for its ``rid`` and
     ``watermark`` lists); a single prompt takes one value. Otherwise stock acquires a
@@ -194,108 +194,6 @@ def check_parallel_rids(obj: Any) -> None:
             ErrorCode.INVALID_REQUEST,
             f"rid as a list with n={samples}: send one rid string (each sample's rid starts with it)",
         )
-
-
-# A sample's rid under parallel sampling: the per-prompt rid ``{rid}_{i}`` (normalisation's,
-# upstream.PROMPT_RID), then ``-`` and the fresh hex id SGLang gives it (upstream.UUID_HEX;
-# sample_rids_under_the_request_rid).
-_SAMPLE_UUID = "-" + upstream.UUID_HEX
-_SAMPLE_RID_TAIL = re.compile(rf"_\d+({_SAMPLE_UUID})?")
-
-
-def sample_rids_under_the_request_rid(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND GenerateReqInput.regenerate_rid, which 0.5.23 calls only for n > 1
-    (``TokenizerManager._handle_batch_request``: the prefix request and each sample get a new
-    rid). Stock's new rid is a bare uuid, unrelated to the request's: an abort by the rid the
-    client sent then reaches nothing, so a session could not abort its own turn. Here the new rid
-    keeps the old one in front (``{rid}-{uuid}``), so every sample of request ``r`` is named
-    ``r_{i}-{uuid}`` (see abort_every_sample_of_a_parallel_request)."""
-    old = self.rid
-    new = original(self, *args, **kwargs)
-    if isinstance(old, str) and isinstance(new, str):
-        self.rid = f"{old}-{new}"
-        return self.rid
-    return new
-
-
-def abort_every_sample_of_a_parallel_request(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND TokenizerManager.abort_request(rid, abort_all). A request with n > 1 has no state
-    under the rid the client sent (only its prompts ``r_{i}`` and samples ``r_{i}-{uuid}`` do),
-    and stock returns without sending anything for a rid it has no state of. An abort of such a
-    rid aborts each of them through the stock path (one abort each, sent once). Any other abort
-    keeps stock behaviour; an abort of one sample's own rid aborts that sample alone."""
-    rid = kwargs.get("rid", args[0] if args else "")
-    abort_all = kwargs.get("abort_all", args[1] if len(args) > 1 else False)
-    if abort_all or not isinstance(rid, str) or not rid or rid in self.rid_to_state:
-        return original(self, *args, **kwargs)
-    samples = [k for k in list(self.rid_to_state) if _is_sample_of(k, rid)]
-    if not samples:
-        return original(self, *args, **kwargs)
-    # The samples live now are not all of them: until the prefix request has finished, and between
-    # two sample sends, some are not yet sent. Their prompt is remembered, so that each one sent
-    # later is aborted as it is sent (abort_samples_sent_after_their_request_was_aborted).
-    aborted = _aborted_prompts(self)
-    for k in samples:
-        aborted[_prompt_rid(k)] = None
-    for k in samples:
-        original(self, rid=k, abort_all=False)
-    return None
-
-
-async def abort_samples_sent_after_their_request_was_aborted(
-    original: Any, self: Any, tokenized_obj: Any, *args: Any, **kwargs: Any
-) -> Any:
-    """AROUND TokenizerManager._send_one_request(tokenized_obj). _handle_batch_request sends a
-    parallel request's samples only after its prefix request has finished, whatever happened
-    meanwhile: an abort of the request that arrived before (or between sample sends) reached
-    only the states that existed then, and stock sends the rest, which decode to the end. A
-    sample of a prompt whose request was aborted is aborted through the stock path right after
-    its send (the scheduler receives both in order, so it never decodes)."""
-    result = await original(self, tokenized_obj, *args, **kwargs)
-    aborted = getattr(self, _ABORTED_PROMPTS, None)
-    if aborted:
-        rid = tokenized_obj.rid
-        prompt = _prompt_rid(rid) if isinstance(rid, str) else None
-        if prompt is not None and prompt != rid and prompt in aborted:
-            self.abort_request(rid=rid)
-        _forget_ended_prompts(aborted, self.rid_to_state)
-    return result
-
-
-# TokenizerManager attribute (the plugin's own) holding the prompt rids of aborted parallel
-# requests; empty unless an abort of a parallel request is in progress.
-_ABORTED_PROMPTS = "_lora_versions_aborted_parallel_prompts"
-_SAMPLE_UUID_TAIL = re.compile(_SAMPLE_UUID + "$")
-
-
-def _aborted_prompts(tm: Any) -> dict[str, None]:
-    aborted = getattr(tm, _ABORTED_PROMPTS, None)
-    if aborted is None:
-        aborted = {}
-        setattr(tm, _ABORTED_PROMPTS, aborted)
-    return aborted
-
-
-def _prompt_rid(rid: str) -> str:
-    """``r_0`` for a sample ``r_0-{uuid}`` (and for the prompt state ``r_0`` itself)."""
-    return _SAMPLE_UUID_TAIL.sub("", rid)
-
-
-def _forget_ended_prompts(aborted: dict[str, None], rid_to_state: Any) -> None:
-    """A prompt is remembered while any state of its request lives: its own (until the prefix
-    request has finished) or a sample's. _handle_batch_request drops the prompt's state and makes
-    the first sample's without an await between, so no moment between them is seen here."""
-    live = {_prompt_rid(k) for k in list(rid_to_state) if isinstance(k, str)}
-    for prompt in [p for p in aborted if p not in live]:
-        del aborted[prompt]
-
-
-def _is_sample_of(state_rid: Any, rid: str) -> bool:
-    return (
-        isinstance(state_rid, str)
-        and state_rid.startswith(rid)
-        and _SAMPLE_RID_TAIL.fullmatch(state_rid, len(rid)) is not None
-    )
 
 
 def check_stop_regexes(tm: Any, obj: Any) -> None:

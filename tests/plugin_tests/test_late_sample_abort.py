@@ -1,4 +1,4 @@
-"""The late-sample abort hook (``tokenizer_hooks.abort_samples_sent_after_their_request_was_aborted``)
+"""The late-sample abort hook (``parallel_sampling.abort_samples_sent_after_their_request_was_aborted``)
 without an engine: SGLang 0.5.23's ``_handle_batch_request`` sends a parallel request's samples
 only after its prefix request has finished, so an abort of the request that came before (or
 between two sample sends) reached only the states alive then. Each sample of an aborted prompt
@@ -22,7 +22,7 @@ from typing import Any
 from sglang.srt.managers.io_struct import AbortReq
 
 from sglang_ext import lora_registry_patch as upstream
-from sglang_ext.tokenizer_hooks import (
+from sglang_ext.parallel_sampling import (
     abort_every_sample_of_a_parallel_request,
     abort_samples_sent_after_their_request_was_aborted,
     sample_rids_under_the_request_rid,

@@ -149,3 +149,37 @@ def test_the_reader_reads_real_step_objects():
     assert [(s.lora_ids, s.completion) for s in steps] == [(frozenset({"L1"}), None)]
     sched.enable_overlap, sched.result_queue = False, deque()
     assert [(s.lora_ids, s.completion) for s in upstream.launched_steps(sched)] == [(frozenset({"L2"}), True)]
+
+
+def _upstream_copy_markers() -> list[tuple[int, list[str], str]]:
+    """(line, the comment block, the def it stands over) for each "# Upstream copy:" block."""
+    lines = (PKG / "lora_registry_patch.py").read_text().splitlines()
+    markers = []
+    for i, line in enumerate(lines):
+        if line.startswith("# Upstream copy:"):
+            end = next(j for j in range(i, len(lines)) if not lines[j].startswith("#"))
+            markers.append((i + 1, lines[i:end], lines[end]))
+    return markers
+
+
+def test_every_upstream_body_copied_into_the_pin_module_names_its_source_and_what_it_changes():
+    """Each copied body carries one block: the upstream function (module:qualname of the pinned
+    version, resolvable in the installed SGLang), what the copy changes and why, right over its
+    def. A pin bump then knows which bodies to diff against the new upstream."""
+    import importlib
+    import re
+
+    markers = _upstream_copy_markers()
+    copies = {"mount_metrics_route", "lru_lora_name_never_managed", "load_without_a_cache_flush"}
+    copies |= {"unload_without_a_cache_flush", "adapter_builder", "install_prepared"}
+    marked = {re.match(r"(?:async )?def (\w+)", d).group(1) for _, _, d in markers if "def " in d}
+    assert marked == copies
+    for line, block, _ in markers:
+        text = " ".join(c.lstrip("# ") for c in block)
+        assert "sglang 0.5.23" in text, line
+        assert any(c.startswith("# Changed:") for c in block), line
+        assert any(c.startswith("# Why:") for c in block), line
+        for module, qualname in re.findall(r"(sglang(?:\.\w+)+):([\w.]+\w)", text):
+            obj = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)  # a marker naming a function that is gone fails here

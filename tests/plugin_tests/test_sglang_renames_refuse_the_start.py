@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import re
 import uuid
 from types import SimpleNamespace
 from typing import Any
@@ -46,6 +48,7 @@ def test_the_list_covers_what_the_parallel_sampling_guards_read():
     normalised = set(upstream.NORMALISED_ATTRIBUTES)
     assert {("GenerateReqInput", a) for a in ("is_single", "batch_size", "parallel_sample_num")} <= normalised
     assert "rid_to_state" in upstream.TOKENIZER_MANAGER_ATTRIBUTES
+    assert upstream.ABORT_REQUEST_PARAMETERS == ("rid", "abort_all")
     declared = set(_declared())
     for field in ("rid", "lora_path", "sampling_params", "lora_id", "extra_key", "top_logprobs_num"):
         assert ("GenerateReqInput", field) in declared, field
@@ -173,6 +176,32 @@ def test_prompt_rids_of_another_format_are_named(monkeypatch):
     assert upstream.surface_problems() == [
         "normalisation names a request's prompts ['r-0', 'r-1'], not ['r_0', 'r_1']"
     ]
+
+
+@pytest.mark.parametrize("position", range(len(upstream.ABORT_REQUEST_PARAMETERS)))
+def test_a_renamed_abort_request_parameter_is_named(monkeypatch, position):
+    """The parallel-sampling abort reads abort_request's (rid, abort_all) by name or by position:
+    a rename or a reorder would make it read the wrong one, so the start check names it."""
+    cls = upstream.symbol("TokenizerManager")
+    names = list(upstream.ABORT_REQUEST_PARAMETERS)
+    names[position] += "_renamed"
+    real = cls.abort_request
+
+    def renamed(self, *args, **kwargs):
+        return real(self, *args, **kwargs)
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    renamed.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in ["self", *names]])
+    monkeypatch.setattr(cls, "abort_request", renamed)
+    assert upstream.surface_problems() == [
+        f"TokenizerManager.abort_request takes {tuple(names)!r}, not {upstream.ABORT_REQUEST_PARAMETERS!r}"
+    ]
+
+
+def test_the_prompt_rid_tail_matches_exactly_the_prompt_rids_normalisation_makes():
+    tail = re.compile("r" + upstream.PROMPT_RID_TAIL)
+    assert all(tail.fullmatch(upstream.PROMPT_RID.format(rid="r", i=i)) for i in (0, 7, 12))
+    assert not any(tail.fullmatch(r) for r in ("r", "r_", "r_a", "r-0", "rr_0"))
 
 
 # ------------------------------------------------------------------ the live objects' attributes

@@ -16,9 +16,12 @@ from lora_contract.errors import HTTP_STATUS, ErrorCode, LoraVersionError
 from sglang_ext import lora_registry_patch as upstream
 from sglang_ext.lora_registry_patch import INTERNAL_FIELDS
 from sglang_ext.native_lora import managed_call
+from sglang_ext.parallel_sampling import (
+    abort_every_sample_of_a_parallel_request,
+    sample_rids_under_the_request_rid,
+)
 from sglang_ext.tokenizer_hooks import (
     RequestRefused,
-    abort_every_sample_of_a_parallel_request,
     check_servable,
     forbidden_fields,
     lora_names,
@@ -30,7 +33,6 @@ from sglang_ext.tokenizer_hooks import (
     refuse_inputs_that_crash_the_scheduler,
     refuse_what_normalisation_lets_through,
     release_only_what_was_acquired,
-    sample_rids_under_the_request_rid,
     serve_only_ready_managed_versions,
 )
 
