@@ -429,7 +429,7 @@ async def bench(
 ) -> dict[str, Any]:
     clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
     reg = LoRAVersionRegistry(EPOCH, COHORT)
-    pub = Publisher(reg, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05, reclaim_deadline_s=30.0)
+    pub = Publisher.open(reg, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05, reclaim_deadline_s=30.0)
     sm = SessionManager(reg, clients, router=WorkerRouter(), drain_timeout_s=10.0)
     snaps = [Snapshot.from_peft_dir(fx.adapter_dir(n), max_bucket_bytes=args.bucket_bytes) for n in "ABC"]
     phases: list[dict[str, Any]] = []

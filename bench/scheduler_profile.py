@@ -137,7 +137,7 @@ async def publish_and_reclaim(url: str, adapter: Path, rounds: int) -> list[dict
     snap = Snapshot.from_peft_dir(adapter)
     epoch = f"prof{time.monotonic_ns()}"
     client = EngineClient("E0", url, admin_key=ADMIN_KEY)
-    pub = Publisher(LoRAVersionRegistry(epoch, ("E0",), 2), {"E0": client})
+    pub = Publisher.open(LoRAVersionRegistry(epoch, ("E0",), 2), {"E0": client})
     timings = []
     try:
         for i in range(rounds + 1):  # the first retires nothing

@@ -328,7 +328,7 @@ class Cohort:
         self.turns: list[Turn] = []
 
     def _publisher(self) -> Publisher:
-        return Publisher(
+        return Publisher.open(
             self.registry, self.pub_engines, reclaim_wait_s=1.0, reclaim_poll_s=0.05, reclaim_deadline_s=120.0
         )
 

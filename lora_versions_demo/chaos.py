@@ -307,7 +307,7 @@ class Campaign:
     def new_publisher(self) -> Any:
         from relax_glue.publisher import Publisher
 
-        return Publisher(
+        return Publisher.open(
             self.registry,
             self.recorded,
             reclaim_wait_s=0.5,

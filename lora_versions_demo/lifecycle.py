@@ -100,7 +100,7 @@ class Demo:
         self.all_engines = "both engines" if len(self.cohort) == 2 else f"all {len(self.cohort)} engines"
         self.reg = LoRAVersionRegistry(self.epoch, self.cohort)
         self.clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
-        self.pub = Publisher(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
+        self.pub = Publisher.open(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
         # Every generation goes through the smg gateway (the session key is its routing key);
         # publication and reclaim talk to each engine directly.
         self.gw = GatewayClient(gateway_url, self.clients)

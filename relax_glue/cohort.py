@@ -1,7 +1,10 @@
 """What the publisher, the reclaimer and the reconciler share: one :class:`Cohort` (registry
-client, engine clients, incarnation memory, snapshot store, the two locks), an all-engines
-fan-out that sorts each engine's outcome (ok, refused, unknown), and the registry writes every
-engine step ends with (receipts, incarnations, unknown marks)."""
+client, engine clients, incarnation memory, snapshot store and its retention, the two locks), an
+all-engines fan-out that sorts each engine's outcome (ok, refused, unknown), and the registry
+writes every engine step ends with (receipts, incarnations, unknown marks).
+
+:meth:`Cohort.open` is the composition root: the only place that builds the publisher, the
+reclaimer and the reconciler, all three over the one cohort it opens."""
 
 from __future__ import annotations
 
@@ -10,11 +13,16 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
-from relax_glue.actor import AsyncRegistryClient
+from relax_glue.actor import AsyncRegistryClient, RegistryUnavailable
 from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
+from relax_glue.snapshot_store import live_digests
 
 if TYPE_CHECKING:
+    from relax_glue.publisher import Publisher
+    from relax_glue.reclaimer import Reclaimer, ReclaimResult
+    from relax_glue.reconciler import Reconciler, RestoreResult
     from relax_glue.snapshot_store import SnapshotStore
 
 T = TypeVar("T")
@@ -47,7 +55,8 @@ Fanout = tuple[dict[str, Any], dict[str, LoraVersionError], dict[str, OutcomeUnk
 class Cohort:
     """One run's registry client and engines, and what every driver of them must share: the
     incarnations already registered, the snapshot store, and the two locks (one publication or
-    resolution at a time; one reclaim run at a time; a restore holds both)."""
+    resolution at a time; one reclaim run at a time; a restore holds both). Built with
+    :meth:`open`, which also builds its three drivers."""
 
     registry: AsyncRegistryClient
     engines: dict[str, EngineAPI]
@@ -56,22 +65,73 @@ class Cohort:
     incarnations: dict[str, str] = dataclasses.field(default_factory=dict)
     publication_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     reclaim_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    # the drivers, set by open()
+    publisher: Publisher = dataclasses.field(init=False, repr=False)
+    reclaimer: Reclaimer = dataclasses.field(init=False, repr=False)
+    reconciler: Reconciler | None = dataclasses.field(init=False, repr=False, default=None)
+
     @classmethod
-    def of(
+    def open(
         cls,
         registry: Any,
         engines: Mapping[str, EngineAPI],
         *,
         store: SnapshotStore | None = None,
+        prefix: str = protocol.DEFAULT_LORA_PREFIX,
+        verify_snapshot: bool = True,
+        reclaim_wait_s: float = 2.0,
+        reclaim_poll_s: float = 0.1,
+        reclaim_deadline_s: float = 60.0,
         registry_retries: int = 2,
         registry_retry_delay_s: float = 0.05,
     ) -> Cohort:
-        # A registry object is wrapped in an in-process client with these retries; a client that
-        # is passed in keeps its own.
+        """The cohort of ``engines`` (every engine id of the registry's cohort, to its client)
+        and its drivers. A registry object is wrapped in an in-process client with these
+        retries; a client that is passed in keeps its own. ``store``: snapshots of live
+        versions on disk, so a restarted engine (or trainer) can get them back; without it no
+        restore is possible (no reconciler)."""
+        # The drivers import this module for the cohort they take: imported when one is opened.
+        from relax_glue.publisher import Publisher
+        from relax_glue.reclaimer import Reclaimer
+        from relax_glue.reconciler import Reconciler
+
         client = AsyncRegistryClient.of(
             registry, retries=registry_retries, retry_delay_s=registry_retry_delay_s
         )
-        return cls(client, dict(engines), store)
+        cohort = cls(client, dict(engines), store)
+        cohort.reclaimer = Reclaimer(
+            cohort, wait_s=reclaim_wait_s, poll_s=reclaim_poll_s, deadline_s=reclaim_deadline_s
+        )
+        cohort.reconciler = Reconciler(cohort) if store is not None else None
+        cohort.publisher = Publisher(cohort, prefix=prefix, verify_snapshot=verify_snapshot)
+        return cohort
+
+    async def reclaim_ready(self, *, deadline_s: float | None = None) -> tuple[ReclaimResult, ...]:
+        """See :meth:`relax_glue.reclaimer.Reclaimer.reclaim_ready`; then drops the stored
+        snapshots of the versions that became RECLAIMED."""
+        results = await self.reclaimer.reclaim_ready(deadline_s=deadline_s)
+        await self.retain_live_snapshots()
+        return results
+
+    async def reconcile(self, engines: Sequence[str] | None = None) -> tuple[RestoreResult, ...]:
+        """Stage every live committed version onto each engine that lost it (a restart), from the
+        snapshot store. Runs under the publication and the reclaim lock: a restore never races a
+        publication or a reclaim of this cohort. See :mod:`relax_glue.reconciler`."""
+        if self.reconciler is None:
+            raise ValueError("reconcile needs a cohort opened with a SnapshotStore")
+        async with self.publication_lock, self.reclaim_lock:
+            return await self.reconciler.reconcile(engines)
+
+    async def retain_live_snapshots(self) -> None:
+        """The store keeps exactly the digests of versions that hold a slot. Skipped when the
+        registry cannot be asked: an entry is never deleted on a guess."""
+        if self.store is None:
+            return
+        try:
+            status = await self.registry.status()
+        except RegistryUnavailable:
+            return
+        self.store.retain(live_digests(status))
 
 
 class CohortDriver:

@@ -27,6 +27,7 @@ from typing import Any
 from lora_contract import protocol
 from lora_contract.errors import LoraVersionError
 from relax_glue.actor import AsyncRegistryClient
+from relax_glue.cohort import Cohort
 from relax_glue.engine_client import EngineAPI, EngineClient, OutcomeUnknown
 from relax_glue.publisher import Publisher, PublishResult
 from relax_glue.reclaimer import ReclaimResult
@@ -279,7 +280,7 @@ async def publish_dir(
     mib, n = snap.total_bytes / 2**20, len(snap.bucket_plan)
     progress(f"snapshot: {mib:.1f} MiB in {n} buckets, digest {snap.digest[:12]}")
     store = SnapshotStore(snapshot_dir) if snapshot_dir is not None else None
-    pub = Publisher(registry, _reporting(clients, progress, len(snap.bucket_plan)), store=store)
+    pub = Publisher.open(registry, _reporting(clients, progress, len(snap.bucket_plan)), store=store)
     return publish_record(await pub.publish(snap, version_id))
 
 
@@ -292,8 +293,8 @@ async def reclaim_ready(
 ) -> list[dict[str, Any]]:
     """Reclaim every retired version whose session refs reached zero (drains, then one unload
     per engine)."""
-    pub = Publisher(registry, _reporting(clients, progress), reclaim_deadline_s=deadline_s)
-    return [reclaim_record(r) for r in await pub.reclaim_ready(deadline_s=deadline_s)]
+    cohort = Cohort.open(registry, _reporting(clients, progress), reclaim_deadline_s=deadline_s)
+    return [reclaim_record(r) for r in await cohort.reclaim_ready(deadline_s=deadline_s)]
 
 
 async def resolve_pending(
@@ -308,7 +309,7 @@ async def resolve_pending(
     """Settle the pending attempt (LOADING or ABORTED), if any: see Publisher.resolve."""
     snap = Snapshot.from_peft_dir(adapter_dir, max_bucket_bytes=bucket_bytes) if adapter_dir else None
     store = SnapshotStore(snapshot_dir) if snapshot_dir is not None else None
-    pub = Publisher(registry, _reporting(clients, progress), store=store)
+    pub = Publisher.open(registry, _reporting(clients, progress), store=store)
     res = await pub.resolve(snap)
     return None if res is None else publish_record(res)
 

@@ -62,7 +62,6 @@ from relax_glue.registry_types import (
     VersionView,
 )
 from relax_glue.snapshot import Snapshot
-from relax_glue.snapshot_store import SnapshotStore, live_digests
 from relax_glue.stage import StagePlan, stage
 
 __all__ = [
@@ -255,64 +254,45 @@ class _PublishCalls:
 
 
 class Publisher(CohortDriver):
-    """Drives publications over a fixed engine cohort (and reclaims, through its
-    :class:`~relax_glue.reclaimer.Reclaimer`).
+    """Drives publications over a fixed engine cohort. Built by :meth:`Cohort.open
+    <relax_glue.cohort.Cohort.open>` beside the cohort's reclaimer and reconciler (or in one
+    line by :meth:`open`); its reclaim and restore calls are the cohort's.
 
-    ``engines`` maps every engine id of the registry's cohort to its client. One publication
-    (or resolution) runs at a time per publisher; reclaims run under their own lock.
+    The cohort's ``engines`` map every engine id of the registry's cohort to its client. One
+    publication (or resolution) runs at a time per cohort; reclaims run under their own lock.
     """
 
     def __init__(
-        self,
-        registry: Any,
-        engines: Mapping[str, EngineAPI],
-        *,
-        prefix: str = protocol.DEFAULT_LORA_PREFIX,
-        reclaim_wait_s: float = 2.0,
-        reclaim_poll_s: float = 0.1,
-        reclaim_deadline_s: float = 60.0,
-        verify_snapshot: bool = True,
-        registry_retries: int = 2,
-        registry_retry_delay_s: float = 0.05,
-        store: SnapshotStore | None = None,
+        self, cohort: Cohort, *, prefix: str = protocol.DEFAULT_LORA_PREFIX, verify_snapshot: bool = True
     ) -> None:
-        # Snapshots of live versions on disk, so a restarted engine can get them back even after
-        # this process restarted (None: no restore is possible; publication works as before).
-        cohort = Cohort.of(
-            registry,
-            engines,
-            store=store,
-            registry_retries=registry_retries,
-            registry_retry_delay_s=registry_retry_delay_s,
-        )
         super().__init__(cohort)
         self.prefix = prefix
         self.verify_snapshot = verify_snapshot
         self._snapshots: dict[str, Snapshot] = {}  # attempt token -> snapshot, until it ends
         self._lock = cohort.publication_lock
-        self.store = store
-        # Its two peers take the same cohort: reclaims run beside publications under the
-        # cohort's reclaim lock; restores under both locks (see reconcile).
-        self.reclaimer = Reclaimer(
-            cohort, wait_s=reclaim_wait_s, poll_s=reclaim_poll_s, deadline_s=reclaim_deadline_s
-        )
-        self.reconciler = Reconciler(cohort) if store is not None else None
+        self.store = cohort.store
+
+    @classmethod
+    def open(cls, registry: Any, engines: Mapping[str, EngineAPI], **options: Any) -> Publisher:
+        """The publisher of a cohort opened with :meth:`Cohort.open
+        <relax_glue.cohort.Cohort.open>` (same arguments): one line for tools and tests."""
+        return Cohort.open(registry, engines, **options).publisher
+
+    @property
+    def reclaimer(self) -> Reclaimer:
+        return self.cohort.reclaimer
+
+    @property
+    def reconciler(self) -> Reconciler | None:
+        return self.cohort.reconciler
 
     async def reclaim_ready(self, *, deadline_s: float | None = None) -> tuple[ReclaimResult, ...]:
-        """See :meth:`relax_glue.reclaimer.Reclaimer.reclaim_ready`; then drops the stored
-        snapshots of the versions that became RECLAIMED."""
-        results = await self.reclaimer.reclaim_ready(deadline_s=deadline_s)
-        await self._retain_live_snapshots()
-        return results
+        """The cohort's :meth:`~relax_glue.cohort.Cohort.reclaim_ready`."""
+        return await self.cohort.reclaim_ready(deadline_s=deadline_s)
 
     async def reconcile(self, engines: Sequence[str] | None = None) -> tuple[RestoreResult, ...]:
-        """Stage every live committed version onto each engine that lost it (a restart), from the
-        snapshot store. Runs under the publication and the reclaim lock: a restore never races a
-        publication or a reclaim of this publisher. See :mod:`relax_glue.reconciler`."""
-        if self.reconciler is None:
-            raise ValueError("reconcile needs a Publisher created with a SnapshotStore")
-        async with self._lock, self.reclaimer.lock:
-            return await self.reconciler.reconcile(engines)
+        """The cohort's :meth:`~relax_glue.cohort.Cohort.reconcile`."""
+        return await self.cohort.reconcile(engines)
 
     async def reconcile_forever(self, interval_s: float = 5.0) -> None:
         """Poll: one :meth:`reconcile` every ``interval_s`` until cancelled (run it as a task).
@@ -321,17 +301,6 @@ class Publisher(CohortDriver):
             with contextlib.suppress(RegistryUnavailable):
                 await self.reconcile()
             await asyncio.sleep(interval_s)
-
-    async def _retain_live_snapshots(self) -> None:
-        """The store keeps exactly the digests of versions that hold a slot. Skipped when the
-        registry cannot be asked: an entry is never deleted on a guess."""
-        if self.store is None:
-            return
-        try:
-            status = await self.registry.status()
-        except RegistryUnavailable:
-            return
-        self.store.retain(live_digests(status))
 
     # ============================================================================ publish
 
@@ -344,7 +313,7 @@ class Publisher(CohortDriver):
             try:
                 return await self._publish(snapshot, version_id, request_id)
             finally:
-                await self._retain_live_snapshots()
+                await self.cohort.retain_live_snapshots()
 
     async def _publish(
         self, snapshot: Snapshot, version_id: str | int, request_id: str | None
@@ -633,7 +602,7 @@ class Publisher(CohortDriver):
             try:
                 return await self._resolve_attempt(att, view)
             finally:
-                await self._retain_live_snapshots()
+                await self.cohort.retain_live_snapshots()
 
     def _stored(self, digest: str) -> Snapshot | None:
         """The snapshot of ``digest`` from the store (a fresh publisher finishing another

@@ -63,7 +63,7 @@ class OnlineRL:
         self.policy = StalenessPolicy(cfg.max_staleness, cfg.reclaim_wait_s, cfg.forced_wait_s)
         self.reg = LoRAVersionRegistry(EPOCH, tuple(self.cohort), capacity=cfg.capacity)
         self.clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
-        self.pub = Publisher(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
+        self.pub = Publisher.open(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
         # Generation goes through the gateway (routing key = session key); control calls go to
         # each engine directly.
         self.gw = GatewayClient(gateway_url, self.clients)

@@ -217,5 +217,5 @@ async def _build(
     publisher = None
     if rank.is_main:
         pub_clients = {eid: (wrap(c) if wrap is not None else c) for eid, c in clients.items()}
-        publisher = Publisher(registry, pub_clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
+        publisher = Publisher.open(registry, pub_clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
     return sessions, StepPublication(loop, rank, config, publisher, clients), clients, gateway

@@ -464,7 +464,7 @@ class World:
         self.extra_clients: list[Any] = []
 
     def _publisher(self) -> Publisher:
-        return Publisher(
+        return Publisher.open(
             self.reg,
             self.pub_engines,
             reclaim_wait_s=1.0,

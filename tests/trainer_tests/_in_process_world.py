@@ -56,7 +56,7 @@ class InProcessWorld:
         store: SnapshotStore | None = None,
     ) -> Publisher:
         """A publisher of this world; ``registry``, ``clients`` or ``store`` replace the world's."""
-        return Publisher(
+        return Publisher.open(
             registry if registry is not None else self.reg,
             clients or self.engines,
             store=store or self.store,

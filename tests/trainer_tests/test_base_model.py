@@ -27,7 +27,7 @@ SNAP = {name: make_snapshot(seed=i) for i, name in enumerate("ABC")}
 
 
 def publisher(reg, cluster, store: SnapshotStore | None = None) -> Publisher:
-    return Publisher(reg, cluster.clients, registry_retry_delay_s=0.0, store=store)
+    return Publisher.open(reg, cluster.clients, registry_retry_delay_s=0.0, store=store)
 
 
 async def test_the_first_publication_records_the_cohorts_base_and_no_other_read_follows() -> None:

@@ -110,7 +110,7 @@ async def test_the_publisher_finishes_a_stuck_reclaim_and_publishes_without_the_
     snaps = {v: make_snapshot(seed=i) for i, v in enumerate("ABC")}
     reg = new_registry()
     cluster = make_cluster()
-    pub = EnginePublisher(
+    pub = EnginePublisher.open(
         reg,
         cluster.clients,
         reclaim_wait_s=0.05,

@@ -226,7 +226,7 @@ def test_an_expiry_is_journaled_as_its_decision_and_a_restart_gives_live_leases_
 async def _world(ttl: float, heartbeat: float | None):
     reg = new_registry()
     cluster = make_cluster()
-    pub = EnginePublisher(
+    pub = EnginePublisher.open(
         reg, cluster.clients, registry_retry_delay_s=0.0, reclaim_wait_s=0.05, reclaim_poll_s=0.01
     )
     assert (await pub.publish(make_snapshot(seed=1), "A")).ok

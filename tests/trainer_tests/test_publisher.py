@@ -109,7 +109,7 @@ async def test_bootstrap_and_happy_path_on_every_registry_flavour(flavour: str) 
         "async_client": AsyncRegistryClient.in_process(core),
     }[flavour]
     cluster = make_cluster()
-    pub = Publisher(registry, cluster.clients)
+    pub = Publisher.open(registry, cluster.clients)
     try:
         # Bootstrap: nothing to bind before the first commit (RFC 6).
         refused(ErrorCode.NO_PUBLISHED_VERSION, core.bind_first, sk("early"))
@@ -194,7 +194,7 @@ async def test_a_snapshot_mutated_after_the_snapshot_point_is_refused_before_res
 
 
 async def test_engine_clients_must_match_the_registry_cohort(world: World) -> None:
-    pub = Publisher(world.reg, {"E0": world.engines["E0"]})
+    pub = Publisher.open(world.reg, {"E0": world.engines["E0"]})
     with pytest.raises(ValueError, match="cohort"):
         await pub.publish(SNAP["A"], "A")
 

@@ -224,7 +224,7 @@ async def test_a_stale_status_and_a_lost_begin_reply_never_unload_a_committed_ve
 
     faulty = FaultInjectingClient(world.cluster.clients["E1"])
     faulty.stale_reply("status", 1, stale).drop_reply("begin", 1)
-    pub = Publisher(world.reg, {**world.cluster.clients, "E1": faulty}, store=world.store)
+    pub = Publisher.open(world.reg, {**world.cluster.clients, "E1": faulty}, store=world.store)
     results = await pub.reconcile(["E1"])
     assert [f.kind.value for f in faulty.injected] == ["STALE_REPLY", "DROP_REPLY"]
 

@@ -35,7 +35,7 @@ async def test_a_stale_status_and_a_lost_begin_reply_leave_the_committed_version
     mgr = SessionManager(registry, {"E1": clients["E1"]})  # the session's turns run on E1
     try:
         stale = await clients["E1"].status()  # A is not on E1 yet
-        pub = Publisher(registry, clients, store=store)
+        pub = Publisher.open(registry, clients, store=store)
         published = await pub.publish(snapshot_of(fixtures.adapter_dir("A")), "A")
         assert published.outcome is PublishOutcome.PUBLISHED, published
         session = await mgr.open("bound-to-a")
@@ -46,7 +46,7 @@ async def test_a_stale_status_and_a_lost_begin_reply_leave_the_committed_version
 
         faulty = FaultInjectingClient(clients["E1"])
         faulty.stale_reply("status", 1, stale).drop_reply("begin", 1)
-        results = await Publisher(registry, {**clients, "E1": faulty}, store=store).reconcile(["E1"])
+        results = await Publisher.open(registry, {**clients, "E1": faulty}, store=store).reconcile(["E1"])
         assert [(f.op, f.kind.value) for f in faulty.injected] == [
             ("status", "STALE_REPLY"),
             ("begin", "DROP_REPLY"),
@@ -68,7 +68,7 @@ async def test_a_stale_status_and_a_lost_begin_reply_leave_the_committed_version
         assert begin.real_outcome == "refused:NOT_ATTEMPT_OWNER"
         (result,) = results
         assert result.outcome is RestoreOutcome.FAILED, result  # it could not know what happened
-        (held_now,) = await Publisher(registry, clients, store=store).reconcile(["E1"])
+        (held_now,) = await Publisher.open(registry, clients, store=store).reconcile(["E1"])
         assert held_now.outcome is RestoreOutcome.HELD
         await session.close()
     finally:

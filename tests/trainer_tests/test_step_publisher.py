@@ -56,7 +56,7 @@ class Steps:
         self.counted = Counted(self.reg)
         self.cluster = cluster
         self.now = 0.0
-        pub = Publisher(self.counted, cluster.clients, reclaim_wait_s=0.05, reclaim_poll_s=0.01)
+        pub = Publisher.open(self.counted, cluster.clients, reclaim_wait_s=0.05, reclaim_poll_s=0.01)
         self.reclaim_runs = 0
         reclaim_ready = pub.reclaim_ready
 
