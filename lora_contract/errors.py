@@ -44,7 +44,8 @@ class ErrorCode(StrEnum):
     # epoch's versions were published for: refused before any bucket moves
     BASE_MISMATCH = "BASE_MISMATCH"
     PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
-    # collective transport: no usable group (connect first), or this attempt's transfer failed
+    # transports: a registered transport this engine (or trainer) has no end for, or whose setup
+    # is not usable now (the collective's group: connect first); this attempt's transfer failed
     TRANSPORT_UNAVAILABLE = "TRANSPORT_UNAVAILABLE"
     TRANSFER_FAILED = "TRANSFER_FAILED"
     INCOMPLETE_BODY = "INCOMPLETE_BODY"  # a request body that stalled past its deadline or was cut short
