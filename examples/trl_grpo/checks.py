@@ -204,7 +204,7 @@ def count_unloads(
     out: dict[str, dict[str, int]] = {}
     deadline = time.monotonic() + wait_s
     for pub in main_report(reports)["publications"]:
-        name = pub["outcome"]["lora_name"]
+        name = pub["lora_name"]
         if name is None:
             continue
         want = 1 if states.get(name) == "RECLAIMED" else 0

@@ -15,11 +15,12 @@ What a TRL user adds (docs/trl.md, and the README's "Use it from TRL")::
 
 * **Publication** (:class:`PublishingHooks`, a ``TrainerCallback``): at train begin and after
   every optimizer step the main process freezes the policy's adapter (``Snapshot.from_peft_model``)
-  and publishes it as version ``step{global_step}``. A ``CAPACITY_ERROR`` is backpressure,
-  handled by the showcase's rule (:mod:`relax_glue.backpressure`): reclaim what nobody holds,
-  retry within a bounded wait, then skip this step (counted, bounded by the lag the policy
-  allows), past that a bounded forced wait, then a failure. Never a pause: nothing here stops an
-  engine.
+  and publishes it as version ``step{global_step}`` through the step publisher
+  (:mod:`relax_glue.step_publisher`, the one backpressure loop of every trainer, the showcase's
+  too). A ``CAPACITY_ERROR`` is backpressure: reclaim what nobody holds, wait for a reclaim that
+  frees a slot (woken when one of rank 0's episodes closes) within a bounded wait, then skip this
+  step (counted, bounded by the lag the policy allows), past that a bounded forced wait, then a
+  failure. Never a pause: nothing here stops an engine.
 * **Rollouts** (:meth:`GRPOVersions.rollout_func`): TRL hands each process its prompts, each
   repeated ``num_generations`` times in a row (a GRPO group). Every completion is one session,
   opened with ``group=`` its prompt's group (smg routes the group to one engine, where the prompt
@@ -64,8 +65,9 @@ the step publisher and the session layer ``relax_glue/sessions.py``):
 * ``outcomes.py``: the outcome every rank agrees on, and the failure every rank raises.
 * ``ranks.py``: ranks, rank 0's value on every rank, a bounded barrier (``torch.distributed``).
 * ``event_loop.py``: the loop thread synchronous hooks submit async work to.
-* ``publication.py``: rank 0 snapshots a PEFT model and publishes it under the capacity rule,
-  bounded so that it always reaches the broadcast; every rank counts failures.
+* ``publication.py``: rank 0 snapshots a PEFT model and hands it to the step publisher, bounded
+  so that it always reaches the broadcast; the driver's record becomes the agreed outcome; every
+  rank counts failures.
 * ``rollouts.py``: an episode of turns on one session, recorded, never raising.
 * ``cluster.py``: the registry of a multi-process run (the Ray actor: start, join, leave).
 * ``config.py``: :class:`VersionsConfig`.

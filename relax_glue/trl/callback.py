@@ -36,7 +36,7 @@ class PublishingHooks:
         if p.rank.is_main:
             assert p.loop is not None, "rank 0 publishes on its loop"
             # every episode has ended: unload what the last publications retired
-            p.loop.call(p.reclaim("train end"), p.config.publish_timeout_s)
+            p.loop.call(p.finish(), p.config.publish_timeout_s)
 
     def _publish(self, model: Any, step: int, *, background: bool, required: bool = False) -> None:
         p = self.publication

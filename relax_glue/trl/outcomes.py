@@ -10,9 +10,10 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from lora_contract.errors import LoraVersionError
+from relax_glue.step_publisher import SKIPPED
 
 if TYPE_CHECKING:
-    from relax_glue.publisher import PublishResult
+    from relax_glue.step_publisher import PublicationRecord
 
 
 def version_id(step: int, prefix: str = "step") -> str:
@@ -71,14 +72,24 @@ class PublicationFailed(RuntimeError):
         self.failures = failures
 
 
-def outcome_of(
-    step: int, vid: str, result: PublishResult, *, attempts: int, capacity_refusals: int, seconds: float
-) -> PublicationOutcome:
-    """A :class:`~relax_glue.publisher.PublishResult` (not a capacity refusal) as an outcome."""
-    common = {"attempts": attempts, "capacity_refusals": capacity_refusals, "seconds": round(seconds, 4)}
-    if result.ok:
-        return PublicationOutcome(step, vid, OutcomeKind.PUBLISHED, lora_name=result.lora_name, **common)
-    error = result.error
-    code = error.code.value if error is not None else str(result.outcome)
-    detail = f"{result.outcome}: {error.message}" if error is not None else str(result.outcome)
-    return PublicationOutcome.failed(step, vid, code, detail, **common)
+def outcome_of(rec: PublicationRecord) -> PublicationOutcome:
+    """The step publisher's record of one step as the outcome every rank agrees on: published,
+    a counted skip (the policy gave the step up), or a typed failure (the forced wait ran out:
+    ``CAPACITY_ERROR``; or the publisher's own outcome with its error code)."""
+    if rec.published:
+        kind = OutcomeKind.PUBLISHED
+    elif rec.outcome == SKIPPED:
+        kind = OutcomeKind.SKIPPED
+    else:
+        kind = OutcomeKind.FAILED
+    return PublicationOutcome(
+        rec.step,
+        rec.version_id,
+        kind,
+        lora_name=rec.lora_name,
+        code=rec.code,
+        detail=rec.detail[:500],
+        attempts=rec.attempts,
+        capacity_refusals=rec.capacity_refusals,
+        seconds=round(rec.t_end - rec.t_start, 4),
+    )

@@ -1,22 +1,22 @@
-"""Rank 0 publishes each TRL step's adapter; every rank records the outcome they agree on.
+"""Rank 0 publishes each TRL step's adapter through the step publisher; every rank records the
+outcome they agree on.
 
-The TRL-specific part is small: freeze the policy's adapter on rank 0 (``Snapshot.from_peft_model``
-on the model TRL hands the callback), bound everything rank 0 does before the outcome broadcast
-(``publish_timeout_s``: every exception and every hang becomes a typed FAILED outcome, so rank 0
-always reaches the broadcast), and count failures on every rank. The publication itself follows
-the capacity backpressure rule of :mod:`relax_glue.backpressure`."""
+This module only adapts a trainer step to :class:`~relax_glue.step_publisher.StepPublisher`
+(which owns the capacity backpressure loop, the reclaims and their records): freeze the policy's
+adapter on rank 0 (``Snapshot.from_peft_model`` on the model the callback gets), bound
+everything rank 0 does before the outcome broadcast (``publish_timeout_s``: every exception and
+every hang becomes a typed FAILED outcome, so rank 0 always reaches the broadcast), turn the
+driver's record into the outcome every rank agrees on, and count failures on every rank. Not
+TRL-specific: any trainer with a PEFT model and ``torch.distributed`` ranks can use it."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import dataclasses
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from lora_contract.errors import ErrorCode
-from relax_glue.backpressure import Decision, PublishDecision, publish_with_backpressure
+from relax_glue.step_publisher import PublicationRecord, ReclaimRecord, StepPublisher
 from relax_glue.trl.config import VersionsConfig
 from relax_glue.trl.event_loop import LoopThread
 from relax_glue.trl.outcomes import (
@@ -30,35 +30,16 @@ from relax_glue.trl.ranks import RankInfo
 
 if TYPE_CHECKING:
     from relax_glue.engine_client import EngineClient
-    from relax_glue.publisher import Publisher, PublishResult
+    from relax_glue.publisher import Publisher
     from relax_glue.snapshot import Snapshot
 
 
-@dataclasses.dataclass
-class PublishRecord:
-    """Rank 0's record of one publication: the outcome and each engine's local ``lora_id``
-    (what SGLang's unload log line names)."""
-
-    outcome: PublicationOutcome
-    t_start: float
-    t_end: float
-    lora_ids: dict[str, str] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReclaimRecord:
-    lora_name: str
-    version_id: str
-    done: bool
-    engines: dict[str, str]
-    trigger: str
-    t_start: float  # wall clock
-    t_end: float
-
-
 class StepPublication:
-    """Every rank's view of the run's publications; rank 0 (the one with a ``publisher``) also
-    publishes. ``clients``: the engines, read once per published version for its local id."""
+    """Every rank's view of the run's publications; rank 0 (given the cohort's ``publisher``)
+    also publishes, through its step publisher (wall-clock records: they are compared with the
+    episodes' open and close times, across processes of one host). ``clients``: the engines, read
+    once per published version for its engine-local ``lora_id`` (what SGLang's unload log line
+    names)."""
 
     def __init__(
         self,
@@ -68,16 +49,22 @@ class StepPublication:
         publisher: Publisher | None = None,
         clients: Mapping[str, EngineClient] | None = None,
     ) -> None:
-        self.loop, self.rank, self.config = loop, rank, config
-        self.publisher, self.clients = publisher, dict(clients or {})
+        self.loop, self.rank, self.config, self.clients = loop, rank, config, dict(clients or {})
+        self.steps = StepPublisher(publisher, config.policy, clock=time.time) if publisher else None
         self.outcomes: list[PublicationOutcome] = []  # every rank: the agreed outcomes, in order
-        self.publications: list[PublishRecord] = []  # rank 0
-        self.reclaims: list[ReclaimRecord] = []  # rank 0
-        self.last_published = -1  # rank 0: the step of the engines' default
         self.failures = 0
+        self.lora_ids: dict[str, dict[str, str]] = {}  # rank 0: lora_name -> engine -> lora_id
 
     def vid(self, step: int) -> str:
         return version_id(step, self.config.version_prefix)
+
+    @property
+    def publications(self) -> list[PublicationRecord]:
+        return self.steps.publications if self.steps is not None else []
+
+    @property
+    def reclaims(self) -> list[ReclaimRecord]:
+        return self.steps.reclaims if self.steps is not None else []
 
     # -------------------------------------------------------------- the synchronous side
 
@@ -120,81 +107,26 @@ class StepPublication:
     # ------------------------------------------------------------------- on the loop
 
     async def publish_step(self, snapshot: Snapshot | None, step: int, required: bool) -> PublicationOutcome:
-        t0, wall0 = time.monotonic(), time.time()
+        """Rank 0: one step through the step publisher, as the outcome every rank will agree on."""
+        assert self.steps is not None, "only rank 0 publishes"
         vid = self.vid(step)
         try:
-            outcome = await self._publish_with_backpressure(snapshot, step, vid, required, t0)
+            rec = await self.steps.publish_step(snapshot, step, vid, required=required)  # type: ignore[arg-type]
         except Exception as exc:  # a registry that cannot be reached, a bug: typed, never a hang
-            outcome = PublicationOutcome.raised(step, vid, exc)
-        rec = PublishRecord(outcome, wall0, time.time())
-        if outcome.kind is OutcomeKind.PUBLISHED:
-            self.last_published = step
-            rec.lora_ids = await self._lora_ids(outcome.lora_name or "")
-        self.publications.append(rec)
-        return outcome
+            return PublicationOutcome.raised(step, vid, exc)
+        if rec.published and rec.lora_name:
+            self.lora_ids[rec.lora_name] = await self._lora_ids(rec.lora_name)
+        return outcome_of(rec)
 
-    async def _publish_with_backpressure(
-        self, snapshot: Any, step: int, vid: str, required: bool, t0: float
-    ) -> PublicationOutcome:
-        assert self.publisher is not None, "only rank 0 publishes"
-        publisher = self.publisher
-        await publisher.resolve()  # settle what an earlier attempt left pending (slot held)
-        await self.reclaim("before publish")
+    def episode_closed(self) -> None:
+        """Rank 0, on the loop: one of this process's episodes closed (a slot may be free now)."""
+        if self.steps is not None:
+            self.steps.episode_closed()
 
-        async def attempt() -> PublishResult:
-            result = await publisher.publish(snapshot, vid)
-            if not result.ok and result.holds_slot and result.registry_state is not None:
-                # an unknown or unconfirmed outcome keeps its slot: settle it now, once
-                result = await publisher.resolve(snapshot) or result
-            return result
-
-        def decide(waited_s: float) -> Decision:
-            return self.config.policy.on_capacity_error(
-                step=step, last_published=self.last_published, waited_s=waited_s, required=required
-            )
-
-        run = await publish_with_backpressure(attempt, decide, self.wait_for_slot, started=t0)
-        counts = {"attempts": run.attempts, "capacity_refusals": run.capacity_refusals}
-        if run.gave_up is None:
-            return outcome_of(step, vid, run.result, seconds=time.monotonic() - t0, **counts)
-        kind = OutcomeKind.SKIPPED if run.gave_up is PublishDecision.SKIP else OutcomeKind.FAILED
-        return PublicationOutcome(
-            step,
-            vid,
-            kind,
-            code=ErrorCode.CAPACITY_ERROR.value,
-            detail="capacity backpressure: every slot held after the bounded wait",
-            seconds=round(time.monotonic() - t0, 4),
-            **counts,
-        )
-
-    async def wait_for_slot(self, timeout_s: float) -> None:
-        """Reclaim what nobody holds, until a slot is free or ``timeout_s`` passed."""
-        assert self.publisher is not None
-        deadline = time.monotonic() + max(timeout_s, 0.0)
-        while True:
-            await self.reclaim("capacity wait")
-            status = await self.publisher.registry.status()
-            if status.slots_used < status.capacity or time.monotonic() >= deadline:
-                return
-            await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0.0)))
-
-    async def reclaim(self, trigger: str) -> None:
-        """Rank 0: unload every retired version no session holds (each once per engine)."""
-        assert self.publisher is not None
-        t = time.time()
-        for r in await self.publisher.reclaim_ready():
-            self.reclaims.append(
-                ReclaimRecord(
-                    r.lora_name,
-                    r.version_key.version_id,
-                    r.done,
-                    {e: str(o) for e, o in r.engines.items()},
-                    trigger,
-                    t,
-                    time.time(),
-                )
-            )
+    async def finish(self) -> None:
+        """Rank 0, once every episode has ended: the step publisher's last reclaim."""
+        if self.steps is not None:
+            await self.steps.close()
 
     async def _lora_ids(self, lora_name: str) -> dict[str, str]:
         """Each engine's local ``lora_id`` of a version just published (best effort: a status

@@ -36,12 +36,20 @@ RolloutFunc = Callable[[list[Any], Any], dict[str, list[Any]]]
 
 class Rollouts:
     """This rank's episodes: run on ``loop`` through ``sessions``, kept in ``completions``
-    (when ``config.keep_completions``)."""
+    (when ``config.keep_completions``); ``on_episode_closed`` is told of every close."""
 
     def __init__(
-        self, loop: LoopThread | None, rank: RankInfo, sessions: SessionManager, config: VersionsConfig
+        self,
+        loop: LoopThread | None,
+        rank: RankInfo,
+        sessions: SessionManager,
+        config: VersionsConfig,
+        *,
+        on_episode_closed: Callable[[], None] | None = None,
     ) -> None:
         self.loop, self.rank, self.sessions, self.config = loop, rank, sessions, config
+        # called on the loop after each close: rank 0's step publisher waits for a slot on it
+        self.on_episode_closed = on_episode_closed
         self.completions: list[CompletionRecord] = []
 
     def rollout_func(
@@ -120,6 +128,8 @@ class Rollouts:
             rec.error = f"{type(exc).__name__}: {exc}"[:500]
         finally:
             await self._close(session, rec)
+            if self.on_episode_closed is not None:
+                self.on_episode_closed()
         return rec
 
     async def _turns(

@@ -50,7 +50,7 @@ class GRPOVersions:
     ) -> None:
         self.loop, self.rank, self.epoch, self.config = loop, rank, epoch, config
         self.sessions, self.publication, self.clients, self.gateway = sessions, publication, clients, gateway
-        self.rollouts = Rollouts(loop, rank, sessions, config)
+        self.rollouts = Rollouts(loop, rank, sessions, config, on_episode_closed=publication.episode_closed)
         self.ray = ray or RayRole()  # what this process did with Ray (several processes only)
         self._closed = False
 
@@ -126,9 +126,10 @@ class GRPOVersions:
 
     def registry_states(self) -> dict[str, str]:
         """Rank 0: every version of the epoch and its registry state (empty on other ranks)."""
-        publisher = self.publication.publisher
-        if publisher is None:
+        steps = self.publication.steps
+        if steps is None:
             return {}
+        publisher = steps.publisher
 
         async def read() -> dict[str, str]:
             status = await publisher.registry.status()
@@ -148,7 +149,8 @@ class GRPOVersions:
             "config": {k: str(v) for k, v in dataclasses.asdict(self.config).items()},
             "outcomes": [o.to_wire() for o in p.outcomes],
             "publications": [
-                {**dataclasses.asdict(r), "outcome": r.outcome.to_wire()} for r in p.publications
+                {**dataclasses.asdict(r), "lora_ids": p.lora_ids.get(r.lora_name or "", {})}
+                for r in p.publications
             ],
             "reclaims": [dataclasses.asdict(r) for r in p.reclaims],
             "completions": [c.summary() for c in self.completions],

@@ -1,6 +1,7 @@
 """One episode on one session (relax_glue/trl/rollouts.py), with a fake session layer: assistant
-turn, tool turn, assistant turn on the session's one bound version, then the close; an episode
-that never ends is a recorded, masked failure whose session still closes."""
+turn, tool turn, assistant turn on the session's one bound version, then the close, announced
+once to ``on_episode_closed`` (rank 0's step publisher); an episode that never ends is a
+recorded, masked failure whose session still closes."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from relax_glue.trl import VersionsConfig
+from relax_glue.trl import GRPOVersions, VersionsConfig
 from relax_glue.trl.completions import rollout_output
+from relax_glue.trl.publication import StepPublication
 from relax_glue.trl.ranks import RankInfo
 from relax_glue.trl.rollouts import Rollouts
 
@@ -53,9 +55,10 @@ class FakeSessions:
         return s
 
 
-def episode_rollouts(sessions: FakeSessions, timeout_s: float = 30.0) -> Rollouts:
+def episode_rollouts(sessions: FakeSessions, timeout_s: float = 30.0, closed: list | None = None) -> Rollouts:
     config = VersionsConfig(episode_timeout_s=timeout_s)
-    return Rollouts(None, RankInfo(), sessions, config)  # type: ignore[arg-type]
+    on_closed = (lambda: closed.append(sessions.opened[-1][2].closes)) if closed is not None else None
+    return Rollouts(None, RankInfo(), sessions, config, on_episode_closed=on_closed)  # type: ignore[arg-type]
 
 
 async def test_an_episode_is_assistant_tool_assistant_on_one_session_then_closed() -> None:
@@ -66,10 +69,12 @@ async def test_an_episode_is_assistant_tool_assistant_on_one_session_then_closed
         return [90, 91, 92]
 
     sessions = FakeSessions()
-    v = episode_rollouts(sessions)
+    closed: list[int] = []
+    v = episode_rollouts(sessions, closed=closed)
     rec = await v.episode(0, "q", [1, 2], "s1-g", 1, {"max_new_tokens": 2}, tool, 2)
     ((_, group, s),) = sessions.opened
     assert group == "s1-g" and s.closes == 1 and rec.error is None
+    assert closed == [1]  # the close is announced after it happened, once
     assert seen == [[[10, 11]]]  # the tool saw the first assistant turn
     assert [b["input_ids"] for b in s.bodies] == [[1, 2], [1, 2, 10, 11, 90, 91, 92]]
     assert all(b["return_logprob"] for b in s.bodies)
@@ -82,9 +87,33 @@ async def test_an_episode_is_assistant_tool_assistant_on_one_session_then_closed
 
 async def test_an_episode_that_never_ends_is_a_recorded_masked_failure_and_its_session_closes() -> None:
     sessions = FakeSessions(hang_at=1)
-    v = episode_rollouts(sessions, timeout_s=0.2)
+    closed: list[int] = []
+    v = episode_rollouts(sessions, timeout_s=0.2, closed=closed)
     rec = await v.episode(0, "q", [1, 2], "g", 1, {}, lambda p, t: [90], 2)
     s = sessions.opened[0][2]
     assert rec.error is not None and rec.error.startswith("TimeoutError") and s.closes == 1
+    assert closed == [1]  # told once, after the close (rank 0's step publisher may reclaim now)
     out = rollout_output([rec], fallback_id=3)
     assert (out["completion_ids"], out["env_mask"], out["rollout_error"]) == ([[3]], [[0]], [rec.error])
+
+
+async def test_every_episode_close_of_the_run_reaches_its_publication() -> None:
+    """GRPOVersions wires its rollouts to its publication: on rank 0 a close wakes a publication
+    waiting for a slot (test_trl_capacity_backpressure.py)."""
+    config = VersionsConfig()
+    publication = StepPublication(None, RankInfo(), config)
+    told: list[str] = []
+    publication.episode_closed = lambda: told.append("closed")  # type: ignore[method-assign]
+    sessions = FakeSessions()
+    v = GRPOVersions(
+        None,  # type: ignore[arg-type]
+        RankInfo(),
+        "e",
+        config,
+        sessions=sessions,  # type: ignore[arg-type]
+        publication=publication,
+        clients={},
+        gateway=None,  # type: ignore[arg-type]
+    )
+    await v.rollouts.episode(0, "q", [1, 2], "g", 1, {}, lambda p, t: [90], 1)
+    assert told == ["closed"] and sessions.opened[0][2].closes == 1

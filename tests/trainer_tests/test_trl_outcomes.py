@@ -1,5 +1,5 @@
 """The outcome every rank agrees on (relax_glue/trl/outcomes.py, ranks.py, publication.py): it
-crosses the broadcast as builtins, a publish result maps to a typed outcome, failures are counted
+crosses the broadcast as builtins, the step publisher's record maps to a typed outcome, failures are counted
 against the budget, a hang or an exception on rank 0 is a typed failure; and, in two real gloo
 processes, a publication which never ends on rank 0 becomes the same typed failure on both ranks
 instead of a rank left waiting in a collective."""
@@ -11,11 +11,8 @@ import socket
 from typing import Any
 
 import pytest
-from _publish_results import result
 
-from lora_contract.errors import ErrorCode
-from relax_glue.publisher import PublishOutcome
-from relax_glue.registry_types import VersionState
+from relax_glue.step_publisher import FAILED, PUBLISHED, SKIPPED, PublicationRecord
 from relax_glue.trl import VersionsConfig
 from relax_glue.trl.outcomes import OutcomeKind, PublicationFailed, PublicationOutcome, outcome_of
 from relax_glue.trl.publication import StepPublication
@@ -29,15 +26,30 @@ def test_an_outcome_crosses_the_broadcast_as_builtins_and_comes_back_equal() -> 
     assert PublicationOutcome.from_wire(wire) == o
 
 
-def test_a_publish_result_maps_to_published_or_a_typed_failure() -> None:
-    kw = {"attempts": 1, "capacity_refusals": 0, "seconds": 0.1}
-    ok = outcome_of(3, "step3", result(PublishOutcome.PUBLISHED, state=VersionState.PUBLISHED), **kw)
-    assert (ok.kind, ok.lora_name, ok.code) == (OutcomeKind.PUBLISHED, "relax@e-step3-abc", None)
-    clean = result(PublishOutcome.FAILED_CLEAN, ErrorCode.CHECKSUM_MISMATCH, VersionState.FAILED_CLEAN)
-    failed = outcome_of(3, "step3", clean, **kw)
-    assert (failed.kind, failed.code) == (OutcomeKind.FAILED, "CHECKSUM_MISMATCH")
-    assert "FAILED_CLEAN" in failed.detail
-    unknown = outcome_of(3, "step3", result(PublishOutcome.OUTCOME_UNKNOWN, state=VersionState.LOADING), **kw)
+def record(outcome: str, refusals: tuple[str, ...] = (), detail: str = "", name: str | None = None):
+    return PublicationRecord(3, "step3", name, outcome, 1, refusals, 0.0, 0, 10.0, 10.25, None, detail)
+
+
+def test_a_step_publishers_record_maps_to_published_a_skip_or_a_typed_failure() -> None:
+    ok = outcome_of(record(PUBLISHED, name="relax@e-step3-abc"))
+    assert (ok.kind, ok.lora_name, ok.code, ok.seconds) == (
+        OutcomeKind.PUBLISHED,
+        "relax@e-step3-abc",
+        None,
+        0.25,
+    )
+    skipped = outcome_of(record(SKIPPED, ("CAPACITY_ERROR",) * 2, "capacity backpressure"))
+    assert (skipped.kind, skipped.code, skipped.capacity_refusals) == (
+        OutcomeKind.SKIPPED,
+        "CAPACITY_ERROR",
+        2,
+    )
+    forced = outcome_of(record(FAILED, ("CAPACITY_ERROR",)))
+    assert (forced.kind, forced.code) == (OutcomeKind.FAILED, "CAPACITY_ERROR")
+    clean = outcome_of(record("FAILED_CLEAN", ("CHECKSUM_MISMATCH",), "FAILED_CLEAN: bad bucket"))
+    assert (clean.kind, clean.code) == (OutcomeKind.FAILED, "CHECKSUM_MISMATCH")
+    assert "FAILED_CLEAN" in clean.detail
+    unknown = outcome_of(record("OUTCOME_UNKNOWN", ("OUTCOME_UNKNOWN",)))
     assert (unknown.kind, unknown.code) == (OutcomeKind.FAILED, "OUTCOME_UNKNOWN")
 
 

@@ -8,15 +8,13 @@ The rules: the first version is published synchronously at train begin and may n
 (required); after each optimizer step ``step{t}`` is published, in the background when so
 configured; a background step's outcome is agreed by every rank before the next publication
 starts (and at train end, before the last reclaim); the hooks never touch the trainer's control
-flags (publication never stops, saves or evaluates anything); and the wait for a capacity slot
-lasts what the policy says, measured on the integration's own clock (scripted here)."""
+flags (publication never stops, saves or evaluates anything). The capacity wait is
+test_trl_capacity_backpressure.py's."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
-import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,12 +28,9 @@ from transformers import TrainingArguments
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerControl, TrainerState
 
 from lora_contract.errors import ErrorCode
-from relax_glue import backpressure
-from relax_glue.backpressure import StalenessPolicy
 from relax_glue.publisher import PublishOutcome
 from relax_glue.registry_types import VersionState
 from relax_glue.trl import OutcomeKind, VersionsConfig
-from relax_glue.trl import publication as trl_publication
 from relax_glue.trl.callback import publishing_callback_class
 from relax_glue.trl.event_loop import LoopThread
 from relax_glue.trl.publication import StepPublication
@@ -197,120 +192,6 @@ def test_a_background_step_is_agreed_before_the_next_publication_starts(runs: An
     assert events.index(("published", "step1")) < events.index(("agreed", "step1"))
     assert r.log.index(("agreed", "step2", "PUBLISHED")) < len(r.log) - 1 and r.log[-1] == ("reclaim",)
     assert [o.step for o in r.v.outcomes] == [0, 1, 2] and r.submitted[1:] == [(1, False), (2, False)]
-
-
-# ------------------------------------------------------------- the capacity wait, on a scripted clock
-
-
-class Clock:
-    """The integration's clock, moved only by its sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.sleeps: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        assert seconds >= 0
-        self.sleeps.append(seconds)
-        self.now += seconds
-        await asyncio.sleep(0)
-
-
-class FullPublisher(ScriptedPublisher):
-    """Every slot held: every publication is refused with CAPACITY_ERROR; a slot frees up after
-    ``free_after`` reclaims (never, when None)."""
-
-    def __init__(self, log: list[tuple[Any, ...]], free_after: int | None = None) -> None:
-        super().__init__(log)
-        self.free_after, self.reclaims = free_after, 0
-
-    async def _status(self) -> Any:
-        free = self.free_after is not None and self.reclaims >= self.free_after
-        return types.SimpleNamespace(slots_used=1 if free else 2, capacity=2)
-
-    async def reclaim_ready(self) -> tuple:
-        self.reclaims += 1
-        return await super().reclaim_ready()
-
-    async def publish(self, snapshot: Any, vid: str) -> Any:
-        self.log.append(("publish", vid))
-        return FULL if not (self.free_after is not None and self.reclaims >= self.free_after) else PUBLISHED
-
-
-@pytest.fixture()
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    c = Clock()
-    # the integration's module reads time.monotonic and asyncio.sleep; the loop it shares with
-    # the backpressure rule is given the same clock (its default is bound at import)
-    monkeypatch.setattr(trl_publication, "time", types.SimpleNamespace(monotonic=c.monotonic, time=time.time))
-    monkeypatch.setattr(trl_publication, "asyncio", types.SimpleNamespace(sleep=c.sleep))
-    monkeypatch.setattr(
-        trl_publication,
-        "publish_with_backpressure",
-        functools.partial(backpressure.publish_with_backpressure, clock=c.monotonic),
-    )
-    return c
-
-
-def capacity_versions(pub: ScriptedPublisher, last: int, policy: StalenessPolicy) -> StepPublication:
-    v = StepPublication(None, RankInfo(), VersionsConfig(policy=policy), pub)  # type: ignore[arg-type]
-    v.last_published = last
-    return v
-
-
-@pytest.mark.parametrize("timeout_s", [0.0, 0.05, 0.25, 1.0, 2.37])
-async def test_the_wait_for_a_slot_lasts_its_timeout_and_no_longer(clock: Clock, timeout_s: float) -> None:
-    v = capacity_versions(FullPublisher([]), 4, StalenessPolicy())
-    start = clock.now
-    await v.wait_for_slot(timeout_s)
-    assert clock.now - start == pytest.approx(timeout_s)  # it waited the whole bound, not more
-    assert all(s <= 0.1 + 1e-9 for s in clock.sleeps)  # reclaiming again every 0.1 s meanwhile
-
-
-async def test_the_wait_for_a_slot_ends_as_soon_as_a_reclaim_frees_one(clock: Clock) -> None:
-    pub = FullPublisher([], free_after=3)
-    v = capacity_versions(pub, 4, StalenessPolicy())
-    start = clock.now
-    await v.wait_for_slot(60.0)
-    assert pub.reclaims == 3 and clock.now - start == pytest.approx(0.2)  # two polls, then free
-
-
-async def test_a_skippable_step_is_skipped_after_exactly_the_reclaim_wait(clock: Clock) -> None:
-    policy = StalenessPolicy(max_staleness=2, reclaim_wait_s=1.0, forced_wait_s=60.0)
-    pub = FullPublisher([])
-    v = capacity_versions(pub, 4, policy)
-    o = await v.publish_step(None, 5, required=False)
-    assert (o.kind, o.code) == (OutcomeKind.SKIPPED, "CAPACITY_ERROR")
-    assert o.seconds == pytest.approx(policy.reclaim_wait_s)  # the whole reclaim wait, no longer
-    assert o.capacity_refusals == o.attempts >= 2 and v.last_published == 4
-
-
-async def test_the_settling_before_the_first_attempt_counts_as_waited(clock: Clock) -> None:
-    """The wait is the step's: a resolve of what an earlier attempt left pending that took 0.6 s
-    leaves 0.4 s of the 1 s reclaim wait, not another full second."""
-    policy = StalenessPolicy(max_staleness=2, reclaim_wait_s=1.0, forced_wait_s=60.0)
-    pub = FullPublisher([])
-
-    async def slow_resolve(snapshot: Any = None) -> None:
-        await clock.sleep(0.6)
-
-    pub.resolve = slow_resolve  # type: ignore[method-assign]
-    v = capacity_versions(pub, 4, policy)
-    o = await v.publish_step(None, 5, required=False)
-    assert o.kind is OutcomeKind.SKIPPED and o.seconds == pytest.approx(policy.reclaim_wait_s)
-
-
-async def test_a_required_first_version_waits_the_forced_bound_then_fails_typed(clock: Clock) -> None:
-    policy = StalenessPolicy(max_staleness=2, reclaim_wait_s=1.0, forced_wait_s=7.5)
-    v = capacity_versions(FullPublisher([]), -1, policy)
-    o = await v.publish_step(None, 0, required=True)
-    # never skipped (nothing to roll out on without it): the forced bound, then a typed failure
-    assert (o.kind, o.code) == (OutcomeKind.FAILED, "CAPACITY_ERROR")
-    assert o.seconds == pytest.approx(policy.forced_wait_s)
-    assert v.last_published == -1
 
 
 def test_a_sharded_adapter_is_this_steps_typed_failure_with_its_error_code(runs: Any) -> None:
