@@ -312,7 +312,7 @@ def sglang_load_config(config: Mapping[str, Any]) -> dict[str, Any]:
 def check_tensor_values(name: str, tensor: Any) -> None:
     """A received factor must hold finite values: a NaN or Inf adapter turns every logit of the
     requests that use it into NaN (and sampling from NaN probabilities raises in the scheduler)."""
-    import torch
+    import torch  # heavy, and only a received bucket needs it: the table and its shape rules do not
 
     if tensor.numel() == 0 or not tensor.is_floating_point():
         return

@@ -12,8 +12,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import is_managed_name
+from sglang_ext import hook_timing, prepared_load, slot_zeroing
 from sglang_ext import lora_registry_patch as upstream
+from sglang_ext import parallel_sampling as ps
+from sglang_ext import tokenizer_hooks as th
+from sglang_ext.engine_state import engine_state
+from sglang_ext.http_routes import mount
 from sglang_ext.plugin_log import refuse_to_start
+from sglang_ext.setup_checks import overlap_proof_active, setup_problems
+from sglang_ext.step_fence import complete_the_step_before_unload as fence
+from sglang_ext.step_fence import refuse_a_scheduler_the_fence_cannot_read as check
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +31,6 @@ logger = logging.getLogger(__name__)
 def refuse_unsupported_setup(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE ServerArgs.check_server_args: called by Engine._launch_subprocesses in the main
     process after ``resolve_once()``, so the view below holds the resolved values."""
-    from sglang_ext.setup_checks import overlap_proof_active, setup_problems
-
     verify_hooks_applied(upstream.MAIN_PROCESS_TARGETS)
     resolved = upstream.resolved_server_args(server_args)
     problems = setup_problems(resolved)
@@ -40,8 +48,6 @@ def mount_lora_versions_routes(server_args: Any, tokenizer_manager: Any, *args: 
     """BEFORE http_server._setup_and_run_http_server(server_args, tokenizer_manager, ...): the
     FastAPI app exists and uvicorn has not started, so routes added here are served (and covered
     by SGLang's auth middleware, which it adds later in that same function)."""
-    from sglang_ext.http_routes import mount
-
     problems = upstream.tokenizer_manager_problems(tokenizer_manager)
     if problems:
         refuse_to_start(f"the installed SGLang lacks what the plugin reads: {problems}")
@@ -53,8 +59,6 @@ def serve_version_series_on_metrics(app: Any, *args: Any, **kwargs: Any) -> None
     """REPLACE http_server.add_prometheus_middleware(app), called in SGLang's lifespan when
     ``--enable-metrics`` (after the BEFORE hook above attached the engine state): the same
     /metrics route, whose registry also holds the per-version collector (:mod:`sglang_ext.metrics`)."""
-    from sglang_ext.engine_state import engine_state
-
     upstream.mount_metrics_route(app, engine_state().metrics.collectors())
 
 
@@ -66,9 +70,6 @@ async def refuse_managed_names_on_stock_lora_api(
     /load_lora_adapter_from_tensors and /unload_lora_adapter). A managed version is created only
     by staged publication and removed only by cleanup or reclaim; an ordinary call naming one is
     MANAGED_ADAPTER and changes nothing. Other names keep stock behaviour."""
-    from lora_contract.errors import ErrorCode, LoraVersionError
-    from lora_contract.protocol import is_managed_name
-
     # The plugin itself never calls these methods (managed loads and unloads go through the
     # scheduler fan-out in native_lora), so there is no exception to make.
     name = obj.lora_name  # on each of the three request types (checked at start: DECLARED_FIELDS)
@@ -82,7 +83,6 @@ async def refuse_managed_names_on_stock_lora_api(
 
 
 def verify_hooks_applied(targets: tuple[str, ...]) -> None:
-
     missing = upstream.unapplied_hooks(targets)
     if missing:
         refuse_to_start(f"hooks could not be applied to {missing}; is this sglang==0.5.23?")
@@ -94,10 +94,6 @@ def register_all(role: str) -> None:
         # us); the first checks, before the scheduler reports ready, that the second was applied and
         # that the live scheduler has what it reads. The fence's log line at every unload is
         # asserted on every engine by the online run.
-        from sglang_ext import prepared_load, slot_zeroing
-        from sglang_ext.step_fence import complete_the_step_before_unload as fence
-        from sglang_ext.step_fence import refuse_a_scheduler_the_fence_cannot_read as check
-
         upstream.register_hook(upstream.SCHEDULER_INIT, check, "AFTER")
         upstream.register_hook(upstream.SCHEDULER_UNLOAD_ADAPTER, fence, "AROUND")
         # Issue 29: a managed load is read and re-shaped off the scheduler thread, which only
@@ -121,9 +117,6 @@ def register_all(role: str) -> None:
         return
     if role != "main":
         return
-    from sglang_ext import parallel_sampling as ps
-    from sglang_ext import tokenizer_hooks as th
-
     hooks: list[tuple[str, Any, str]] = [
         (upstream.CHECK_SERVER_ARGS, refuse_unsupported_setup, "BEFORE"),
         (upstream.SETUP_HTTP_SERVER, mount_lora_versions_routes, "BEFORE"),
@@ -144,8 +137,6 @@ def register_all(role: str) -> None:
         (upstream.METRICS_ROUTE, serve_version_series_on_metrics, "REPLACE"),
     ]
     assert [t for t, _, _ in hooks] == list(upstream.MAIN_PROCESS_TARGETS), "one list of targets"
-    from sglang_ext import hook_timing
-
     timed = hook_timing.enabled()  # a bench switch: off, the hooks are registered as they are
     for target, hook, kind in hooks:
         upstream.register_hook(target, hook_timing.timed(hook, kind, hook.__name__) if timed else hook, kind)

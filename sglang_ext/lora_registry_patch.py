@@ -891,6 +891,7 @@ _lora_manager_log = logging.getLogger("sglang.srt.lora.lora_manager")
 def _available_memory_gb(manager: Any) -> float:
     """What LoRAManager's log lines report (0.5.23: get_available_gpu_memory(device.type,
     device.index)), read without its default torch.cuda.empty_cache()."""
+    # on use, as every SGLang read of this module: nothing from SGLang at import (module docstring)
     from sglang.srt.utils import get_available_gpu_memory
 
     return float(get_available_gpu_memory(manager.device.type, manager.device.index, empty_cache=False))

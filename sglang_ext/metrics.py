@@ -143,6 +143,7 @@ class VersionSeries:
 
     @staticmethod
     def _families() -> tuple[Any, Any, Any, Any]:
+        # on use, as SGLang does: prometheus_client reads PROMETHEUS_MULTIPROC_DIR at import
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         return (
@@ -173,6 +174,7 @@ class VersionMetrics:
         not labelled by version go, prometheus_client's default (written to the multiprocess
         directory SGLang's scrape reads back) unless a test passes its own. The per-version
         series are :attr:`series`, registered on SGLang's scrape registry by whoever builds it."""
+        # on use, as SGLang does: prometheus_client reads PROMETHEUS_MULTIPROC_DIR at import
         from prometheus_client import REGISTRY, Counter, Histogram
 
         kw = {"registry": registry if registry is not None else REGISTRY}

@@ -32,6 +32,8 @@ def is_enabled() -> bool:
 
 def process_role() -> str:
     """Which SGLang process is loading us: main, scheduler, detokenizer (or another child)."""
+    # Here and below, imported only once the switch is on: SGLang loads this entry point in every
+    # process of every engine, and an engine without the switch loads nothing more of the plugin.
     from sglang_ext.lora_registry_patch import PROCESS_ENTRY_FUNCTIONS
 
     if multiprocessing.parent_process() is None:
@@ -70,12 +72,12 @@ def register() -> None:
         refuse_to_start("malformed setting: " + "; ".join(problems))
     check_sglang_version()
     role = process_role()
-    from sglang_ext.engine_state import engine_state
+    from sglang_ext.engine_state import engine_state  # only with the switch on (process_role)
 
     incarnation = engine_state().incarnation if role == "main" else "-"
     log_line(f"plugin active in {role} process (pid {os.getpid()}, incarnation {incarnation})")
 
-    from sglang_ext import hooks, lora_registry_patch
+    from sglang_ext import hooks, lora_registry_patch  # only with the switch on (process_role)
 
     if role == "main":
         problems = lora_registry_patch.surface_problems()

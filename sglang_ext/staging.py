@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import itertools
 import mmap
 import os
@@ -179,8 +180,6 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 def _make_private(fd: int) -> bool:
     """True once ``fd``'s file has one link, no writer (a read lease was granted: the kernel
     refuses it while the file is open for writing or mapped writable), and mode 0400."""
-    import fcntl
-
     if os.fstat(fd).st_nlink != 1:
         return False
     try:

@@ -30,9 +30,11 @@ from typing import Any
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.protocol import is_managed_name
 from sglang_ext import lora_registry_patch as upstream
+from sglang_ext.engine_state import engine_state
 from sglang_ext.http_routes import error_response
 from sglang_ext.native_lora import managed_call
 from sglang_ext.parallel_sampling import parallel_samples
+from sglang_ext.version_table import may_unload_now
 
 # The request fields the guards read, their defaults and the formats of SGLang's ids are SGLang
 # facts: named and checked at start in the pin module (upstream.INTERNAL_FIELDS,
@@ -79,8 +81,6 @@ def lora_names(lora_path: Any) -> list[str]:
 def check_servable(names: list[str]) -> None:
     """Raise the version error for the first managed name this engine may not serve now (the
     rule is the table's; this only supplies what SGLang's registry says about the name)."""
-    from sglang_ext.engine_state import engine_state
-
     state = engine_state()
     if state.table is None or state.native is None:
         return
@@ -274,8 +274,6 @@ async def serve_only_ready_managed_versions(
     except ValueError:
         check_servable(managed)
         raise
-    from sglang_ext.engine_state import engine_state
-
     metrics = engine_state().metrics
     for name in managed:
         metrics.served(name)  # acquired: admitted for that version
@@ -297,9 +295,6 @@ async def lru_never_picks_managed(self: Any, exclude_pinned: bool = False) -> st
     count, and that its name resolves (every candidate comes from the registry). So a managed
     version is never the stock path's to evict: its removal (reclaim, cleanup) unregisters it
     first. A managed-looking name the table does not hold is not ours: stock rules."""
-    from sglang_ext.engine_state import engine_state
-    from sglang_ext.version_table import may_unload_now
-
     state = engine_state()
     table, native = state.table, state.native
 

@@ -991,7 +991,7 @@ async def test_the_lru_eviction_never_takes_a_managed_version_it_can_see(
     a plain adapter is."""
     import types
 
-    import sglang_ext.engine_state as engine_state_module
+    import sglang_ext.tokenizer_hooks as tokenizer_hooks
     from sglang_ext.tokenizer_hooks import lru_never_picks_managed
     from sglang_ext.version_table import S
 
@@ -1007,7 +1007,7 @@ async def test_the_lru_eviction_never_takes_a_managed_version_it_can_see(
     for _ in range(count):
         shell.native.acquire(name)
     state = types.SimpleNamespace(table=shell.table, native=shell.native)
-    monkeypatch.setattr(engine_state_module, "engine_state", lambda: state)
+    monkeypatch.setattr(tokenizer_hooks, "engine_state", lambda: state)  # bound there at import
     refs = {name: types.SimpleNamespace(pinned=False), "plain-a": types.SimpleNamespace(pinned=False)}
     registry = types.SimpleNamespace(
         _registry=refs, _registry_lock=types.SimpleNamespace(reader_lock=contextlib.nullcontext())

@@ -479,6 +479,7 @@ def state(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     """The engine state the guards read: a gate, SGLang's registry ids, metrics."""
     import sglang_ext.engine_state as engine_state_module
     import sglang_ext.http_routes as http_routes
+    import sglang_ext.tokenizer_hooks as tokenizer_hooks
 
     fake = types.SimpleNamespace(
         table=FakeTable(),
@@ -486,7 +487,8 @@ def state(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
         native=types.SimpleNamespace(lora_id_of=lambda name: f"id-of-{name}", in_flight=lambda lora_id: 0),
         metrics=FakeMetrics(),
     )
-    for module in (engine_state_module, http_routes):  # http_routes bound the name at import
+    # http_routes and tokenizer_hooks bound the name at import
+    for module in (engine_state_module, http_routes, tokenizer_hooks):
         monkeypatch.setattr(module, "engine_state", lambda: fake)
     return fake
 
