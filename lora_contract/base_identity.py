@@ -144,7 +144,7 @@ def local_model_dir(model_path: str, revision: str | None) -> Path | None:
     if path.is_dir():
         return path
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # lazy: only a hub id, not a local dir, needs it
 
         return Path(snapshot_download(model_path, revision=revision, local_files_only=True))
     except Exception:

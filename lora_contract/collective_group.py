@@ -131,7 +131,7 @@ def open_group(
     passed (raising); every later operation on it times out after ``timeout_s`` too.
 
     ``store``: rank 0 passes the ``TCPStore`` it hosts (created by :func:`host_store`)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy heavy import: only a collective transport needs it
 
     if backend not in BACKENDS:
         raise invalid(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -149,7 +149,7 @@ def open_group(
 
 def host_store(host: str, port: int, timeout_s: float) -> Any:
     """The trainer's rendezvous store (rank 0 hosts it; port 0 picks a free one)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy heavy import: only a collective transport needs it
 
     return dist.TCPStore(
         host, port, WORLD_SIZE, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
@@ -163,7 +163,7 @@ def device_of(backend: str) -> str:
 
 def broadcast(group: Any, tensor: Any) -> None:
     """One broadcast from the sender, waited for (raises on a broken peer or a timeout)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy heavy import: only a collective transport needs it
 
     opts = dist.BroadcastOptions()
     opts.rootRank = SENDER_RANK

@@ -441,7 +441,7 @@ def _dtype_name(tensor: torch.Tensor) -> str:
 
 
 def _tensor_sha256(tensor: torch.Tensor) -> str:
-    import torch
+    import torch  # lazy: lora_contract.protocol imports this module and loads without torch
 
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     # A uint8 view reads the raw bytes of any dtype (bfloat16 has no numpy type) without a copy.
@@ -534,7 +534,7 @@ def read_peft_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Ten
 
     The config is returned as written (normalise it through the manifest); tensors are loaded
     into memory on CPU. Pickled ``adapter_model.bin`` is refused: it can run code on load."""
-    from safetensors.torch import load
+    from safetensors.torch import load  # lazy: the protocol loads without torch (see above)
 
     root = Path(path)
     config_file, weights_file = root / PEFT_CONFIG_FILE, root / PEFT_WEIGHTS_FILE

@@ -42,7 +42,7 @@ class EncodedBucket(NamedTuple):
 
 
 def _frozen_copy(tensor: torch.Tensor) -> torch.Tensor:
-    import torch
+    import torch  # lazy heavy import: the registry host and the CLI load this module without torch
 
     # copy=True guarantees fresh storage even for a CPU tensor; contiguous_format makes it one
     # dense block of exactly numel * itemsize bytes (no hidden tail of a larger live buffer).
@@ -84,11 +84,11 @@ def sharded_kind(tensor: Any) -> str | None:
 
 
 def _dtensor_type() -> type | None:
-    import torch
+    import torch  # lazy heavy import (see _frozen_copy)
 
     if not torch.distributed.is_available():  # a build without torch.distributed shards nothing
         return None
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # only where torch.distributed is built in
 
     return DTensor
 
@@ -98,7 +98,7 @@ def _fsdp1_sharded(module: Any) -> bool:
     use_orig_params its parameters are views of this rank's shard)."""
     if _dtensor_type() is None:
         return False
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel  # only where DTensor exists
 
     if not isinstance(module, FullyShardedDataParallel):
         return False
@@ -175,7 +175,7 @@ class Snapshot:
         (and its digest) equals :meth:`from_peft_dir` of that saved directory. A sharded adapter
         is refused (INVALID_REQUEST, SHARDED_ADVICE says how to gather it); ``gathered``: its
         state dict as the caller gathered it (FSDP2), the model then only gives the config."""
-        from peft import get_peft_model_state_dict
+        from peft import get_peft_model_state_dict  # lazy: peft is needed only for a live model
 
         if gathered is None:
             # Before the state dict: an FSDP1 state dict is itself a collective (the other ranks

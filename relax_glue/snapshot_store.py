@@ -71,7 +71,7 @@ class SnapshotStore:
 
     def put(self, snapshot: Snapshot) -> Path:
         """Write ``snapshot`` under its digest (once: an existing entry is kept as it is)."""
-        from safetensors.torch import save
+        from safetensors.torch import save  # lazy heavy import (torch): only on a put or a get
 
         final = self._entry(snapshot.digest)
         if final.is_dir():
@@ -101,7 +101,7 @@ class SnapshotStore:
 
         UNKNOWN_VERSION when there is no entry; CHECKSUM_MISMATCH when the bytes on disk do not
         hash to ``digest`` or the entry is unreadable (a damaged entry is never served)."""
-        from safetensors.torch import load
+        from safetensors.torch import load  # lazy heavy import (torch): only on a put or a get
 
         entry = self._entry(digest)
         try:
