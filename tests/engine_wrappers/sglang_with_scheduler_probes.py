@@ -9,7 +9,9 @@
   a failed preparation for the one load a trigger file marks.
 
 Each only adds log lines or fails only the calls marked for it, so every other test can share
-the engine; the tests that read them run on E1 instead of on an engine of their own.
+the engine; the tests that read them run on E1 instead of on an engine of their own. E1 also
+receives the test-only "shared-file" bucket transport (``fake_transport_shared_file``, registered
+in this process before the server starts), which only a client that names it ever uses.
 """
 
 import sys
@@ -20,6 +22,7 @@ from typing import Any
 # scheduler process, which unpickles the function below by module name.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gpu_tests" / "engine_wrappers"))
 
+import fake_transport_shared_file
 import fence_reader_probe
 import prepared_load_probe
 import scheduler_500_faults
@@ -39,4 +42,5 @@ def run_scheduler_process_with_probes(*args: Any, **kwargs: Any) -> Any:
 
 
 if __name__ == "__main__":
+    fake_transport_shared_file.register_engine_side()
     launch_http_server_with(run_scheduler_process_with_probes)
