@@ -1,10 +1,8 @@
 """Capacity backpressure for a trainer that publishes every step: what it does with a stale
 episode, and with a publication the registry refuses because every slot is still held. The
 policy is pure; :func:`publish_with_backpressure` is the one loop that follows it, its IO passed
-in.
-
-Moved here from the online RL showcase (``examples/online_rl/policy.py`` re-exports it) so that
-shipped integrations (``relax_glue.trl``) follow the very same rule.
+in by :class:`relax_glue.step_publisher.StepPublisher`, the driver every trainer integration
+uses (``examples/online_rl/policy.py`` re-exports the policy).
 
 The policy, with ``S = max_staleness``:
 
@@ -112,7 +110,7 @@ async def publish_with_backpressure(
     wait at most that long) and try again, skip, or fail. ``waited_s`` and ``last_attempt_s``
     count from ``started`` (on ``clock``; default now), so a caller that settled or reclaimed
     first counts that time as waited too. The one loop of every trainer that publishes every
-    step (the TRL integration, the online RL showcase)."""
+    step, run by :class:`relax_glue.step_publisher.StepPublisher`."""
     t0 = clock() if started is None else started
     attempts = refusals = 0
     while True:

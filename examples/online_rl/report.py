@@ -17,36 +17,9 @@ from typing import Any
 
 from examples.online_rl.rollout import Episode
 from examples.online_rl.trainer import StepStats
+from relax_glue.step_publisher import PUBLISHED, SKIPPED, PublicationRecord, ReclaimRecord
 
 CAPACITY_ERROR = "CAPACITY_ERROR"
-PUBLISHED = "PUBLISHED"
-SKIPPED = "SKIPPED"
-
-
-@dataclasses.dataclass
-class Publication:
-    step: int  # the weights W_step
-    version_id: str
-    lora_name: str | None  # None when skipped
-    outcome: str  # PUBLISHED | SKIPPED | the publisher's outcome when something else happened
-    attempts: int
-    refusals: list[str]  # error code of every refused attempt, in order
-    waited_s: float  # backpressure: from the first attempt to the start of the last one
-    lag_after: int  # steps the engines' default is behind the trainer after the decision
-    t_start: float
-    t_end: float
-    publish_s: float | None = None  # the successful publish call (reserve .. commit)
-
-
-@dataclasses.dataclass
-class Reclaim:
-    version: int | None
-    lora_name: str
-    trigger: str  # "episode closed" | "trainer" (backpressure) | "final"
-    done: bool
-    engines: dict[str, str]
-    t_start: float
-    t_end: float
 
 
 @dataclasses.dataclass
@@ -75,8 +48,8 @@ class RunRecord:
     cohort: list[str]
     episodes: list[Episode]
     steps: list[StepRecord]
-    publications: list[Publication]
-    reclaims: list[Reclaim]
+    publications: list[PublicationRecord]  # the step publisher's records
+    reclaims: list[ReclaimRecord]
     slots: list[SlotSample]
     versions: dict[str, int]  # lora_name -> step, for every published version
     final_states: dict[str, str]  # lora_name -> registry state at the end
@@ -338,7 +311,7 @@ def to_json(rec: RunRecord, invariants: Sequence[Invariant]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- output
 
 
-def step_row(s: StepRecord, pub: Publication) -> list[Any]:
+def step_row(s: StepRecord, pub: PublicationRecord) -> list[Any]:
     st = s.stats
     fresh = f"{st.fresh_abs_diff_max:.1e}" if st.fresh_abs_diff_max is not None else "-"
     lag = f"{st.stale_abs_diff_mean:.3f}" if st.stale_abs_diff_mean is not None else "-"
@@ -446,7 +419,7 @@ def plot(rec: RunRecord, path: Path) -> None:
     refused = [(p.t_start, p.step) for p in rec.publications if p.refusals]
     if refused:
         a.plot(*zip(*refused, strict=True), "|", color="tab:red", ms=10, label="CAPACITY_ERROR")
-    rs = [(r.t_end, r.version) for r in rec.reclaims if r.done and r.version is not None]
+    rs = [(r.t_end, r.step) for r in rec.reclaims if r.done and r.step is not None]
     if rs:
         a.plot(*zip(*rs, strict=True), "v", color="tab:purple", ms=5, label="reclaimed")
     a.plot([], [], "^", color="tab:green", label="published")

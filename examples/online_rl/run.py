@@ -10,8 +10,10 @@ The loop, for update ``t = 1..steps`` (the trainer holds ``W_{t-1}``)::
     (reclaim + retry within a bounded wait, else skip; past the lag bound, wait)
 
 ``W_0`` (the zero LoRA: exactly the base model) is published as ``step0`` before the workers
-start. Every closed episode wakes the reclaimer, which unloads a retired version as soon as no
-session holds it. At the end the workers finish their episodes, the last reclaim runs, and the
+start. Publication, backpressure and reclaims are the step publisher's
+(:mod:`relax_glue.step_publisher`, the driver every trainer integration uses): every closed
+episode wakes its background reclaim, which unloads a retired version as soon as no session
+holds it. At the end the workers finish their episodes, the last reclaim runs, and the
 invariants are checked over everything recorded.
 """
 
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import json
 import time
@@ -29,15 +30,14 @@ from typing import Any
 
 from examples.online_rl import report as rp
 from examples.online_rl.config import RunConfig
-from examples.online_rl.policy import PublishDecision, StalenessPolicy
+from examples.online_rl.policy import StalenessPolicy
 from examples.online_rl.rollout import Episode, RolloutPool
 from examples.online_rl.task import QUESTIONS, Task, build_task
 from examples.online_rl.trainer import Sample, Trainer
-from lora_contract.errors import ErrorCode
 from lora_versions_demo.local_cohort import local_cohort, run_reporting
 from lora_versions_dev.engine_log import await_unload_lines
-from relax_glue.backpressure import Decision, publish_with_backpressure
 from relax_glue.cli import table
+from relax_glue.step_publisher import FAILED, PublicationRecord, StepPublisher
 
 EPOCH = "onlinerl"
 COLLECT_TIMEOUT_S = 300.0  # no episode for this long: the rollouts are stuck, stop the run
@@ -72,21 +72,18 @@ class OnlineRL:
         self.trainer = Trainer(model_dir, rank=cfg.rank, lr=cfg.lr, seed=cfg.seed)
         self.batch_size = cfg.group_size * len(self.task.prompts)
         self.t0 = time.monotonic()
-        self.closed = asyncio.Event()  # an episode closed: its version may be reclaimable
-        self.reclaimed = asyncio.Event()  # a reclaim finished: a slot is free again
-        self.stopping = asyncio.Event()  # the background loops end at their next turn
+        # publication under backpressure, the reclaims and their records
+        self.publishing = StepPublisher(self.pub, self.policy, clock=self.clock)
+        self.stopping = asyncio.Event()  # the slot sampler ends at its next turn
         self.pool = RolloutPool(
             self.sm,
             self.task,
             cfg,
             self.clock,
             queue_size=self.batch_size,
-            on_closed=lambda _: self.closed.set(),
+            on_closed=lambda _: self.publishing.episode_closed(),
         )
-        self.versions: dict[str, int] = {}
-        self.last_published = -1
-        self.publications: list[rp.Publication] = []
-        self.reclaims: list[rp.Reclaim] = []
+        self.versions = self.publishing.versions  # lora_name -> step, for every published version
         self.slots: list[rp.SlotSample] = []
         self.steps: list[rp.StepRecord] = []
         self.lora_ids: dict[str, dict[str, str]] = collections.defaultdict(dict)
@@ -96,86 +93,13 @@ class OnlineRL:
 
     # ------------------------------------------------------------------ publication
 
-    async def publish(self, step: int) -> rp.Publication:
+    async def publish(self, step: int) -> PublicationRecord:
         """Publish W_step as version step{step}, following the policy on CAPACITY_ERROR."""
         snapshot = self.trainer.snapshot()  # frozen now: the next update cannot change it
-        t_start = self.clock()
-
-        def decide(waited_s: float) -> Decision:
-            return self.policy.on_capacity_error(
-                step=step, last_published=self.last_published, waited_s=waited_s
-            )
-
-        run = await publish_with_backpressure(
-            lambda: self.pub.publish(snapshot, version_id(step)), decide, self.wait_for_slot, self.clock
-        )
-        res = run.result
-        refusals = [ErrorCode.CAPACITY_ERROR.value] * run.capacity_refusals
-        if run.gave_up is PublishDecision.FAIL:
+        pub = await self.publishing.publish_step(snapshot, step, version_id(step), required=step == 0)
+        if pub.outcome == FAILED:
             raise RuntimeError(f"{version_id(step)}: no slot freed within {self.cfg.forced_wait_s}s")
-        if run.gave_up is PublishDecision.SKIP:
-            outcome, name, publish_s = rp.SKIPPED, None, None
-        elif res.ok:
-            self.versions[res.lora_name] = step
-            self.last_published = step
-            outcome, name, publish_s = rp.PUBLISHED, res.lora_name, res.duration_s
-        else:  # not the policy's refusal: recorded as it is
-            refusals.append(res.error.code.value if res.error is not None else res.outcome.value)
-            outcome, name, publish_s = res.outcome.value, None, None
-        pub = rp.Publication(
-            step,
-            version_id(step),
-            name,
-            outcome,
-            run.attempts,
-            refusals,
-            round(run.last_attempt_s, 3),
-            step - self.last_published,
-            round(t_start, 3),
-            round(self.clock(), 3),
-            round(publish_s, 4) if publish_s is not None else None,
-        )
-        self.publications.append(pub)
         return pub
-
-    async def wait_for_slot(self, timeout_s: float) -> None:
-        """Reclaim what nobody holds any more; if no slot is free yet, wait (at most
-        ``timeout_s``) until a reclaim triggered by a closing episode frees one."""
-        self.reclaimed.clear()
-        await self.reclaim("trainer")
-        status = self.reg.status()
-        if status.slots_used < status.capacity:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.reclaimed.wait(), timeout=max(timeout_s, 0.0))
-
-    async def reclaim(self, trigger: str) -> None:
-        t = self.clock()
-        for r in await self.pub.reclaim_ready():
-            if r.done:
-                self.reclaimed.set()
-            self.reclaims.append(
-                rp.Reclaim(
-                    self.versions.get(r.lora_name),
-                    r.lora_name,
-                    trigger,
-                    r.done,
-                    {e: str(o) for e, o in r.engines.items()},
-                    round(t, 3),
-                    round(self.clock(), 3),
-                )
-            )
-
-    async def reclaim_forever(self) -> None:
-        """Reclaim runs as episodes finish: every close may have freed a retired version. Stops
-        between two reclaims (never cancelled mid-call: a cancelled control call would be a
-        call whose outcome nobody knows)."""
-        while not self.stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.closed.wait(), timeout=0.2)
-            if self.closed.is_set():
-                self.closed.clear()
-                await self.reclaim("episode closed")
 
     # -------------------------------------------------------------------- sampling
 
@@ -268,7 +192,7 @@ class OnlineRL:
             len(dropped),
             [e.staleness or 0 for e in used],
             dict(collections.Counter(e.version or 0 for e in used)),
-            len(self.publications) - 1,
+            len(self.publishing.publications) - 1,
         )
         self.steps.append(rec)
         print(rp.step_line(rp.step_row(rec, pub)), flush=True)
@@ -280,10 +204,8 @@ class OnlineRL:
         background: list[asyncio.Task[None]] = []
         try:
             await self.sample()
-            background = [
-                asyncio.create_task(self.reclaim_forever(), name="reclaimer"),
-                asyncio.create_task(self.sample_forever(), name="slot-sampler"),
-            ]
+            self.publishing.start()  # reclaims as episodes close
+            background = [asyncio.create_task(self.sample_forever(), name="slot-sampler")]
             try:
                 await self.train()
             except Exception as exc:  # report it; still stop everything cleanly and check what ran
@@ -291,7 +213,8 @@ class OnlineRL:
             finally:
                 self.stopping.set()
                 await asyncio.gather(*background)
-            await self.reclaim("final")  # every session is closed now: reclaim every retired version
+            # every session is closed now: the last reclaim takes every retired version
+            await self.publishing.close()
             await self.sample()
             final = {v.lora_name: v.state.value for v in self.reg.status().versions}
             unloads = await self.count_unloads(final)
@@ -312,8 +235,8 @@ class OnlineRL:
             cohort=list(self.cohort),
             episodes=sorted(self.pool.episodes, key=lambda e: e.index),
             steps=self.steps,
-            publications=self.publications,
-            reclaims=self.reclaims,
+            publications=self.publishing.publications,
+            reclaims=self.publishing.reclaims,
             slots=self.slots,
             versions=dict(self.versions),
             final_states=final,

@@ -20,6 +20,7 @@ from examples.online_rl.reward import digit_token_ids, episode_reward, is_digit_
 from examples.online_rl.rollout import Episode, Turn  # noqa: E402
 from examples.online_rl.task import prompt_of, tool_latency  # noqa: E402
 from examples.online_rl.trainer import StepStats, group_advantages  # noqa: E402
+from relax_glue.step_publisher import PUBLISHED, PublicationRecord, ReclaimRecord  # noqa: E402
 
 # ------------------------------------------------------------------------------ reward
 
@@ -110,6 +111,7 @@ def _stats(step: int) -> StepStats:
 
 def _record(**changes: object) -> rp.RunRecord:
     v0, v1 = "lora@e-step0-aa", "lora@e-step1-bb"
+    unloaded = {"E0": "UNLOADED", "E1": "UNLOADED"}
     rec = rp.RunRecord(
         config={"workers": 1, "seed": 0},
         capacity=2,
@@ -117,10 +119,10 @@ def _record(**changes: object) -> rp.RunRecord:
         episodes=[_episode(0, v0, 0), _episode(1, v0, 0, staleness=1), _episode(2, v1, 1)],
         steps=[rp.StepRecord(_stats(1), 0.0, 1.0, 2, 0, [0, 1], {0: 2}, 1)],
         publications=[
-            rp.Publication(0, "step0", v0, rp.PUBLISHED, 1, [], 0.0, 0, 0.0, 0.1, 0.1),
-            rp.Publication(1, "step1", v1, rp.PUBLISHED, 3, ["CAPACITY_ERROR"] * 2, 0.4, 0, 0.9, 1.4, 0.1),
+            PublicationRecord(0, "step0", v0, PUBLISHED, 1, (), 0.0, 0, 0.0, 0.1, 0.1),
+            PublicationRecord(1, "step1", v1, PUBLISHED, 3, ("CAPACITY_ERROR",) * 2, 0.4, 0, 0.9, 1.4, 0.1),
         ],
-        reclaims=[rp.Reclaim(0, v0, "episode closed", True, {"E0": "UNLOADED", "E1": "UNLOADED"}, 2.0, 2.1)],
+        reclaims=[ReclaimRecord(0, "step0", v0, "episode closed", True, unloaded, 2.0, 2.1)],
         slots=[rp.SlotSample(0.0, 1, {"E0": 1, "E1": 1}), rp.SlotSample(1.0, 2, {"E0": 2, "E1": 2})],
         versions={v0: 0, v1: 1},
         final_states={v0: "RECLAIMED", v1: "PUBLISHED"},
@@ -158,7 +160,12 @@ def test_a_clean_run_holds_every_invariant() -> None:
             lambda r: r.failed_requests.append({"op": "generate", "outcome": "refused:VERSION_RECLAIMED"}),
             "no request failed",
         ),
-        (lambda r: r.publications[1].refusals.append("CONFLICT"), "no request failed"),
+        (
+            lambda r: r.publications.__setitem__(
+                1, dataclasses.replace(r.publications[1], refusals=(*r.publications[1].refusals, "CONFLICT"))
+            ),
+            "no request failed",
+        ),
         (lambda r: r.forbidden_calls.append({"path": "/pause_generation"}), "no pause"),
         (lambda r: r.unloads["lora@e-step0-aa"].update(E1=2), "unloaded exactly once"),
         (lambda r: r.unloads["lora@e-step1-bb"].update(E0=1), "unloaded exactly once"),
