@@ -17,9 +17,10 @@ from typing import Any
 
 from examples.online_rl.rollout import Episode
 from examples.online_rl.trainer import StepStats
+from lora_contract.errors import ErrorCode
 from relax_glue.step_publisher import PUBLISHED, SKIPPED, PublicationRecord, ReclaimRecord
 
-CAPACITY_ERROR = "CAPACITY_ERROR"
+CAPACITY_ERROR = ErrorCode.CAPACITY_ERROR.value  # the one refusal the policy answers
 
 
 @dataclasses.dataclass
