@@ -24,6 +24,15 @@ def stock_engine(engine_farm: dict):
     return engine_farm["stock"]
 
 
+@pytest.fixture(scope="session")
+def snaps(fixtures: Fixtures) -> dict:
+    """Every fixture adapter (A, B, C, rank16) as the engine tests send it (tests/_snapshots.py),
+    by name. Snapshots are frozen, so one set serves the whole session."""
+    from _snapshots import snapshot_of  # imports torch: paid only by the runs that use snaps
+
+    return {name: snapshot_of(fixtures.adapter_dir(name)) for name in fixtures.adapter_names}
+
+
 @pytest.fixture(scope="module")
 def other_base_engine(fixtures: Fixtures, run_dir: Path):
     """A plugin engine whose base model has the cohort's shape, config and tokenizer but other

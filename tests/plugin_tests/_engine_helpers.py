@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+from _snapshots import snapshot_of as snapshot_of  # re-exported: the engine tests import it here
 
 from lora_contract.protocol import BeginRequest, ReceiveBucketMeta, Routes
 from lora_versions_dev.engine_log import await_unload_lines, unload_lines
@@ -25,11 +26,6 @@ _ids = itertools.count(1)
 
 def new_version_id() -> str:
     return f"v{next(_ids)}x{uuid.uuid4().hex[:6]}"
-
-
-def snapshot_of(adapter_dir: Path, max_bucket_bytes: int = 16 * 1024) -> Snapshot:
-    # A small cap so the tiny fixture adapter travels in several ordered buckets.
-    return Snapshot.from_peft_dir(adapter_dir, max_bucket_bytes=max_bucket_bytes)
 
 
 class Staged:
@@ -125,6 +121,20 @@ def generate(
         body["lora_path"] = lora
     body.update(extra)
     return httpx.post(f"{url}/generate", json=body, timeout=120)
+
+
+def stock_output_ids(stock_url: str, adapter_dir: Path, ref_name: str, input_ids: list[int]) -> list[int]:
+    """The greedy output of ``adapter_dir`` as SGLang's own ``/load_lora_adapter`` serves it on
+    the stock engine (under ``ref_name``, unloaded again): what a publication must equal."""
+    ref = httpx.post(
+        f"{stock_url}/load_lora_adapter",
+        json={"lora_name": ref_name, "lora_path": str(adapter_dir)},
+        timeout=120,
+    )
+    assert ref.status_code == 200, ref.text
+    expected = generate(stock_url, input_ids, ref_name).json()["output_ids"]
+    httpx.post(f"{stock_url}/unload_lora_adapter", json={"lora_name": ref_name}, timeout=120)
+    return expected
 
 
 def in_flight(url: str, name: str) -> int | None:

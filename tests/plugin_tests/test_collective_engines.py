@@ -26,8 +26,8 @@ from _engine_helpers import (
     error_code,
     generate,
     new_version_id,
-    snapshot_of,
     status,
+    stock_output_ids,
     versions,
     visible_state,
 )
@@ -38,11 +38,6 @@ from lora_versions_dev.farm import PROMPT
 pytestmark = pytest.mark.engine
 
 HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture(scope="module")
-def snaps(fixtures) -> dict:
-    return {name: snapshot_of(fixtures.adapter_dir(name)) for name in ("A", "B")}
 
 
 @pytest.fixture(scope="module")
@@ -146,14 +141,7 @@ def cleaned_and_serving(trainers, engine, s: Staged, snap, cleanup_after, *, new
 def test_collective_publication_on_two_engines_equals_http(
     engines, stock_engine, trainers, snaps, fixtures, a_sessions, cleanup_after
 ):
-    ref = httpx.post(
-        f"{stock_engine.url}/load_lora_adapter",
-        json={"lora_name": "ref-B-collective", "lora_path": str(fixtures.adapter_dir("B"))},
-        timeout=120,
-    )
-    assert ref.status_code == 200, ref.text
-    expected = generate(stock_engine.url, PROMPT, "ref-B-collective").json()["output_ids"]
-    httpx.post(f"{stock_engine.url}/unload_lora_adapter", json={"lora_name": "ref-B-collective"}, timeout=120)
+    expected = stock_output_ids(stock_engine.url, fixtures.adapter_dir("B"), "ref-B-collective", PROMPT)
     assert len(snaps["B"].bucket_plan) > 1
 
     version_id = new_version_id()

@@ -39,11 +39,6 @@ MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
-def snaps(fixtures) -> dict:
-    return {name: snapshot_of(fixtures.adapter_dir(name)) for name in ("A", "B")}
-
-
-@pytest.fixture(scope="module")
 def ref_tokens(fixtures):
     def tokens(adapter_dir: Path) -> list[int]:
         return reference.greedy_tokens(fixtures.model_dir, adapter_dir, PROMPT, MAX_NEW)

@@ -25,8 +25,8 @@ from _engine_helpers import (
     generate,
     loaded_lora_ids,
     post,
-    snapshot_of,
     status,
+    stock_output_ids,
     unload_log_count_after,
     versions,
     visible_state,
@@ -39,12 +39,6 @@ from lora_versions_dev.launcher import DEV_LORA_SLOTS
 pytestmark = pytest.mark.engine
 
 
-
-@pytest.fixture(scope="module")
-def snaps(fixtures) -> dict:
-    return {name: snapshot_of(fixtures.adapter_dir(name)) for name in ("A", "B", "C", "rank16")}
-
-
 def assert_publication_still_works(url: str, snap, cleanup_after: list) -> None:
     s = Staged(url, snap)
     cleanup_after.append(s)
@@ -54,14 +48,7 @@ def assert_publication_still_works(url: str, snap, cleanup_after: list) -> None:
 def test_happy_path_equals_stock_load_of_the_same_adapter(
     engines, stock_engine, snaps, fixtures, cleanup_after
 ):
-    ref = httpx.post(
-        f"{stock_engine.url}/load_lora_adapter",
-        json={"lora_name": "ref-B", "lora_path": str(fixtures.adapter_dir("B"))},
-        timeout=120,
-    )
-    assert ref.status_code == 200, ref.text
-    expected = generate(stock_engine.url, PROMPT, "ref-B").json()["output_ids"]
-    httpx.post(f"{stock_engine.url}/unload_lora_adapter", json={"lora_name": "ref-B"}, timeout=120)
+    expected = stock_output_ids(stock_engine.url, fixtures.adapter_dir("B"), "ref-B", PROMPT)
     # B must change the output, or serving the base model would "equal" the stock load too
     assert generate(stock_engine.url, PROMPT).json()["output_ids"] != expected
     assert len(snaps["B"].bucket_plan) > 1, "the fixture must travel in several buckets"

@@ -19,7 +19,6 @@ from _engine_helpers import (
     generate,
     in_flight,
     reclaim,
-    snapshot_of,
     unload_log_count,
     versions,
     wait_in_flight,
@@ -29,12 +28,6 @@ from lora_versions_dev import reference
 from lora_versions_dev.farm import PROMPT
 
 pytestmark = pytest.mark.engine
-
-
-
-@pytest.fixture(scope="module")
-def snaps(fixtures) -> dict:
-    return {name: snapshot_of(fixtures.adapter_dir(name)) for name in ("A", "B", "C")}
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _snapshots import snapshot_of as snapshot_of  # re-exported: the engine tests import it here
 
 from lora_contract import protocol
 from lora_versions_dev.farm import ADMIN_KEY
@@ -30,10 +31,8 @@ from relax_glue.publisher import Publisher, PublishResult
 from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.registry_types import VersionKey, VersionState
 from relax_glue.sessions import Session, SessionManager
-from relax_glue.snapshot import Snapshot
 
 PREFIX = protocol.DEFAULT_LORA_PREFIX
-BUCKET_CAP = 16 * 1024  # small, so the tiny fixture adapters travel in several ordered buckets
 PROMPTS: tuple[tuple[int, ...], ...] = (
     (302, 356, 417, 494, 439),  # "The quick brown"
     (2, 87, 82, 293, 202, 90, 72, 492, 313),  # "<|im_start|>tool\nweather ..."
@@ -76,10 +75,6 @@ def new_epoch() -> str:
 
 def greedy(n: int) -> dict[str, Any]:
     return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
-
-
-def snapshot_of(adapter_dir: Path) -> Snapshot:
-    return Snapshot.from_peft_dir(adapter_dir, max_bucket_bytes=BUCKET_CAP)
 
 
 def make_clients(
@@ -428,7 +423,7 @@ async def wait_until(pred: Callable[[], Any], timeout_s: float = 60.0, what: str
         await asyncio.sleep(0.05)
 
 
-class World:
+class Deployment:
     """One test's deployment: a registry of its own epoch, real clients for E0/E1, the
     publisher, the session manager and the stock baselines. ``async with`` tears it down:
     sessions closed, every managed version of this epoch removed from the engines."""
@@ -510,7 +505,7 @@ class World:
     async def status(self) -> Any:
         return await self.reg_call("status")
 
-    async def __aenter__(self) -> World:
+    async def __aenter__(self) -> Deployment:
         # The contract between modules sharing E0/E1: nobody leaves a managed version behind.
         live = await live_versions(self.clients)
         for engine, names in live.items():

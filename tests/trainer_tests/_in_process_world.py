@@ -2,7 +2,7 @@
 (``_rg_helpers.Checked``), ``_fake_engine`` engines behind REAL ``EngineClient``s, the REAL
 publisher and, where a test wants one, the REAL session manager. One builder, the variations as
 parameters; each test module subclasses it with its own views (the snapshots it publishes, what
-it reads back). The real-engine deployment is ``_e2e_helpers.World``, a different thing."""
+it reads back). The deployment on real engines is ``_e2e_helpers.Deployment``, a different thing."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import os
 import signal
 
 import pytest
-from _e2e_helpers import PROMPTS, World, begins_for, engine_versions, greedy, new_epoch, snapshot_of
+from _e2e_helpers import PROMPTS, Deployment, begins_for, engine_versions, greedy, new_epoch, snapshot_of
 
 from lora_contract.errors import ErrorCode
 from lora_contract.protocol import EngineVersionState as S
@@ -39,9 +39,10 @@ TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def snaps(fixtures, tmp_path_factory) -> dict:
-    """Five distinct adapters: the fixtures' A, B, C and two more from other seeds."""
-    out = {name: snapshot_of(fixtures.adapter_dir(name)) for name in ("A", "B", "C")}
+def snaps(snaps, fixtures, tmp_path_factory) -> dict:
+    """Five distinct adapters: the fixtures' A, B, C (the shared ``snaps``) and two more from
+    other seeds."""
+    out = {name: snaps[name] for name in ("A", "B", "C")}
     config = json.loads((fixtures.model_dir / "config.json").read_text())
     root = tmp_path_factory.mktemp("adapters")
     for name, seed in (("D", 505), ("F", 606)):
@@ -58,7 +59,7 @@ async def _turn(s, prompt) -> list[int]:
     return list(out["output_ids"])
 
 
-# K = 2 runs the same path in test_lifecycle_e2e (the restart after commit restores both live
+# K = 2 runs the same path in test_publication_lifecycle_engines (the restart after commit restores both live
 # versions) and in every publication test; K = 4 is what this module adds.
 @pytest.mark.parametrize("k", [4])
 async def test_k_live_versions_refuse_the_next_survive_a_restart_and_reclaim_once(
@@ -68,7 +69,7 @@ async def test_k_live_versions_refuse_the_next_survive_a_restart_and_reclaim_onc
     store = SnapshotStore(tmp_path / "snapshots")
     epoch = new_epoch()
     registry = LoRAVersionRegistry(epoch, COHORT, capacity=k)
-    async with World(
+    async with Deployment(
         (engines[0], e2), stock_engine, fixtures, registry=registry, epoch=epoch, cohort=COHORT, store=store
     ) as w:
         restores: list[str] = []
@@ -143,7 +144,7 @@ async def test_a_registry_of_k_4_refuses_a_cohort_engine_with_fewer_slots(
     naming both engines, with nothing reserved and no begin sent."""
     epoch = new_epoch()
     registry = LoRAVersionRegistry(epoch, ("E0", "E1"), capacity=5)
-    async with World(engines, stock_engine, fixtures, registry=registry, epoch=epoch) as w:
+    async with Deployment(engines, stock_engine, fixtures, registry=registry, epoch=epoch) as w:
         r = await w.publish(snaps, "A")
         assert r.outcome is PublishOutcome.REFUSED and r.error.code is ErrorCode.CAPACITY_MISMATCH
         assert r.error.details["engine_capacity"] == {"E0": 4, "E1": 4}

@@ -24,11 +24,10 @@ import pytest
 from _e2e_helpers import (
     PROMPTS,
     TOOL_IDS,
-    World,
+    Deployment,
     abort_and_resume,
     assert_clean_audit,
     greedy,
-    snapshot_of,
     turn,
     write_json,
 )
@@ -50,15 +49,10 @@ def gateway(engines, run_dir):
         yield gw
 
 
-@pytest.fixture(scope="module")
-def snaps(fixtures) -> dict:
-    return {name: snapshot_of(fixtures.adapter_dir(name)) for name in ("A", "B")}
-
-
 async def test_sessions_through_the_gateway_stay_on_one_engine_with_their_exact_version(
     engines, stock_engine, fixtures, snaps, gateway, run_dir
 ) -> None:
-    async with World(engines, stock_engine, fixtures, gateway=gateway.url) as w:
+    async with Deployment(engines, stock_engine, fixtures, gateway=gateway.url) as w:
         assert w.gw is not None
         res = await w.publish(snaps, "A")
         assert res.outcome is PublishOutcome.PUBLISHED, res
@@ -144,7 +138,7 @@ async def test_groups_of_completions_through_the_gateway_share_one_engine_and_on
     A), and after close and reclaim the engines' native counts are 0 and A is unloaded."""
     g = 4
     prompt = [*PROMPTS[2], *PROMPTS[3], *PROMPTS[0]]  # fresh in every cache of this module
-    async with World(engines, stock_engine, fixtures, gateway=gateway.url) as w:
+    async with Deployment(engines, stock_engine, fixtures, gateway=gateway.url) as w:
         assert w.gw is not None
         assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED
         one = await w.sm.open("one")

@@ -1,5 +1,5 @@
 """Restoring live versions onto a restarted engine (pure logic; the real-engine proof is in
-test_lifecycle_e2e.py).
+test_publication_lifecycle_engines.py).
 
 Engines are ``_fake_engine.FakeEngine`` doubles running the plugin's real routes and version
 table behind the REAL ``EngineClient``; the registry is the REAL one (``Checked``: invariants

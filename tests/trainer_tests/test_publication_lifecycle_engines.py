@@ -23,9 +23,9 @@ from _e2e_helpers import (
     COHORT,
     PROMPTS,
     TOOL_IDS,
+    Deployment,
     Gate,
     Interceptor,
-    World,
     abort_and_resume,
     assert_clean_audit,
     begins_for,
@@ -36,7 +36,6 @@ from _e2e_helpers import (
     lose_bucket,
     new_epoch,
     reach,
-    snapshot_of,
     turn,
     vstate,
     wait_until,
@@ -57,11 +56,6 @@ pytestmark = pytest.mark.engine
 S = protocol.EngineVersionState
 
 
-@pytest.fixture(scope="module")
-def snaps(fixtures) -> dict:
-    return {name: snapshot_of(fixtures.adapter_dir(name)) for name in ("A", "B", "C")}
-
-
 # =============================================================================== RFC 3.4
 
 
@@ -74,7 +68,7 @@ async def test_rfc34_happy_path_step_by_step(
     B; S_old / S_mid go on with tool turns, a retry and an abort/resume, all on A; every token
     stream equals the stock single-version baseline for its full prefix. The same with the
     buckets over each engine's collective group (gloo)."""
-    async with World(engines, stock_engine, fixtures, transport=transport) as w:
+    async with Deployment(engines, stock_engine, fixtures, transport=transport) as w:
         e1 = w.wrap("E1", Interceptor(w.clients["E1"]))
         tx, N = w.tx, 8
 
@@ -223,7 +217,7 @@ async def test_rfc52_capacity_refusal_then_safe_reclaim_through_the_ray_actor(
     handle = start_registry_actor(epoch, COHORT, publisher_token=token)
     try:
         registry = AsyncRegistryClient.for_actor(handle, publisher_token=token)
-        async with World(engines, stock_engine, fixtures, registry=registry, epoch=epoch) as w:
+        async with Deployment(engines, stock_engine, fixtures, registry=registry, epoch=epoch) as w:
             tx, N = w.tx, 6
             assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED
             name_a = w.name_of["A"]
@@ -356,7 +350,7 @@ async def test_rfc52_capacity_refusal_then_safe_reclaim_through_the_ray_actor(
 # ======================================================================= partial failure
 
 
-async def a_traffic(w: World, sessions: list[Session], until: asyncio.Task, n: int = 6) -> int:
+async def a_traffic(w: Deployment, sessions: list[Session], until: asyncio.Task, n: int = 6) -> int:
     """Tool turns on every A session until ``until`` is done, then one more each."""
     turns = 0
     prefixes = {s.name: list(PROMPTS[i % len(PROMPTS)]) for i, s in enumerate(sessions)}
@@ -377,7 +371,7 @@ async def test_partial_failure_on_e1_cleans_both_engines_and_leaves_a_alone(
     at end (a bucket lost in transport: end refuses with MANIFEST_MISMATCH, and the first
     cleanup on E1 is not confirmed): the default never moves, the candidate is cleaned on both
     engines, its slot is freed only once both confirmed, and A's sessions are unaffected."""
-    async with World(engines, stock_engine, fixtures) as w:
+    async with Deployment(engines, stock_engine, fixtures) as w:
         assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED
         name_a = w.name_of["A"]
         sessions = [await w.sm.open(f"SA{i}") for i in range(2)]  # one per engine
@@ -449,7 +443,7 @@ async def test_ambiguous_outcome_holds_the_slot_until_resolved(
     first a bucket reply during A's bootstrap, then B's end reply. The slot stays held, nothing is
     cleaned or freed on a guess, no new publication starts; resolve() asks E1 and the protocol
     goes on to commit. Over the collective transport the resolution sends no bucket twice."""
-    async with World(engines, stock_engine, fixtures, transport=transport) as w:
+    async with Deployment(engines, stock_engine, fixtures, transport=transport) as w:
         # --- bootstrap A; E1's first bucket reply is lost
         fic = w.wrap("E1", FaultInjectingClient(w.clients["E1"]).drop_reply("receive_bucket", 1))
         res = await w.publish(snaps, "A")
@@ -537,7 +531,7 @@ async def test_live_traffic_keeps_decoding_on_both_engines_during_publication(
     """8 A-bound sessions stream on E0/E1 while B is published: tokens keep arriving on both
     engines during the publication, no request fails, no pause/flush/abort-all; the largest gap
     between tokens during the publication is reported next to the same run's gap without."""
-    async with World(engines, stock_engine, fixtures) as w:
+    async with Deployment(engines, stock_engine, fixtures) as w:
         assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED
         name_a = w.name_of["A"]
         sessions = [await w.sm.open(f"L{i}") for i in range(8)]
@@ -632,7 +626,7 @@ async def test_a_cohort_of_three_engines_publishes_serves_and_reclaims(
     and equal the baselines; once they close, A is reclaimed with one unload per engine."""
     e2 = await asyncio.to_thread(spare_engine.take)
     cohort = ("E0", "E1", "E2")
-    async with World((*engines, e2), stock_engine, fixtures, cohort=cohort) as w:
+    async with Deployment((*engines, e2), stock_engine, fixtures, cohort=cohort) as w:
         res_a = await w.publish(snaps, "A")
         assert res_a.outcome is PublishOutcome.PUBLISHED
         assert w.reg.version(w.key("A")).attempt_phases == dict.fromkeys(cohort, AttemptPhase.READY)
@@ -666,7 +660,7 @@ async def test_engine_restart_between_ready_and_commit_is_not_committed_until_re
     from lora_versions_dev.launcher import start_engine, stop_engine
 
     e2 = await asyncio.to_thread(spare_engine.take)
-    async with World((engines[0], e2), stock_engine, fixtures, cohort=("E0", "E2")) as w:
+    async with Deployment((engines[0], e2), stock_engine, fixtures, cohort=("E0", "E2")) as w:
         assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED
         name_a = w.name_of["A"]
         s_a = {label: await w.sm.open(label) for label in ("SA_E0", "SA_E2")}
@@ -758,7 +752,7 @@ async def test_engine_killed_between_ready_and_commit_blocks_the_commit_until_it
     from lora_versions_dev.launcher import spawn_engine
 
     e2 = await asyncio.to_thread(spare_engine.take)
-    async with World((engines[0], e2), stock_engine, fixtures, cohort=("E0", "E2")) as w:
+    async with Deployment((engines[0], e2), stock_engine, fixtures, cohort=("E0", "E2")) as w:
         assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED
         name_a = w.name_of["A"]
         e2w = w.wrap("E2", Interceptor(w.clients["E2"]))
@@ -819,7 +813,7 @@ async def test_engine_killed_after_commit_serves_its_sessions_exact_versions_aga
 
     e2 = await asyncio.to_thread(spare_engine.take)
     store = SnapshotStore(tmp_path / "snapshots")
-    async with World((engines[0], e2), stock_engine, fixtures, cohort=("E0", "E2"), store=store) as w:
+    async with Deployment((engines[0], e2), stock_engine, fixtures, cohort=("E0", "E2"), store=store) as w:
         reconciles: list[tuple[str, str]] = []
 
         async def restore(engine_id: str, lora_path: str) -> None:
