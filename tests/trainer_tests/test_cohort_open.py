@@ -7,11 +7,10 @@ version's stored snapshot."""
 from __future__ import annotations
 
 import ast
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
-from _fake_engine import Cluster, make_cluster, make_snapshot
+from _fake_engine import make_cluster, make_snapshot
+from _in_process_world import FAST_RECLAIM
 from _rg_helpers import EPOCH, new_registry, sk
 
 from relax_glue.cohort import Cohort
@@ -39,29 +38,21 @@ def test_only_cohort_open_builds_the_publisher_the_reclaimer_and_the_reconciler(
     assert sorted(c.split()[-1] for c in found) == sorted(DRIVERS)
 
 
-@pytest.fixture
-async def cluster() -> AsyncIterator[Cluster]:
-    c = make_cluster()
-    yield c
-    await c.aclose()
-
-
-async def test_the_three_drivers_share_the_one_cohort(cluster: Cluster, tmp_path: Path) -> None:
-    cohort = Cohort.open(new_registry(), cluster.clients, store=SnapshotStore(tmp_path))
+async def test_the_three_drivers_share_the_one_cohort(tmp_path: Path) -> None:
+    clients = make_cluster().clients
+    cohort = Cohort.open(new_registry(), clients, store=SnapshotStore(tmp_path))
     assert cohort.reconciler is not None
     for driver in (cohort.publisher, cohort.reclaimer, cohort.reconciler):
         assert driver.cohort is cohort and driver.registry is cohort.registry
         assert driver._incarnations is cohort.incarnations
     assert cohort.publisher._lock is cohort.publication_lock and cohort.reclaimer.lock is cohort.reclaim_lock
     assert cohort.publisher.reclaimer is cohort.reclaimer and cohort.publisher.reconciler is cohort.reconciler
-    assert Cohort.open(new_registry(), cluster.clients).reconciler is None  # no store: no restore
+    assert Cohort.open(new_registry(), clients).reconciler is None  # no store: no restore
 
 
-async def test_a_reclaim_through_the_cohort_drops_the_reclaimed_snapshot(
-    cluster: Cluster, tmp_path: Path
-) -> None:
+async def test_a_reclaim_through_the_cohort_drops_the_reclaimed_snapshot(tmp_path: Path) -> None:
     reg, store = new_registry(), SnapshotStore(tmp_path)
-    cohort = Cohort.open(reg, cluster.clients, store=store, reclaim_wait_s=0.05, reclaim_poll_s=0.01)
+    cohort = Cohort.open(reg, make_cluster().clients, store=store, **FAST_RECLAIM)
     a, b = make_snapshot(seed=1), make_snapshot(seed=2)
     assert (await cohort.publisher.publish(a, "A")).ok
     reg.bind_first(sk("S0"))

@@ -9,15 +9,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from _fake_engine import Cluster, make_cluster, make_snapshot
+from _fake_engine import make_snapshot
+from _in_process_world import FAST_RECLAIM, InProcessWorld
 from _rg_helpers import EPOCH, new_registry, sk
 
 from relax_glue.backpressure import StalenessPolicy
-from relax_glue.publisher import Publisher
 from relax_glue.step_publisher import FAILED, PUBLISHED, RAISED, SKIPPED, StepPublisher
 
 SNAP = {name: make_snapshot(seed=i) for i, name in enumerate("ABCD")}
@@ -47,16 +46,15 @@ class Counted:
         return status
 
 
-class Steps:
+class Steps(InProcessWorld):
     """A cohort with versions A (step 0) and B (step 1) published and A held by session S0:
-    both slots are in use, so the next publication is refused for capacity."""
+    both slots are in use, so the next publication is refused for capacity. ``reg`` counts the
+    registry's status reads."""
 
-    def __init__(self, cluster: Cluster, policy: StalenessPolicy, tick: float) -> None:
-        self.reg = new_registry(capacity=2)
-        self.counted = Counted(self.reg)
-        self.cluster = cluster
+    def __init__(self, policy: StalenessPolicy, tick: float) -> None:
+        super().__init__(registry=Counted(new_registry(capacity=2)), publisher_options=FAST_RECLAIM)
         self.now = 0.0
-        pub = Publisher.open(self.counted, cluster.clients, reclaim_wait_s=0.05, reclaim_poll_s=0.01)
+        pub = self.pub
         self.reclaim_runs = 0
         reclaim_ready = pub.reclaim_ready
 
@@ -76,13 +74,6 @@ class Steps:
         assert self.reg.status().slots_used == 2
 
 
-@pytest.fixture
-async def cluster() -> AsyncIterator[Cluster]:
-    c = make_cluster()
-    yield c
-    await c.aclose()
-
-
 async def waiting_for_slot(steps: Steps, runs_before: int) -> None:
     """Until the publication waits for a slot: it ran its reclaim before publishing and the
     one of the capacity wait."""
@@ -92,19 +83,17 @@ async def waiting_for_slot(steps: Steps, runs_before: int) -> None:
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["waiter_reclaims", "background_reclaims"])
-async def test_a_reclaim_that_frees_a_slot_wakes_the_waiting_publication(
-    cluster: Cluster, background: bool
-) -> None:
+async def test_a_reclaim_that_frees_a_slot_wakes_the_waiting_publication(background: bool) -> None:
     # a stuck clock: the policy's wait (30 s) never runs out; only the event can end it
-    steps = Steps(cluster, StalenessPolicy(max_staleness=2, reclaim_wait_s=30.0), tick=0.0)
+    steps = Steps(StalenessPolicy(max_staleness=2, reclaim_wait_s=30.0), tick=0.0)
     await steps.fill()
     if background:
         steps.sp.start()
     task = asyncio.create_task(steps.sp.publish_step(SNAP["C"], 2, "C"))
     await waiting_for_slot(steps, steps.reclaim_runs)
-    runs, reads = steps.reclaim_runs, steps.counted.calls["status"]
+    runs, reads = steps.reclaim_runs, steps.reg.calls["status"]
     await asyncio.sleep(0.3)  # a poll would read the registry and reclaim in here
-    assert (steps.reclaim_runs, steps.counted.calls["status"]) == (runs, reads)
+    assert (steps.reclaim_runs, steps.reg.calls["status"]) == (runs, reads)
 
     t = time.monotonic()
     steps.reg.close_and_release(sk("S0"))
@@ -122,12 +111,11 @@ async def test_a_reclaim_that_frees_a_slot_wakes_the_waiting_publication(
     assert set(freed[0].engines.values()) == {"UNLOADED"}
     assert steps.reg.status().default.version_id == "C"
     await steps.sp.close()
+    steps.assert_no_stop_the_world()
 
 
-async def test_a_step_is_skipped_after_the_reclaim_wait_while_the_engines_are_within_the_lag(
-    cluster: Cluster,
-) -> None:
-    steps = Steps(cluster, StalenessPolicy(max_staleness=2, reclaim_wait_s=0.005), tick=0.01)
+async def test_a_step_is_skipped_after_the_reclaim_wait_while_the_engines_are_within_the_lag() -> None:
+    steps = Steps(StalenessPolicy(max_staleness=2, reclaim_wait_s=0.005), tick=0.01)
     await steps.fill()
     rec = await steps.sp.publish_step(SNAP["C"], 2, "C")
     assert rec.outcome == SKIPPED and rec.lora_name is None and rec.code == CAPACITY_ERROR
@@ -136,9 +124,9 @@ async def test_a_step_is_skipped_after_the_reclaim_wait_while_the_engines_are_wi
     assert steps.reg.status().default.version_id == "B"
 
 
-async def test_a_required_publication_waits_within_the_forced_bound_then_fails(cluster: Cluster) -> None:
+async def test_a_required_publication_waits_within_the_forced_bound_then_fails() -> None:
     policy = StalenessPolicy(max_staleness=2, reclaim_wait_s=0.005, forced_wait_s=0.03)
-    steps = Steps(cluster, policy, tick=0.01)
+    steps = Steps(policy, tick=0.01)
     await steps.fill()
     # within the lag, and still not skipped: required
     rec = await steps.sp.publish_step(SNAP["C"], 2, "C", required=True)
@@ -150,8 +138,8 @@ async def test_a_required_publication_waits_within_the_forced_bound_then_fails(c
     assert steps.reg.status().default.version_id == "B"
 
 
-async def test_the_records_say_every_publication_in_order(cluster: Cluster) -> None:
-    steps = Steps(cluster, StalenessPolicy(max_staleness=2, reclaim_wait_s=0.005), tick=0.01)
+async def test_the_records_say_every_publication_in_order() -> None:
+    steps = Steps(StalenessPolicy(max_staleness=2, reclaim_wait_s=0.005), tick=0.01)
     await steps.fill()
     await steps.sp.publish_step(SNAP["C"], 2, "C")  # skipped
     steps.reg.close_and_release(sk("S0"))
@@ -168,8 +156,8 @@ async def test_the_records_say_every_publication_in_order(cluster: Cluster) -> N
     assert all(p.t_start <= p.t_end for p in steps.sp.publications)
 
 
-async def test_a_publisher_that_raises_is_recorded_and_raised(cluster: Cluster) -> None:
-    steps = Steps(cluster, StalenessPolicy(), tick=0.0)
+async def test_a_publisher_that_raises_is_recorded_and_raised() -> None:
+    steps = Steps(StalenessPolicy(), tick=0.0)
 
     async def unreachable(*args: Any, **kwargs: Any) -> Any:
         raise ConnectionError("registry unreachable")
