@@ -6,7 +6,10 @@
 - ``fence_reader_probe``: a log line whenever the fence's reading of the live batches changes;
 - ``scheduler_500_faults``: SGLang's own 500 paths, taken only for rids with a marker suffix;
 - ``prepared_load_probe``: a log line naming the thread of each part of a load and an unload, and
-  a failed preparation for the one load a trigger file marks.
+  a failed preparation for the one load a trigger file marks;
+
+and, in this (main) process where the plugin's native edge runs, ``removal_faults``: a failed
+exact-version probe and a failed physical unload, each for the one call a trigger file marks.
 
 Each only adds log lines or fails only the calls marked for it, so every other test can share
 the engine; the tests that read them run on E1 instead of on an engine of their own. E1 also
@@ -25,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gpu_tests" / "engi
 import fake_transport_shared_file
 import fence_reader_probe
 import prepared_load_probe
+import removal_faults
 import scheduler_500_faults
 import step_fence_probe
 
@@ -43,4 +47,5 @@ def run_scheduler_process_with_probes(*args: Any, **kwargs: Any) -> Any:
 
 if __name__ == "__main__":
     fake_transport_shared_file.register_engine_side()
+    removal_faults.install()
     launch_http_server_with(run_scheduler_process_with_probes)

@@ -4,8 +4,9 @@ it loaded fails too. The refusal is the one 4xx after which the version is not a
 holds the adapter (no unload ran) and never serves it, every repeat of the end answers the same
 and changes nothing, and only the attempt's cleanup removes it, with exactly one unload.
 
-Both faults are injected into the plugin's real native edge inside the engine, each for the one
-call a trigger file marks (tests/engine_wrappers/sglang_with_failing_removal.py)."""
+Both faults are injected into the plugin's real native edge inside the shared engine E1, each for
+the one call a trigger file marks (tests/engine_wrappers/removal_faults.py, installed by E1's
+wrapper and off until a test marks a call): no engine of its own."""
 
 from __future__ import annotations
 
@@ -25,45 +26,35 @@ from _engine_helpers import (
     visible_state,
 )
 
-from lora_versions_dev.farm import PROMPT
-from lora_versions_dev.launcher import EngineSpec, running_engines
+from lora_versions_dev.farm import PROMPT, local_source_dir
 
 pytestmark = pytest.mark.engine
 
-WRAPPERS = Path(__file__).parents[1] / "engine_wrappers"
-sys.path.insert(0, str(WRAPPERS))
-from sglang_with_failing_removal import FAIL_NEXT_PROBE, FAIL_NEXT_UNLOAD, FAULT_DIR_ENV  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine_wrappers"))
+from removal_faults import FAIL_NEXT_PROBE, FAIL_NEXT_UNLOAD, trigger_path  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def faulty(fixtures, run_dir, tmp_path_factory):
-    faults = tmp_path_factory.mktemp("removal-faults")
-    spec = EngineSpec(
-        name="removal-faults",
-        model_path=fixtures.model_dir,
-        log_path=run_dir / "removal-faults.log",
-        command_prefix=[sys.executable, str(WRAPPERS / "sglang_with_failing_removal.py")],
-        env={FAULT_DIR_ENV: str(faults)},
-    )
-    with running_engines([spec]) as (engine,):
-        yield engine, faults
-
-
-def test_an_end_whose_removal_fails_says_failed_and_only_its_cleanup_frees_it(faulty, fixtures):
-    engine, faults = faulty
+def test_an_end_whose_removal_fails_says_failed_and_only_its_cleanup_frees_it(engines, fixtures, run_dir):
+    engine = engines[1]
     url = engine.url
+    triggers = [trigger_path(local_source_dir(run_dir), f) for f in (FAIL_NEXT_PROBE, FAIL_NEXT_UNLOAD)]
     s = Staged(url, snapshot_of(fixtures.adapter_dir("A")))
     assert s.begin().status_code == 200
     for b in s.buckets():
         assert s.send_bucket(b).status_code == 200
-    (faults / FAIL_NEXT_PROBE).touch()
-    (faults / FAIL_NEXT_UNLOAD).touch()
+    for t in triggers:
+        t.touch()
 
-    r = s.end()
+    try:
+        r = s.end()
+    finally:
+        taken = [t for t in triggers if not t.exists()]
+        for t in triggers:
+            t.unlink(missing_ok=True)  # a fault left untaken must not hit a later test on E1
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert error["code"] == "LOAD_FAILED" and error["state"] == "FAILED", error
-    assert not list(faults.iterdir()), "both faults were taken, by the real calls"
+    assert taken == triggers, "both faults were taken, by the real calls"
     leftover = error["leftover_lora_id"]
     v = versions(url)[s.name]
     assert v["state"] == "FAILED" and v["lora_id"] == leftover and v["pinned"], v
