@@ -20,6 +20,7 @@ from _optional import optional_module
 
 ray = optional_module("ray", "ray", "ray")
 
+from _local_ray import local_ray  # noqa: E402
 from _rg_helpers import ENGINES, EPOCH, Publisher, async_scenario, refused, sk, vk  # noqa: E402
 
 from lora_contract.errors import ErrorCode, LoraVersionError  # noqa: E402
@@ -36,23 +37,11 @@ from relax_glue.registry import LoRAVersionRegistry  # noqa: E402
 from relax_glue.registry_types import VersionState  # noqa: E402
 from relax_glue.store import DurableRegistry, StoreError, StoreLockedError  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    # Workers must import relax_glue / sglang_ext even when the project is not pip-installed.
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(
-        num_cpus=1,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": path}},
-    )
-    try:
+    with local_ray(ray):
         yield
-    finally:
-        ray.shutdown()
 
 
 def _kill(handle: Any) -> None:

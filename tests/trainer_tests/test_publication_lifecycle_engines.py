@@ -16,7 +16,6 @@ import json
 import statistics
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 from _e2e_helpers import (
@@ -41,6 +40,7 @@ from _e2e_helpers import (
     wait_until,
     write_json,
 )
+from _local_ray import local_ray
 from _optional import optional_module
 
 from lora_contract import protocol
@@ -179,28 +179,11 @@ async def test_rfc34_happy_path_step_by_step(
 
 # =============================================================================== RFC 5.2
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray = optional_module("ray", "ray", "ray")
-    import os
-
-    owned = not ray.is_initialized()
-    if owned:
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        ray.init(
-            num_cpus=1,
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": path}},
-        )
-    try:
+    with local_ray(optional_module("ray", "ray", "ray")) as ray:
         yield ray
-    finally:
-        if owned:
-            ray.shutdown()
 
 
 async def test_rfc52_capacity_refusal_then_safe_reclaim_through_the_ray_actor(
