@@ -316,7 +316,7 @@ def bucket_header(manifest: Manifest, spec: BucketSpec) -> bytes:
 def encode_bucket(tensors: Mapping[str, torch.Tensor], spec: BucketSpec) -> bytes:
     """The safetensors payload of exactly ``spec.tensor_names`` taken from ``tensors``, in the
     canonical layout (:func:`bucket_header`): the same bytes whichever transport carries them."""
-    import torch
+    import torch  # lazy: the contract loads without torch (test_protocol_import_is_light)
 
     missing = [n for n in spec.tensor_names if n not in tensors]
     if missing:
@@ -333,7 +333,7 @@ def encode_bucket(tensors: Mapping[str, torch.Tensor], spec: BucketSpec) -> byte
 def decode_bucket(payload: bytes, *, expected_sha256: str | None = None) -> dict[str, torch.Tensor]:
     """Tensors of a bucket payload. With ``expected_sha256`` the bucket checksum is checked
     first (CHECKSUM_MISMATCH); a payload that is not valid safetensors is INVALID_REQUEST."""
-    from safetensors.torch import load
+    from safetensors.torch import load  # lazy: the contract loads without torch (see encode_bucket)
 
     if expected_sha256 is not None and bucket_checksum(payload) != expected_sha256:
         raise LoraVersionError(ErrorCode.CHECKSUM_MISMATCH, "bucket checksum does not match")

@@ -198,7 +198,7 @@ class CollectiveSender:
 
 
 def _broadcast_bucket(group: Any, frame: Frame, data: memoryview, device: str) -> None:
-    import torch
+    import torch  # lazy heavy import: only a collective transfer needs it
 
     raw = frame.encode()
     assert len(raw) == FRAME_BYTES

@@ -414,7 +414,7 @@ def same_dtype_runs(spans: Sequence[TensorSpan]) -> list[list[TensorSpan]]:
 
 
 def _check_values(raw: memoryview, name: str, dtype: str, shape: tuple[int, ...]) -> None:
-    import torch
+    import torch  # lazy heavy import: only the value check of a received bucket needs it
 
     with warnings.catch_warnings():
         # a taken-over part is mapped read-only, and this tensor is only read

@@ -105,7 +105,7 @@ class Receiver:
         self.emit(Connected())
 
     def expect(self, cmd: Expect) -> None:
-        import torch
+        import torch  # lazy heavy import: only a collective transfer needs it
 
         frame_buf = torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=self.device)
         for bucket in cmd.buckets:
@@ -135,7 +135,7 @@ class Receiver:
         """Receive straight into the staged file's pages, after its header, piece by piece,
         reporting how far it got; within this receiver's per-bucket deadline (the group's
         timeout, counted from the frame), which the engine applies too."""
-        import torch
+        import torch  # lazy heavy import: only a collective transfer needs it
 
         nbytes = bucket.nbytes
         if nbytes == 0:

@@ -16,21 +16,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lora_contract import base_identity
 from lora_contract.names import MANAGED_CAPACITY
 from lora_contract.protocol import COLLECTIVE_TRANSPORT, BaseIdentity, EngineStatus
+from sglang_ext import lora_registry_patch as upstream
 from sglang_ext import settings
+from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
 from sglang_ext.bucket_sources import OutOfBandReceive, ReceiveSetup, build_receives, register_receive
-from sglang_ext.metrics import NO_METRICS, Metrics
+from sglang_ext.metrics import NO_METRICS, Metrics, VersionMetrics
+from sglang_ext.native_lora import NativeLora
 from sglang_ext.plugin_log import log_line
+from sglang_ext.publication import PublicationService
+from sglang_ext.reclaim import ReclaimService
+from sglang_ext.removal import NameLocks
 from sglang_ext.setup_checks import managed_slots
-from sglang_ext.staging import local_source_dir
+from sglang_ext.staging import StagingArea, local_source_dir
+from sglang_ext.version_table import StagingLimits, VersionTable
 
 if TYPE_CHECKING:
     from sglang_ext.native_lora import NativeEdge
-    from sglang_ext.publication import PublicationService
-    from sglang_ext.reclaim import ReclaimService
-    from sglang_ext.staging import StagingArea
-    from sglang_ext.version_table import StagingLimits, VersionTable
 
 ENGINE_VERSION_CAP_BYTES = int(settings.MAX_VERSION_BYTES.default)
 ENGINE_BUCKET_CAP_BYTES = int(settings.MAX_BUCKET_BYTES.default)
@@ -70,14 +74,7 @@ class EngineState:
     local_source_dir: Path | None = field(default_factory=local_source_dir)
 
     def attach(self, server_args: Any, tokenizer_manager: Any) -> None:
-        from sglang_ext import lora_registry_patch as upstream
-        from sglang_ext.native_lora import NativeLora
-        from sglang_ext.staging import StagingArea
-        from sglang_ext.version_table import VersionTable
-
         if upstream.metrics_enabled():
-            from sglang_ext.metrics import VersionMetrics
-
             self.metrics = VersionMetrics(self)  # its per-version series read status() per scrape
         self.native = NativeLora(tokenizer_manager)
         self.base = engine_base(server_args, tokenizer_manager)
@@ -132,9 +129,6 @@ def assemble_engine(
     table, one native edge and ONE lock set (a reclaim and a cleanup of one name must serialise on
     the very same lock; two sets would let them run at once, with no error). ``out_of_band``: the
     receives of the transports other than HTTP this engine serves (none: HTTP only)."""
-    from sglang_ext.publication import NameLocks, PublicationService
-    from sglang_ext.reclaim import ReclaimService
-
     locks = NameLocks()
     state.table, state.native = table, native
     state.publication = PublicationService(table, native, staging, locks, log=log, out_of_band=out_of_band)
@@ -156,9 +150,6 @@ register_receive(COLLECTIVE_TRANSPORT, _collective_receive)
 def engine_base(server_args: Any, tokenizer_manager: Any) -> BaseIdentity:
     """This engine's base model identity (:mod:`lora_contract.base_identity`): files read once, at
     start, from the model's local directory (a few hundred KiB per weight file)."""
-    from lora_contract import base_identity
-    from sglang_ext import lora_registry_patch as upstream
-
     model_path = str(server_args.model_path)
     # both ServerArgs fields are pinned and checked at start (DECLARED_FIELDS): read as they are
     revision = server_args.revision
@@ -177,12 +168,8 @@ def engine_base(server_args: Any, tokenizer_manager: Any) -> BaseIdentity:
 
 
 def staging_limits(server_args: Any, hf_config: Any) -> StagingLimits:
-    from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
-    from sglang_ext.lora_registry_patch import normalized_target_modules
-    from sglang_ext.version_table import StagingLimits
-
     targets = server_args.lora_target_modules
-    normalized = normalized_target_modules(targets) if targets else {"all"}
+    normalized = upstream.normalized_target_modules(targets) if targets else {"all"}
     return StagingLimits(
         managed_capacity=managed_slots(server_args),
         lora=EngineLoraShape(

@@ -36,6 +36,7 @@ from sglang_ext import hook_timing
 from sglang_ext.bucket_receiver import BucketReceiver
 from sglang_ext.bucket_sources import SetupRoute
 from sglang_ext.engine_state import BodyLimits, EngineState, engine_state
+from sglang_ext.lora_registry_patch import admin_optional
 from sglang_ext.plugin_log import log_line
 
 
@@ -276,8 +277,6 @@ def install(app: Any, state: EngineState, guard: Callable[[Any], Any] = lambda e
 
 def mount(app: Any, server_args: Any, tokenizer_manager: Any) -> None:
     """The engine's own mount: every control route ADMIN_OPTIONAL, like SGLang's LoRA endpoints."""
-    from sglang_ext.lora_registry_patch import admin_optional
-
     if getattr(app.state, "lora_versions_mounted", False):
         return
     state = engine_state()
