@@ -9,10 +9,16 @@ forks one child per launch; the child sets ``sys.argv`` and runs ``sglang.launch
 ``run_server``), its output in the launch's own log. A launch that is not refused is killed
 after ``timeout_s`` (it was starting an engine) and reported as such.
 
+A launch may name a ``wrapper``: a Python script that changes something in SGLang and then runs
+``sglang.launch_server`` itself (tests/engine_wrappers/). The child then runs that script as
+``__main__``, as ``python WRAPPER ARGV`` would (its folder first on ``sys.path``), after setting
+the launch's own ``env``: variables the wrapper reads when it runs (never at import: what every
+launch imports is imported before the fork).
+
 Run with the engine's environment (``launcher.build_env``):
 ``python -m lora_versions_dev.forked_launches SPEC.json`` where SPEC.json is a list of
-``{"argv": [...], "log": path}``; prints one JSON line per launch: ``{"log", "exit_code"}``
-(``null``: still running at its timeout).
+``{"argv": [...], "log": path}`` (optional: ``"timeout_s"``, ``"wrapper"``, ``"env"``); prints one
+JSON line per launch: ``{"log", "exit_code"}`` (``null``: still running at its timeout).
 """
 
 from __future__ import annotations
@@ -27,15 +33,21 @@ import time
 TIMEOUT_S = 120.0
 
 
-def _child(argv: list[str], log: str) -> None:
+def _child(argv: list[str], log: str, wrapper: str | None, env: dict[str, str]) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.setsid()  # its own group: a start that was not refused is killed whole
-    sys.argv = ["sglang.launch_server", *argv]
+    os.environ.update(env)
     code = 0
     try:
-        runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+        if wrapper is None:
+            sys.argv = ["sglang.launch_server", *argv]
+            runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [wrapper, *argv]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(wrapper)))
+            runpy.run_path(wrapper, run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # a crash is an exit code to the caller
@@ -72,7 +84,7 @@ def main(spec_path: str) -> None:
     for launch in launches:
         pid = os.fork()
         if pid == 0:
-            _child(launch["argv"], launch["log"])
+            _child(launch["argv"], launch["log"], launch.get("wrapper"), launch.get("env", {}))
         code = _wait(pid, float(launch.get("timeout_s", TIMEOUT_S)))
         if code is None:
             for sig in (signal.SIGTERM, signal.SIGKILL):

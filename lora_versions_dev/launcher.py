@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import random
 import signal
@@ -375,26 +376,35 @@ atexit.register(_LIVE.stop_all)
 
 def refused_launches(specs: Sequence[EngineSpec], timeout_s: float = 120.0) -> dict[str, int | None]:
     """Launch each spec, expecting the plugin to refuse it at start, in one process that imports
-    SGLang once and forks a launch per spec (``lora_versions_dev.forked_launches``). Specs must
-    differ only in their flags (same environment, no wrapper). Returns each spec's exit code by
-    name (None: it was still starting at ``timeout_s``, and was killed)."""
+    SGLang once and forks a launch per spec (``lora_versions_dev.forked_launches``). Specs may
+    differ in their flags, in a wrapper script (``command_prefix``: the Python running it, then
+    the script) and in their own ``env`` (set in the child: variables a wrapper reads when it runs,
+    not at import); everything else of the environment is shared. Returns each spec's exit code
+    by name (None: it was still starting at ``timeout_s``, and was killed)."""
     import json
     import tempfile
 
-    assert specs and all(s.command_prefix is None for s in specs), "a wrapper needs its own process"
-    envs = [build_env(s) for s in specs]
-    assert all(e == envs[0] for e in envs), "forked launches share one environment"
+    assert specs, "nothing to launch"
+    shared = [build_env(dataclasses.replace(s, env={})) for s in specs]
+    assert all(e == shared[0] for e in shared), "forked launches share one environment"
     launches = []
     for s in specs:
-        argv = build_command(s, s.port or free_port())[3:]  # after `python -m sglang.launch_server`
+        prefix = s.command_prefix or (sys.executable, "-m", "sglang.launch_server")
+        assert s.command_prefix is None or (len(prefix) == 2 and prefix[0] == sys.executable), (
+            f"{s.name}: a forked launch's wrapper is a Python script run by this interpreter"
+        )
+        argv = build_command(s, s.port or free_port())[len(prefix) :]
         s.log_path.parent.mkdir(parents=True, exist_ok=True)
-        launches.append({"argv": argv, "log": str(s.log_path), "timeout_s": timeout_s})
+        launch: dict = {"argv": argv, "log": str(s.log_path), "timeout_s": timeout_s, "env": dict(s.env)}
+        if s.command_prefix is not None:
+            launch["wrapper"] = str(prefix[1])
+        launches.append(launch)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(launches, f)
     try:
         out = subprocess.run(
             [sys.executable, "-m", "lora_versions_dev.forked_launches", f.name],
-            env=envs[0],
+            env=shared[0],
             capture_output=True,
             text=True,
             timeout=60 + len(specs) * (timeout_s + 10),

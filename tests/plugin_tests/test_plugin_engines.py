@@ -218,15 +218,25 @@ REFUSED = {
 }
 
 
+# Refused in the scheduler process, not at plugin load (test_a_scheduler_lacking_what_...).
+SCHEDULER_ATTRIBUTE = "scheduler-attribute"
+
+
 @pytest.fixture(scope="module")
 def refused_starts(fixtures, run_dir) -> dict:
-    """Every refused setup: (the exit code, the spec). The setups that differ only in their flags
-    are launched by one process that imports SGLang once and forks each launch
-    (``launcher.refused_launches``: the child runs ``sglang.launch_server`` as ``__main__``, as the
-    command line does); a setup that needs a wrapper of its own is a process of its own."""
+    """Every refused setup: (the exit code, the spec). The setups that differ only in their flags,
+    and the scheduler without its attribute, are launched by one process that imports SGLang once
+    and forks each launch (``launcher.refused_launches``: the child runs ``sglang.launch_server``,
+    or the wrapper that runs it, as ``__main__``, as the command line does); a setup whose wrapper
+    changes what that process already imported (the version, an internal) is a process of its own."""
 
     def spec(case: str) -> EngineSpec:
-        overrides, _ = REFUSED[case]
+        if case == SCHEDULER_ATTRIBUTE:
+            overrides = {
+                "command_prefix": [sys.executable, str(WRAPPERS / "sglang_without_scheduler_attribute.py")]
+            }
+        else:
+            overrides, _ = REFUSED[case]
         return EngineSpec(
             name=f"refused-{case}",
             model_path=fixtures.model_dir,
@@ -250,9 +260,10 @@ def refused_starts(fixtures, run_dir) -> dict:
     flags_only = [c for c in REFUSED if c not in wrapped]
     with ThreadPoolExecutor(max_workers=1) as pool:
         own = pool.map(own_process, wrapped)  # beside the forked launches: two at a time
-        forked = refused_launches([spec(c) for c in flags_only])
-        codes = dict(own) | {c: forked[f"refused-{c}"] for c in flags_only}
-    return {case: (codes[case], spec(case)) for case in REFUSED}
+        forked_cases = [*flags_only, SCHEDULER_ATTRIBUTE]
+        forked = refused_launches([spec(c) for c in forked_cases])
+        codes = dict(own) | {c: forked[f"refused-{c}"] for c in forked_cases}
+    return {case: (codes[case], spec(case)) for case in [*REFUSED, SCHEDULER_ATTRIBUTE]}
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
@@ -265,27 +276,15 @@ def test_refused_setup_exits_nonzero_with_clear_message(refused_starts, case):
     assert REFUSED[case][1] in log
 
 
-def test_a_scheduler_lacking_what_the_step_fence_reads_refuses_to_start(fixtures, run_dir):
+def test_a_scheduler_lacking_what_the_step_fence_reads_refuses_to_start(refused_starts):
     """Issue 24: Scheduler.result_queue taken away inside the real scheduler process (what a
     rename in a pin bump looks like). The scheduler serves without it when the overlap scheduler
     is off, and a fence that read it as an empty queue would pass every unload: the plugin must
     refuse instead, in the scheduler before it reports ready, so the engine never becomes healthy."""
     from scheduler_without_result_queue import REMOVED
 
-    spec = EngineSpec(
-        name="refused-scheduler-attribute",
-        model_path=fixtures.model_dir,
-        log_path=run_dir / "refused-scheduler-attribute.log",
-        startup_timeout_s=300,
-        command_prefix=[sys.executable, str(WRAPPERS / "sglang_without_scheduler_attribute.py")],
-    )
-    try:
-        engine = start_engine(spec)
-    except EngineStartError:
-        pass
-    else:
-        engine.stop()
-        raise AssertionError("the engine started and served with Scheduler.result_queue missing")
+    code, spec = refused_starts[SCHEDULER_ATTRIBUTE]
+    assert code is not None, "the engine started and served with Scheduler.result_queue missing"
     log = spec.log_path.read_text()
     refused = [ln for ln in log.splitlines() if "[lora-versions] REFUSED TO START" in ln]
     assert len(refused) == 1 and f"Scheduler.{REMOVED} is missing" in refused[0], refused

@@ -5,7 +5,11 @@ request normalisation sets (read by the parallel-sampling guards; checked at plu
 SGLang spawns anything) and one of the live TokenizerManager (``rid_to_state``, read by the abort
 of a parallel request; checked when the HTTP server is set up, after the scheduler is ready).
 tests/plugin_tests/test_sglang_renames_refuse_the_start.py takes every field away, one at a time,
-without an engine."""
+without an engine.
+
+Both launches are forked from one process that imported SGLang once (``launcher.refused_launches``):
+each child runs the wrapper as ``__main__``, which renames its field and runs the real
+``sglang.launch_server``, as the command line would."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_versions_dev.launcher import EngineSpec, EngineStartError, start_engine
+from lora_versions_dev.launcher import EngineSpec, refused_launches
 from sglang_ext.plugin_log import REFUSED_EXIT_CODE
 
 pytestmark = pytest.mark.engine
@@ -29,24 +33,27 @@ RENAMED = {
 }
 
 
+@pytest.fixture(scope="module")
+def renamed_starts(fixtures, run_dir) -> dict[str, tuple[int | None, EngineSpec]]:
+    """Each renamed field: (the exit code, None if it was still starting at the timeout; the spec)."""
+    specs = {
+        renamed: EngineSpec(
+            name=f"renamed-{renamed.replace('.', '-')}",
+            model_path=fixtures.model_dir,
+            log_path=run_dir / f"renamed-{renamed.replace('.', '-')}.log",
+            env={"LORA_VERSIONS_RENAMED": renamed},
+            command_prefix=[sys.executable, str(WRAPPER)],
+        )
+        for renamed in sorted(RENAMED)
+    }
+    codes = refused_launches(list(specs.values()))
+    return {renamed: (codes[spec.name], spec) for renamed, spec in specs.items()}
+
+
 @pytest.mark.parametrize("renamed", sorted(RENAMED))
-def test_an_engine_whose_sglang_renamed_a_guarded_field_refuses_to_start(fixtures, run_dir, renamed):
-    case = renamed.replace(".", "-")
-    spec = EngineSpec(
-        name=f"renamed-{case}",
-        model_path=fixtures.model_dir,
-        log_path=run_dir / f"renamed-{case}.log",
-        startup_timeout_s=300,
-        env={"LORA_VERSIONS_RENAMED": renamed},
-        command_prefix=[sys.executable, str(WRAPPER)],
-    )
-    try:
-        engine = start_engine(spec)
-    except EngineStartError as exc:
-        code = exc.exit_code
-    else:
-        engine.stop()
-        raise AssertionError(f"the engine started and served with {renamed} renamed")
+def test_an_engine_whose_sglang_renamed_a_guarded_field_refuses_to_start(renamed_starts, renamed):
+    code, spec = renamed_starts[renamed]
+    assert code is not None, f"the engine was still starting with {renamed} renamed (never refused)"
     log = spec.log_path.read_text()
     refused = [ln for ln in log.splitlines() if "[lora-versions] REFUSED TO START" in ln]
     assert len(refused) == 1 and RENAMED[renamed] in refused[0], refused
