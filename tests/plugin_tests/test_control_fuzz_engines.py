@@ -24,19 +24,29 @@ REQUESTS_PER_SEED = 300
 
 
 @pytest.fixture(scope="module")
-def fuzz_engine(fixtures, run_dir):
-    from lora_versions_dev.launcher import running_engines
+def booting_fuzz_engine(fixtures, run_dir):
+    """The fuzzer's engine, spawned and not yet healthy: it boots while :func:`adapters` computes
+    the reference tokens in this process (both take about half a minute here)."""
+    from lora_versions_dev.launcher import spawn_engine, stop_engine
 
-    spec = fuzz_engine_spec(fixtures.model_dir, run_dir / "fuzz.log", ADMIN_KEY)
-    with running_engines([spec]) as (engine,):
+    engine = spawn_engine(fuzz_engine_spec(fixtures.model_dir, run_dir / "fuzz.log", ADMIN_KEY))
+    try:
         yield engine
+    finally:
+        stop_engine(engine)
 
 
 @pytest.fixture(scope="module")
-def adapters(fixtures, tmp_path_factory):
+def adapters(booting_fuzz_engine, fixtures, tmp_path_factory):
     out = crafted_adapters({name: fixtures.adapter_dir(name) for name in ("A", "B", "C")})
     attach_reference_tokens(out, fixtures.model_dir, tmp_path_factory.mktemp("fuzz_refs"))
     return out
+
+
+@pytest.fixture(scope="module")
+def fuzz_engine(booting_fuzz_engine, adapters):
+    booting_fuzz_engine.wait_healthy(booting_fuzz_engine.spec.startup_timeout_s)
+    return booting_fuzz_engine
 
 
 @pytest.mark.parametrize("seed", SEEDS)
