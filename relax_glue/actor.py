@@ -102,7 +102,7 @@ Envelope = tuple[Any, ...]
 
 def _ray() -> Any:
     try:
-        import ray
+        import ray  # the optional [ray] extra: imported only where a Ray registry is used
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise RuntimeError("the registry actor needs Ray: pip install 'sglang-lora-versions[ray]'") from exc
     return ray
@@ -331,7 +331,7 @@ def start_registry_actor(
     durable = path is not None
     placement: dict[str, Any] = {}
     if durable:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # optional extra
 
         home = node_id or ray.get_runtime_context().get_node_id()
         placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=home, soft=False)

@@ -24,6 +24,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lora_contract.errors import LoraVersionError
+from relax_glue.engine_client import OutcomeUnknown
+from relax_glue.operations import (
+    aclose_all,
+    cohort_status,
+    engine_clients,
+    open_registry,
+    parse_engines,
+    publish_dir,
+    reclaim_ready,
+    resolve_pending,
+    session_rows,
+)
+from relax_glue.store import StoreError, StoreLockedError
+
 ADMIN_KEY_ENV = "LORA_VERSIONS_ADMIN_KEY"
 
 # One line per error code an operator meets, saying what to do next.
@@ -145,8 +160,6 @@ def render_reclaim(rows: list[dict[str, Any]]) -> str:
 
 
 async def _with_cohort(args: argparse.Namespace, run: Callable[[Any], Any]) -> Any:
-    from relax_glue.operations import aclose_all, engine_clients, parse_engines
-
     clients = engine_clients(parse_engines(args.engine or []), args.admin_key)
     try:
         return await run(clients)
@@ -155,8 +168,6 @@ async def _with_cohort(args: argparse.Namespace, run: Callable[[Any], Any]) -> A
 
 
 async def cmd_status(args: argparse.Namespace, out: Output) -> int:
-    from relax_glue.operations import cohort_status, open_registry
-
     async def run(clients: Any) -> dict[str, Any]:
         if args.registry is None:
             return await cohort_status(None, clients)
@@ -169,8 +180,6 @@ async def cmd_status(args: argparse.Namespace, out: Output) -> int:
 
 
 async def cmd_sessions(args: argparse.Namespace, out: Output) -> int:
-    from relax_glue.operations import open_registry, session_rows
-
     async with open_registry(args.registry, writable=False) as reg:
         rows = session_rows(await reg.sessions(include_closed=args.all, limit=args.limit))
     out.result(rows, render_sessions)
@@ -178,16 +187,12 @@ async def cmd_sessions(args: argparse.Namespace, out: Output) -> int:
 
 
 def _writable(args: argparse.Namespace) -> Any:
-    from relax_glue.operations import open_registry, parse_engines
-
     return open_registry(
         args.registry, writable=True, epoch=args.epoch, engines=tuple(parse_engines(args.engine or []))
     )
 
 
 async def cmd_publish(args: argparse.Namespace, out: Output) -> int:
-    from relax_glue.operations import publish_dir
-
     async def run(clients: Any) -> dict[str, Any]:
         async with _writable(args) as reg:
             return await publish_dir(
@@ -206,8 +211,6 @@ async def cmd_publish(args: argparse.Namespace, out: Output) -> int:
 
 
 async def cmd_reclaim(args: argparse.Namespace, out: Output) -> int:
-    from relax_glue.operations import reclaim_ready
-
     async def run(clients: Any) -> list[dict[str, Any]]:
         async with _writable(args) as reg:
             return await reclaim_ready(reg, clients, deadline_s=args.deadline_s, progress=out.progress)
@@ -218,8 +221,6 @@ async def cmd_reclaim(args: argparse.Namespace, out: Output) -> int:
 
 
 async def cmd_resolve(args: argparse.Namespace, out: Output) -> int:
-    from relax_glue.operations import resolve_pending
-
     async def run(clients: Any) -> dict[str, Any] | None:
         async with _writable(args) as reg:
             return await resolve_pending(
@@ -301,10 +302,6 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Output], Any]] = {
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Output(getattr(args, "json", False))
-    from lora_contract.errors import LoraVersionError
-    from relax_glue.engine_client import OutcomeUnknown
-    from relax_glue.store import StoreError, StoreLockedError
-
     try:
         return asyncio.run(COMMANDS[args.command](args, out))
     except LoraVersionError as err:

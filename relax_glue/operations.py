@@ -26,7 +26,7 @@ from typing import Any
 
 from lora_contract import protocol
 from lora_contract.errors import LoraVersionError
-from relax_glue.actor import AsyncRegistryClient
+from relax_glue.actor import DEFAULT_NAMESPACE, AsyncRegistryClient, get_registry_actor
 from relax_glue.cohort import Cohort
 from relax_glue.engine_client import EngineAPI, EngineClient, OutcomeUnknown
 from relax_glue.publisher import Publisher, PublishResult
@@ -105,9 +105,7 @@ async def open_registry(
             store.close()
         return
     if kind == "ray" and rest:
-        import ray
-
-        from relax_glue.actor import DEFAULT_NAMESPACE, get_registry_actor
+        import ray  # the optional [ray] extra: only a ray: registry needs it
 
         actor_epoch, _, address = rest.partition("@")
         ray.init(address=address or "auto", namespace=DEFAULT_NAMESPACE, ignore_reinit_error=True)
