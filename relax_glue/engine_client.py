@@ -1,6 +1,6 @@
 """Async HTTP client for one engine: control calls (begin .. reclaim, status) and generation.
 
-Three rules, each learnt the hard way by earlier systems (see ``shared/docs/prior-art.md``):
+Three rules, each learnt the hard way by earlier systems:
 
 * **Separate connection pools.** Generation and control run on two ``httpx.AsyncClient``
   instances with their own limits, so a pool full of long generations can never starve a cancel,
