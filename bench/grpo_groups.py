@@ -131,9 +131,9 @@ async def _run_way(
 
 
 async def _bench(cohort: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from relax_glue.cohort import open_publisher
     from relax_glue.engine_client import EngineClient
     from relax_glue.gateway import GatewayClient
-    from relax_glue.publisher import Publisher
     from relax_glue.registry import LoRAVersionRegistry
     from relax_glue.sessions import SessionManager
     from relax_glue.snapshot import Snapshot
@@ -144,7 +144,7 @@ async def _bench(cohort: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     sm = SessionManager(reg, clients, gateway=gw, lease_ttl_s=None)
     try:
         snap = Snapshot.from_peft_dir(cohort.fixtures.adapter_dir("A"))
-        assert (await Publisher.open(reg, clients).publish(snap, "A")).ok
+        assert (await open_publisher(reg, clients).publish(snap, "A")).ok
         for way in WAYS:  # warm-up, untimed: the engines' first batches of each shape are slow
             await _run_way(
                 sm, way, 2, args.g, args.prompt_tokens, args.tokens, args.concurrency, -1 - args.seed

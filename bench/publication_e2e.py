@@ -50,6 +50,7 @@ import httpx  # noqa: E402
 from lora_contract import protocol as wire  # noqa: E402
 from lora_versions_dev.fixtures import ensure_fixtures  # noqa: E402
 from lora_versions_dev.launcher import EngineSpec, running_engines  # noqa: E402
+from relax_glue.cohort import open_publisher  # noqa: E402
 from relax_glue.engine_client import EngineClient, forbidden_calls  # noqa: E402
 from relax_glue.publisher import Publisher, PublishOutcome  # noqa: E402
 from relax_glue.registry import LoRAVersionRegistry  # noqa: E402
@@ -429,7 +430,7 @@ async def bench(
 ) -> dict[str, Any]:
     clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
     reg = LoRAVersionRegistry(EPOCH, COHORT)
-    pub = Publisher.open(reg, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05, reclaim_deadline_s=30.0)
+    pub = open_publisher(reg, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05, reclaim_deadline_s=30.0)
     sm = SessionManager(reg, clients, router=WorkerRouter(), drain_timeout_s=10.0)
     snaps = [Snapshot.from_peft_dir(fx.adapter_dir(n), max_bucket_bytes=args.bucket_bytes) for n in "ABC"]
     phases: list[dict[str, Any]] = []

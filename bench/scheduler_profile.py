@@ -129,15 +129,16 @@ async def publish_and_reclaim(url: str, adapter: Path, rounds: int) -> list[dict
     """``rounds`` publications of ``adapter``, each followed by the reclaim of the one it retired;
     its own epoch, and everything it published removed at the end (capacity stays free)."""
     from lora_versions_dev.teardown import purge
+    from relax_glue.cohort import open_publisher
     from relax_glue.engine_client import EngineClient
-    from relax_glue.publisher import Publisher, PublishOutcome
+    from relax_glue.publisher import PublishOutcome
     from relax_glue.registry import LoRAVersionRegistry
     from relax_glue.snapshot import Snapshot
 
     snap = Snapshot.from_peft_dir(adapter)
     epoch = f"prof{time.monotonic_ns()}"
     client = EngineClient("E0", url, admin_key=ADMIN_KEY)
-    pub = Publisher.open(LoRAVersionRegistry(epoch, ("E0",), 2), {"E0": client})
+    pub = open_publisher(LoRAVersionRegistry(epoch, ("E0",), 2), {"E0": client})
     timings = []
     try:
         for i in range(rounds + 1):  # the first retires nothing

@@ -38,6 +38,7 @@ from lora_versions_demo.lifecycle import (
 from lora_versions_dev.device_profile import AcceptanceFixtures, DeviceProfile
 from lora_versions_dev.farm import ADMIN_KEY
 from lora_versions_dev.teardown import live_versions, purge
+from relax_glue.cohort import open_publisher
 from relax_glue.engine_client import EngineAPI, EngineClient, forbidden_calls
 from relax_glue.publisher import Publisher, PublishResult
 from relax_glue.registry import LoRAVersionRegistry
@@ -328,7 +329,7 @@ class Cohort:
         self.turns: list[Turn] = []
 
     def _publisher(self) -> Publisher:
-        return Publisher.open(
+        return open_publisher(
             self.registry, self.pub_engines, reclaim_wait_s=1.0, reclaim_poll_s=0.05, reclaim_deadline_s=120.0
         )
 

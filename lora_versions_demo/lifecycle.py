@@ -32,6 +32,7 @@ from typing import Any
 from lora_versions_demo.local_cohort import local_cohort, run_reporting
 from lora_versions_dev.engine_log import await_unload_lines
 from relax_glue.cli import table
+from relax_glue.cohort import open_publisher
 
 PROMPTS: tuple[tuple[int, ...], ...] = (
     (302, 356, 417, 494, 439),  # "The quick brown" in the fixture tokenizer
@@ -87,7 +88,6 @@ class Demo:
     ) -> None:
         from relax_glue.engine_client import EngineClient
         from relax_glue.gateway import GatewayClient
-        from relax_glue.publisher import Publisher
         from relax_glue.registry import LoRAVersionRegistry
         from relax_glue.sessions import SessionManager
         from relax_glue.snapshot import Snapshot
@@ -100,7 +100,7 @@ class Demo:
         self.all_engines = "both engines" if len(self.cohort) == 2 else f"all {len(self.cohort)} engines"
         self.reg = LoRAVersionRegistry(self.epoch, self.cohort)
         self.clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
-        self.pub = Publisher.open(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
+        self.pub = open_publisher(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
         # Every generation goes through the smg gateway (the session key is its routing key);
         # publication and reclaim talk to each engine directly.
         self.gw = GatewayClient(gateway_url, self.clients)

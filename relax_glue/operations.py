@@ -27,9 +27,9 @@ from typing import Any
 from lora_contract import protocol
 from lora_contract.errors import LoraVersionError
 from relax_glue.actor import DEFAULT_NAMESPACE, AsyncRegistryClient, get_registry_actor
-from relax_glue.cohort import Cohort
+from relax_glue.cohort import Cohort, open_publisher
 from relax_glue.engine_client import EngineAPI, EngineClient, OutcomeUnknown
-from relax_glue.publisher import Publisher, PublishResult
+from relax_glue.publisher import PublishResult
 from relax_glue.reclaimer import ReclaimResult
 from relax_glue.registry_types import SessionView, StatusView
 from relax_glue.snapshot import Snapshot
@@ -278,7 +278,7 @@ async def publish_dir(
     mib, n = snap.total_bytes / 2**20, len(snap.bucket_plan)
     progress(f"snapshot: {mib:.1f} MiB in {n} buckets, digest {snap.digest[:12]}")
     store = SnapshotStore(snapshot_dir) if snapshot_dir is not None else None
-    pub = Publisher.open(registry, _reporting(clients, progress, len(snap.bucket_plan)), store=store)
+    pub = open_publisher(registry, _reporting(clients, progress, len(snap.bucket_plan)), store=store)
     return publish_record(await pub.publish(snap, version_id))
 
 
@@ -307,7 +307,7 @@ async def resolve_pending(
     """Settle the pending attempt (LOADING or ABORTED), if any: see Publisher.resolve."""
     snap = Snapshot.from_peft_dir(adapter_dir, max_bucket_bytes=bucket_bytes) if adapter_dir else None
     store = SnapshotStore(snapshot_dir) if snapshot_dir is not None else None
-    pub = Publisher.open(registry, _reporting(clients, progress), store=store)
+    pub = open_publisher(registry, _reporting(clients, progress), store=store)
     res = await pub.resolve(snap)
     return None if res is None else publish_record(res)
 

@@ -45,8 +45,8 @@ from lora_contract import protocol
 from lora_contract.base_identity import base_differences
 from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.actor import RegistryUnavailable
-from relax_glue.cohort import Cohort, CohortDriver, EngineStep
-from relax_glue.engine_client import CallOutcome, EngineAPI, OutcomeUnknown
+from relax_glue.cohort_core import CohortCore, CohortDriver, EngineStep
+from relax_glue.engine_client import CallOutcome, OutcomeUnknown
 from relax_glue.reclaimer import Reclaimer, ReclaimResult
 from relax_glue.reconciler import Reconciler, RestoreResult
 from relax_glue.recovery_rules import ResolveAction, resolve_action
@@ -255,44 +255,42 @@ class _PublishCalls:
 
 class Publisher(CohortDriver):
     """Drives publications over a fixed engine cohort. Built by :meth:`Cohort.open
-    <relax_glue.cohort.Cohort.open>` beside the cohort's reclaimer and reconciler (or in one
-    line by :meth:`open`); its reclaim and restore calls are the cohort's.
+    <relax_glue.cohort.Cohort.open>` beside the cohort's reclaimer and reconciler, which it is
+    given (or in one line by :func:`relax_glue.cohort.open_publisher`); its reclaim and restore
+    calls are theirs.
 
     The cohort's ``engines`` map every engine id of the registry's cohort to its client. One
     publication (or resolution) runs at a time per cohort; reclaims run under their own lock.
     """
 
     def __init__(
-        self, cohort: Cohort, *, prefix: str = protocol.DEFAULT_LORA_PREFIX, verify_snapshot: bool = True
+        self,
+        cohort: CohortCore,
+        reclaimer: Reclaimer,
+        reconciler: Reconciler | None,
+        *,
+        prefix: str = protocol.DEFAULT_LORA_PREFIX,
+        verify_snapshot: bool = True,
     ) -> None:
         super().__init__(cohort)
+        self.reclaimer = reclaimer
+        self.reconciler = reconciler
         self.prefix = prefix
         self.verify_snapshot = verify_snapshot
         self._snapshots: dict[str, Snapshot] = {}  # attempt token -> snapshot, until it ends
         self._lock = cohort.publication_lock
         self.store = cohort.store
 
-    @classmethod
-    def open(cls, registry: Any, engines: Mapping[str, EngineAPI], **options: Any) -> Publisher:
-        """The publisher of a cohort opened with :meth:`Cohort.open
-        <relax_glue.cohort.Cohort.open>` (same arguments): one line for tools and tests."""
-        return Cohort.open(registry, engines, **options).publisher
-
-    @property
-    def reclaimer(self) -> Reclaimer:
-        return self.cohort.reclaimer
-
-    @property
-    def reconciler(self) -> Reconciler | None:
-        return self.cohort.reconciler
-
     async def reclaim_ready(self, *, deadline_s: float | None = None) -> tuple[ReclaimResult, ...]:
-        """The cohort's :meth:`~relax_glue.cohort.Cohort.reclaim_ready`."""
-        return await self.cohort.reclaim_ready(deadline_s=deadline_s)
+        """The cohort's :meth:`~relax_glue.reclaimer.Reclaimer.reclaim_ready`."""
+        return await self.reclaimer.reclaim_ready(deadline_s=deadline_s)
 
     async def reconcile(self, engines: Sequence[str] | None = None) -> tuple[RestoreResult, ...]:
-        """The cohort's :meth:`~relax_glue.cohort.Cohort.reconcile`."""
-        return await self.cohort.reconcile(engines)
+        """Stage every live committed version onto each engine that lost it (a restart), from the
+        snapshot store: the cohort's :meth:`~relax_glue.reconciler.Reconciler.reconcile`."""
+        if self.reconciler is None:
+            raise ValueError("reconcile needs a cohort opened with a SnapshotStore")
+        return await self.reconciler.reconcile(engines)
 
     async def reconcile_forever(self, interval_s: float = 5.0) -> None:
         """Poll: one :meth:`reconcile` every ``interval_s`` until cancelled (run it as a task).

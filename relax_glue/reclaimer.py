@@ -14,7 +14,7 @@ from enum import StrEnum
 
 from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
-from relax_glue.cohort import Cohort, CohortDriver, EngineStep
+from relax_glue.cohort_core import CohortCore, CohortDriver, EngineStep
 from relax_glue.registry import may_start_reclaim
 from relax_glue.registry_types import ReclaimPhase, UnloadEvidence, VersionKey, VersionState, VersionView
 
@@ -68,7 +68,7 @@ class ReclaimResult:
 
 class Reclaimer(CohortDriver):
     def __init__(
-        self, cohort: Cohort, *, wait_s: float = 2.0, poll_s: float = 0.1, deadline_s: float = 60.0
+        self, cohort: CohortCore, *, wait_s: float = 2.0, poll_s: float = 0.1, deadline_s: float = 60.0
     ) -> None:
         super().__init__(cohort)
         self.reclaim_wait_s = wait_s
@@ -79,13 +79,19 @@ class Reclaimer(CohortDriver):
 
     async def reclaim_ready(self, *, deadline_s: float | None = None) -> tuple[ReclaimResult, ...]:
         """Reclaim every RETIRED version without session refs, and continue every version
-        already RECLAIMING (an earlier run that hit its deadline or an unknown outcome)."""
+        already RECLAIMING (an earlier run that hit its deadline or an unknown outcome). Then the
+        cohort's snapshot store drops the versions that became RECLAIMED."""
         async with self.lock:
-            await self._setup()
-            status = await self.registry.status()
-            todo = [v for v in status.versions if v.state is VersionState.RECLAIMING or may_start_reclaim(v)]
-            deadline = time.monotonic() + (self.reclaim_deadline_s if deadline_s is None else deadline_s)
-            return tuple([await self._reclaim_version(v, deadline) for v in todo])
+            try:
+                await self._setup()
+                status = await self.registry.status()
+                todo = [
+                    v for v in status.versions if v.state is VersionState.RECLAIMING or may_start_reclaim(v)
+                ]
+                deadline = time.monotonic() + (self.reclaim_deadline_s if deadline_s is None else deadline_s)
+                return tuple([await self._reclaim_version(v, deadline) for v in todo])
+            finally:
+                await self.cohort.retain_live_snapshots()
 
     async def _reclaim_version(self, view: VersionView, deadline: float) -> ReclaimResult:
         t0 = time.monotonic()

@@ -37,7 +37,7 @@ from typing import Any
 from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.names import parse_lora_name
-from relax_glue.cohort import Cohort, CohortDriver, EngineStep
+from relax_glue.cohort_core import CohortCore, CohortDriver, EngineStep
 from relax_glue.engine_client import CallOutcome, OutcomeUnknown
 from relax_glue.recovery_rules import RestoreAction, restore_plan
 from relax_glue.registry_types import StatusView, VersionKey, VersionState, VersionView
@@ -89,7 +89,7 @@ def wanted_versions(status: StatusView) -> tuple[VersionView, ...]:
 
 
 class Reconciler(CohortDriver):
-    def __init__(self, cohort: Cohort) -> None:
+    def __init__(self, cohort: CohortCore) -> None:
         if cohort.store is None:
             raise ValueError("restoring versions needs a cohort with a SnapshotStore")
         super().__init__(cohort)
@@ -98,7 +98,12 @@ class Reconciler(CohortDriver):
 
     async def reconcile(self, engines: Sequence[str] | None = None) -> tuple[RestoreResult, ...]:
         """One pass over ``engines`` (default: the whole cohort). Idempotent: an engine that
-        holds every wanted version gets only a status read."""
+        holds every wanted version gets only a status read. Runs under the cohort's publication
+        and reclaim lock: a restore never races a publication or a reclaim of this cohort."""
+        async with self.cohort.publication_lock, self.cohort.reclaim_lock:
+            return await self._reconcile(engines)
+
+    async def _reconcile(self, engines: Sequence[str] | None) -> tuple[RestoreResult, ...]:
         await self._setup()
         self.steps = []
         status = await self.registry.status()

@@ -37,6 +37,7 @@ from examples.online_rl.trainer import Sample, Trainer
 from lora_versions_demo.local_cohort import local_cohort, run_reporting
 from lora_versions_dev.engine_log import await_unload_lines
 from relax_glue.cli import table
+from relax_glue.cohort import open_publisher
 from relax_glue.step_publisher import FAILED, PublicationRecord, StepPublisher
 
 EPOCH = "onlinerl"
@@ -53,7 +54,6 @@ class OnlineRL:
     ) -> None:
         from relax_glue.engine_client import EngineClient
         from relax_glue.gateway import GatewayClient
-        from relax_glue.publisher import Publisher
         from relax_glue.registry import LoRAVersionRegistry
         from relax_glue.sessions import SessionManager
 
@@ -63,7 +63,7 @@ class OnlineRL:
         self.policy = StalenessPolicy(cfg.max_staleness, cfg.reclaim_wait_s, cfg.forced_wait_s)
         self.reg = LoRAVersionRegistry(EPOCH, tuple(self.cohort), capacity=cfg.capacity)
         self.clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
-        self.pub = Publisher.open(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
+        self.pub = open_publisher(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
         # Generation goes through the gateway (routing key = session key); control calls go to
         # each engine directly.
         self.gw = GatewayClient(gateway_url, self.clients)

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from relax_glue.cohort import open_publisher
 from relax_glue.trl.callback import PublishingHooks, publishing_callback_class
 from relax_glue.trl.cluster import RayRole, join_registry, leave_ray
 from relax_glue.trl.completions import CompletionRecord
@@ -208,7 +209,6 @@ async def _build(
     The stack's modules are imported here: importing this package stays light."""
     from relax_glue.engine_client import EngineClient
     from relax_glue.gateway import GatewayClient
-    from relax_glue.publisher import Publisher
     from relax_glue.sessions import SessionManager
 
     clients = {eid: EngineClient(eid, url, admin_key=admin_key) for eid, url in engines.items()}
@@ -219,5 +219,5 @@ async def _build(
     publisher = None
     if rank.is_main:
         pub_clients = {eid: (wrap(c) if wrap is not None else c) for eid, c in clients.items()}
-        publisher = Publisher.open(registry, pub_clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
+        publisher = open_publisher(registry, pub_clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
     return sessions, StepPublication(loop, rank, config, publisher, clients), clients, gateway

@@ -12,6 +12,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from _source_trees import parse_file
+
 REPO = Path(__file__).resolve().parents[2]
 HOUSE = ("lora_contract", "sglang_ext", "relax_glue", "lora_versions_dev", "lora_versions_demo")
 # What each shipped package may import of the house (SGLang itself: only the plugin and dev tools).
@@ -31,7 +33,7 @@ def imports_of(path: Path) -> Iterator[str]:
     """Every module ``path`` imports, absolute, wherever in the file the import stands."""
     mod = module_name(path)
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse_file(path)):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):

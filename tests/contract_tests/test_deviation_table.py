@@ -10,6 +10,8 @@ import functools
 import re
 from pathlib import Path
 
+from _source_trees import parse_file
+
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "design-decisions.md"
 SECTION = "## Where we deviate from the RFC"
@@ -83,7 +85,7 @@ def defined_names(path: Path) -> set[str]:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 names.update(prefix + t.id for t in targets if isinstance(t, ast.Name))
 
-    visit(ast.parse(path.read_text(), str(path)).body, "")
+    visit(parse_file(path).body, "")
     return names
 
 

@@ -13,6 +13,7 @@ import uuid
 import pytest
 from _fake_native import fake_staging
 from _publication_shell import Shell, partial_load_of
+from _source_trees import parse_file
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.protocol import (
@@ -817,7 +818,7 @@ def test_one_function_wires_the_engine_with_one_lock_set():
     builders = {"PublicationService", "ReclaimService", "NameLocks"}
     built_in: list[tuple[str, str]] = []
     for path in Path(sglang_ext.__file__).parent.rglob("*.py"):
-        tree = ast.parse(path.read_text())
+        tree = parse_file(path)
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for call in ast.walk(fn):
@@ -1027,7 +1028,7 @@ def test_nothing_but_the_one_removal_calls_sglangs_physical_unload():
 
     callers = []
     for path in sorted(Path(sglang_ext.__file__).parent.glob("*.py")):
-        tree = ast.parse(path.read_text())
+        tree = parse_file(path)
         for fn in ast.walk(tree):
             if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
@@ -1050,7 +1051,7 @@ def test_publication_and_reclaim_share_the_removal_and_neither_imports_the_other
     import sglang_ext
 
     def imported_from(name: str) -> set[str]:
-        tree = ast.parse((Path(sglang_ext.__file__).parent / name).read_text())
+        tree = parse_file(Path(sglang_ext.__file__).parent / name)
         return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
 
     assert "sglang_ext.publication" not in imported_from("reclaim.py")

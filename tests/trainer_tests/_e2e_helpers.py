@@ -25,6 +25,7 @@ from _snapshots import snapshot_of as snapshot_of  # re-exported: the engine tes
 from lora_contract import protocol
 from lora_versions_dev.farm import ADMIN_KEY
 from lora_versions_dev.teardown import engine_versions, live_versions, purge
+from relax_glue.cohort import open_publisher
 from relax_glue.engine_client import AuditEntry, AuditLog, EngineAPI, EngineClient, forbidden_calls
 from relax_glue.gateway import GatewayClient
 from relax_glue.publisher import Publisher, PublishResult
@@ -459,7 +460,7 @@ class Deployment:
         self.extra_clients: list[Any] = []
 
     def _publisher(self) -> Publisher:
-        return Publisher.open(
+        return open_publisher(
             self.reg,
             self.pub_engines,
             reclaim_wait_s=1.0,

@@ -13,6 +13,7 @@ from _fake_engine import Cluster, make_cluster
 from _rg_helpers import new_registry
 
 from lora_versions_dev.fault_injection import FaultInjectingClient
+from relax_glue.cohort import open_publisher
 from relax_glue.publisher import Publisher
 from relax_glue.sessions import SessionManager
 from relax_glue.snapshot_store import SnapshotStore
@@ -56,7 +57,7 @@ class InProcessWorld:
         store: SnapshotStore | None = None,
     ) -> Publisher:
         """A publisher of this world; ``registry``, ``clients`` or ``store`` replace the world's."""
-        return Publisher.open(
+        return open_publisher(
             registry if registry is not None else self.reg,
             clients or self.engines,
             store=store or self.store,

@@ -15,7 +15,7 @@ async def main(model_dir: Path, adapter_dir: Path, prompt: list[int]) -> None:
 
     ns = run_quickstart()
     published = await ns["after_training_step"](peft_model(model_dir, adapter_dir), 1)
-    assert published.ok, published
+    assert published.published, published
     session = await ns["sessions"].open("episode")
     params = {"temperature": 1.0, "max_new_tokens": 4}
     await session.generate({"input_ids": prompt, "sampling_params": params})

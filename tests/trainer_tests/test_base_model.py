@@ -16,6 +16,7 @@ from _rg_helpers import EPOCH, new_registry, sk
 
 from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
+from relax_glue.cohort import open_publisher
 from relax_glue.publisher import CommitEvidence, Publisher, PublishOutcome, commit_evidence
 from relax_glue.reconciler import RestoreOutcome
 from relax_glue.registry import LoRAVersionRegistry
@@ -27,7 +28,7 @@ SNAP = {name: make_snapshot(seed=i) for i, name in enumerate("ABC")}
 
 
 def publisher(reg, cluster, store: SnapshotStore | None = None) -> Publisher:
-    return Publisher.open(reg, cluster.clients, registry_retry_delay_s=0.0, store=store)
+    return open_publisher(reg, cluster.clients, registry_retry_delay_s=0.0, store=store)
 
 
 async def test_the_first_publication_records_the_cohorts_base_and_no_other_read_follows() -> None:

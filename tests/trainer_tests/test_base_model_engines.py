@@ -9,7 +9,8 @@ from _e2e_helpers import aclose_all, make_clients, new_epoch, purge, snapshot_of
 
 from lora_contract.errors import ErrorCode
 from lora_versions_dev.farm import ADMIN_KEY
-from relax_glue.publisher import Publisher, PublishOutcome
+from relax_glue.cohort import open_publisher
+from relax_glue.publisher import PublishOutcome
 from relax_glue.registry import LoRAVersionRegistry
 
 pytestmark = pytest.mark.engine
@@ -36,7 +37,7 @@ async def test_a_cohort_of_two_bases_is_refused_before_anything_is_sent(
     clients = make_clients([engines[0], other_base_engine], ADMIN_KEY, ("E0", "EB"))
     registry = LoRAVersionRegistry(epoch=epoch, engines=("E0", "EB"))
     try:
-        result = await Publisher.open(registry, clients).publish(snapshot_of(fixtures.adapter_dir("A")), "A")
+        result = await open_publisher(registry, clients).publish(snapshot_of(fixtures.adapter_dir("A")), "A")
         assert result.outcome is PublishOutcome.REFUSED, result
         assert result.error.code is ErrorCode.BASE_MISMATCH and result.error.details["differ"] == {
             "EB": ["weights"]
@@ -61,7 +62,7 @@ async def test_an_engine_of_another_base_refuses_the_begin_of_the_epochs_base(
     try:
         fingerprint = (await clients["E0"].status()).base.fingerprint
         registry.record_base(fingerprint, publisher_token=registry.publisher_token)
-        result = await Publisher.open(registry, clients).publish(snapshot_of(fixtures.adapter_dir("A")), "A")
+        result = await open_publisher(registry, clients).publish(snapshot_of(fixtures.adapter_dir("A")), "A")
         assert result.outcome is PublishOutcome.FAILED_CLEAN, result
         assert result.error is not None and result.error.code is ErrorCode.BASE_MISMATCH
         begins = [s for s in result.steps if s.op == "begin" and s.engine_id == "EB"]

@@ -12,6 +12,7 @@ from pathlib import Path
 from _fake_engine import make_cluster, make_snapshot
 from _in_process_world import FAST_RECLAIM
 from _rg_helpers import EPOCH, new_registry, sk
+from _source_trees import parse_file
 
 from relax_glue.cohort import Cohort
 from relax_glue.snapshot_store import SnapshotStore
@@ -23,7 +24,7 @@ SHIPPED = ("relax_glue", "lora_contract", "sglang_ext", "lora_versions_dev", "lo
 
 def driver_constructions(path: Path) -> list[str]:
     """Every ``Publisher(...)``, ``Reclaimer(...)`` or ``Reconciler(...)`` call in a module."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parse_file(path)
     return [
         f"{path.relative_to(REPO)}:{node.lineno} {node.func.id}"
         for node in ast.walk(tree)

@@ -13,7 +13,7 @@ from _fake_engine import make_cluster, make_snapshot
 from _rg_helpers import ENGINES, EPOCH, Publisher, new_registry, refused, sk, vk
 
 from lora_contract.errors import ErrorCode
-from relax_glue.publisher import Publisher as EnginePublisher
+from relax_glue.cohort import open_publisher
 from relax_glue.publisher import PublishOutcome
 from relax_glue.reclaimer import EngineReclaimState
 from relax_glue.registry import LoRAVersionRegistry
@@ -110,7 +110,7 @@ async def test_the_publisher_finishes_a_stuck_reclaim_and_publishes_without_the_
     snaps = {v: make_snapshot(seed=i) for i, v in enumerate("ABC")}
     reg = new_registry()
     cluster = make_cluster()
-    pub = EnginePublisher.open(
+    pub = open_publisher(
         reg,
         cluster.clients,
         reclaim_wait_s=0.05,

@@ -25,8 +25,9 @@ from engine_wrappers.fake_transport_shared_file import (
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.protocol import EngineVersionState
 from relax_glue.bucket_transport import bucket_transport
+from relax_glue.cohort import open_publisher
 from relax_glue.engine_client import EngineClient
-from relax_glue.publisher import Publisher, PublishOutcome
+from relax_glue.publisher import PublishOutcome
 from sglang_ext.bucket_sources import ReceiveSetup, build_receives
 
 
@@ -67,7 +68,7 @@ async def test_the_publisher_publishes_through_a_transport_registered_on_both_si
     engines = {e: FakeEngine(e) for e in ("E0", "E1")}
     clients = {e: client_of(f, SHARED_FILE) for e, f in engines.items()}  # built by name
     snap = make_snapshot(1)
-    result = await Publisher.open(new_registry(), clients).publish(snap, "v1")
+    result = await open_publisher(new_registry(), clients).publish(snap, "v1")
     assert result.outcome is PublishOutcome.PUBLISHED, result
     buckets = len(snap.bucket_plan)
     for e, c in clients.items():
@@ -85,7 +86,7 @@ async def test_a_lost_delivery_fails_typed_and_leaves_nothing_loaded(
     clients = {"E0": client_of(engines["E0"], SHARED_FILE)}
     clients["E1"] = client_of(engines["E1"], bucket_transport(SHARED_FILE, drop={1}))
     registry = new_registry()
-    result = await Publisher.open(registry, clients).publish(make_snapshot(2), "v1")
+    result = await open_publisher(registry, clients).publish(make_snapshot(2), "v1")
     assert result.outcome is PublishOutcome.FAILED_CLEAN, result
     assert result.error is not None and result.error.code is ErrorCode.TRANSFER_FAILED
     for f in engines.values():
@@ -101,7 +102,7 @@ async def test_an_engine_without_the_transports_receive_refuses_the_begin_and_ch
     engine = FakeEngine("E0")  # built without the registered receives
     client = client_of(engine, SHARED_FILE)
     snap = make_snapshot(3)
-    result = await Publisher.open(new_registry(engines=("E0",)), {"E0": client}).publish(snap, "v1")
+    result = await open_publisher(new_registry(engines=("E0",)), {"E0": client}).publish(snap, "v1")
     assert result.outcome is PublishOutcome.FAILED_CLEAN, result
     assert result.error is not None and result.error.code is ErrorCode.TRANSPORT_UNAVAILABLE
     assert not [v for v in engine.versions.values() if v.state.holds_slot]

@@ -14,8 +14,9 @@ from engine_wrappers.fake_transport_shared_file import SHARED_FILE, register_tra
 from lora_contract.errors import ErrorCode
 from lora_versions_dev.farm import ADMIN_KEY, PROMPT
 from relax_glue.bucket_transport import bucket_transport
+from relax_glue.cohort import open_publisher
 from relax_glue.engine_client import EngineClient, generation_aborted
-from relax_glue.publisher import Publisher, PublishOutcome
+from relax_glue.publisher import PublishOutcome
 from relax_glue.registry import LoRAVersionRegistry
 
 pytestmark = pytest.mark.engine
@@ -30,7 +31,7 @@ async def test_a_version_published_through_a_registered_third_transport_serves_o
     registry = LoRAVersionRegistry(epoch=epoch, engines=("E1",))
     snap = snapshot_of(fixtures.adapter_dir("A"))
     try:
-        result = await Publisher.open(registry, {"E1": client}).publish(snap, "A")
+        result = await open_publisher(registry, {"E1": client}).publish(snap, "A")
         assert result.outcome is PublishOutcome.PUBLISHED, result
         assert len(snap.bucket_plan) > 1 and client.transport.sent == list(range(len(snap.bucket_plan)))
         status = await client.version_status(result.lora_name)
@@ -55,7 +56,7 @@ async def test_a_delivery_that_loses_a_bucket_fails_typed_and_leaves_nothing_loa
     client = EngineClient("E1", engines[1].url, admin_key=ADMIN_KEY, transport=lossy)
     registry = LoRAVersionRegistry(epoch=epoch, engines=("E1",))
     try:
-        result = await Publisher.open(registry, {"E1": client}).publish(
+        result = await open_publisher(registry, {"E1": client}).publish(
             snapshot_of(fixtures.adapter_dir("A")), "A"
         )
         assert result.outcome is PublishOutcome.FAILED_CLEAN, result

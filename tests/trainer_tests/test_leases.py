@@ -22,7 +22,7 @@ from _rg_helpers import ENGINES, EPOCH, Publisher, new_registry, refused, sk, vk
 
 from lora_contract.errors import ErrorCode
 from relax_glue.actor import AsyncRegistryClient
-from relax_glue.publisher import Publisher as EnginePublisher
+from relax_glue.cohort import open_publisher
 from relax_glue.registry_types import LeaseView, SessionState, VersionState, loads
 from relax_glue.sessions import SessionManager, SessionPhase
 from relax_glue.store import DurableRegistry
@@ -226,7 +226,7 @@ def test_an_expiry_is_journaled_as_its_decision_and_a_restart_gives_live_leases_
 async def _world(ttl: float, heartbeat: float | None):
     reg = new_registry()
     cluster = make_cluster()
-    pub = EnginePublisher.open(
+    pub = open_publisher(
         reg, cluster.clients, registry_retry_delay_s=0.0, reclaim_wait_s=0.05, reclaim_poll_s=0.01
     )
     assert (await pub.publish(make_snapshot(seed=1), "A")).ok

@@ -23,7 +23,8 @@ from _optional import optional_module
 from lora_contract import protocol
 from lora_versions_dev.farm import ADMIN_KEY
 from relax_glue.actor import AsyncRegistryClient, new_publisher_token, start_registry_actor
-from relax_glue.publisher import Publisher, PublishOutcome
+from relax_glue.cohort import open_publisher
+from relax_glue.publisher import PublishOutcome
 from relax_glue.registry_types import SessionState, VersionKey, VersionState
 from relax_glue.sessions import SessionManager
 
@@ -74,7 +75,7 @@ async def test_a_worker_killed_right_after_its_first_bind_is_released_after_the_
     )
     client = AsyncRegistryClient.for_actor(actor, publisher_token=token)
     clients = make_clients(engines, ADMIN_KEY, ("E0", "E1"))
-    pub = Publisher.open(client, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
+    pub = open_publisher(client, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
     snaps = {n: snapshot_of(fixtures.adapter_dir(n)) for n in "AB"}
     worker = None
     try:
@@ -119,7 +120,7 @@ async def test_a_sigkilled_worker_releases_its_refs_after_the_ttl_and_capacity_r
     )
     client = AsyncRegistryClient.for_actor(actor, publisher_token=token)
     clients = make_clients(engines, ADMIN_KEY, ("E0", "E1"))
-    pub = Publisher.open(client, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
+    pub = open_publisher(client, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
     snaps = {n: snapshot_of(fixtures.adapter_dir(n)) for n in "ABC"}
     mgr = SessionManager(client, clients, lease_ttl_s=TTL_S, heartbeat_s=TTL_S / 3)
     worker = None

@@ -25,7 +25,8 @@ from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.protocol import EngineVersionState
 from relax_glue.actor import AsyncRegistryClient, RegistryClient
-from relax_glue.publisher import Publisher, PublishOutcome, PublishResult
+from relax_glue.cohort import open_publisher
+from relax_glue.publisher import PublishOutcome, PublishResult
 from relax_glue.reclaimer import EngineReclaim, EngineReclaimState, ReclaimResult
 from relax_glue.registry import PUBLIC_OPS, LoRAVersionRegistry
 from relax_glue.registry_types import AttemptPhase, ReclaimPhase, VersionKey, VersionState
@@ -109,7 +110,7 @@ async def test_bootstrap_and_happy_path_on_every_registry_flavour(flavour: str) 
         "async_client": AsyncRegistryClient.in_process(core),
     }[flavour]
     cluster = make_cluster()
-    pub = Publisher.open(registry, cluster.clients)
+    pub = open_publisher(registry, cluster.clients)
     try:
         # Bootstrap: nothing to bind before the first commit (RFC 6).
         refused(ErrorCode.NO_PUBLISHED_VERSION, core.bind_first, sk("early"))
@@ -194,7 +195,7 @@ async def test_a_snapshot_mutated_after_the_snapshot_point_is_refused_before_res
 
 
 async def test_engine_clients_must_match_the_registry_cohort(world: World) -> None:
-    pub = Publisher.open(world.reg, {"E0": world.engines["E0"]})
+    pub = open_publisher(world.reg, {"E0": world.engines["E0"]})
     with pytest.raises(ValueError, match="cohort"):
         await pub.publish(SNAP["A"], "A")
 

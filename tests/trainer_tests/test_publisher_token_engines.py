@@ -24,7 +24,8 @@ from relax_glue.actor import (
     new_publisher_token,
     start_registry_actor,
 )
-from relax_glue.publisher import Publisher, PublishOutcome
+from relax_glue.cohort import open_publisher
+from relax_glue.publisher import PublishOutcome
 from relax_glue.registry_types import ReadyEvidence, SessionKey, UnloadEvidence, VersionKey, VersionState
 
 pytestmark = pytest.mark.engine
@@ -85,7 +86,7 @@ async def test_a_rollout_worker_cannot_publish_and_the_publisher_commits_normall
     registry = AsyncRegistryClient.for_actor(actor, publisher_token=token)
     worker = await AsyncRegistryClient.for_actor(get_registry_actor(epoch)).connect()  # by name
     clients = make_clients(engines, ADMIN_KEY, COHORT)
-    pub = Publisher.open(registry, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
+    pub = open_publisher(registry, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
     snaps = {n: snapshot_of(fixtures.adapter_dir(n)) for n in "AB"}
     tried: list[dict[str, Any]] = []
     real_commit = registry.commit

@@ -22,7 +22,8 @@ from _rg_helpers import EPOCH, new_registry, sk
 from lora_contract import protocol
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_versions_dev.fault_injection import FaultInjectingClient
-from relax_glue.publisher import Publisher, PublishOutcome
+from relax_glue.cohort import open_publisher
+from relax_glue.publisher import PublishOutcome
 from relax_glue.reconciler import RestoreOutcome, wanted_versions
 from relax_glue.recovery_rules import RestoreAction, restore_plan
 from relax_glue.registry_types import VersionKey, VersionState
@@ -224,7 +225,7 @@ async def test_a_stale_status_and_a_lost_begin_reply_never_unload_a_committed_ve
 
     faulty = FaultInjectingClient(world.cluster.clients["E1"])
     faulty.stale_reply("status", 1, stale).drop_reply("begin", 1)
-    pub = Publisher.open(world.reg, {**world.cluster.clients, "E1": faulty}, store=world.store)
+    pub = open_publisher(world.reg, {**world.cluster.clients, "E1": faulty}, store=world.store)
     results = await pub.reconcile(["E1"])
     assert [f.kind.value for f in faulty.injected] == ["STALE_REPLY", "DROP_REPLY"]
 

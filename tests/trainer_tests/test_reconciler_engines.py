@@ -15,7 +15,8 @@ from lora_contract import protocol
 from lora_versions_dev.engine_log import unload_lines
 from lora_versions_dev.farm import ADMIN_KEY
 from lora_versions_dev.fault_injection import FaultInjectingClient
-from relax_glue.publisher import Publisher, PublishOutcome
+from relax_glue.cohort import open_publisher
+from relax_glue.publisher import PublishOutcome
 from relax_glue.reconciler import RestoreOutcome
 from relax_glue.registry import LoRAVersionRegistry
 from relax_glue.sessions import SessionManager
@@ -35,7 +36,7 @@ async def test_a_stale_status_and_a_lost_begin_reply_leave_the_committed_version
     mgr = SessionManager(registry, {"E1": clients["E1"]})  # the session's turns run on E1
     try:
         stale = await clients["E1"].status()  # A is not on E1 yet
-        pub = Publisher.open(registry, clients, store=store)
+        pub = open_publisher(registry, clients, store=store)
         published = await pub.publish(snapshot_of(fixtures.adapter_dir("A")), "A")
         assert published.outcome is PublishOutcome.PUBLISHED, published
         session = await mgr.open("bound-to-a")
@@ -46,7 +47,7 @@ async def test_a_stale_status_and_a_lost_begin_reply_leave_the_committed_version
 
         faulty = FaultInjectingClient(clients["E1"])
         faulty.stale_reply("status", 1, stale).drop_reply("begin", 1)
-        results = await Publisher.open(registry, {**clients, "E1": faulty}, store=store).reconcile(["E1"])
+        results = await open_publisher(registry, {**clients, "E1": faulty}, store=store).reconcile(["E1"])
         assert [(f.op, f.kind.value) for f in faulty.injected] == [
             ("status", "STALE_REPLY"),
             ("begin", "DROP_REPLY"),
@@ -68,7 +69,7 @@ async def test_a_stale_status_and_a_lost_begin_reply_leave_the_committed_version
         assert begin.real_outcome == "refused:NOT_ATTEMPT_OWNER"
         (result,) = results
         assert result.outcome is RestoreOutcome.FAILED, result  # it could not know what happened
-        (held_now,) = await Publisher.open(registry, clients, store=store).reconcile(["E1"])
+        (held_now,) = await open_publisher(registry, clients, store=store).reconcile(["E1"])
         assert held_now.outcome is RestoreOutcome.HELD
         await session.close()
     finally:

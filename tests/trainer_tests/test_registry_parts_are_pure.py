@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from _source_trees import parse_file
+
 import relax_glue
 
 PACKAGE = Path(relax_glue.__file__).parent
@@ -46,7 +48,7 @@ def _imports(tree: ast.AST) -> list[tuple[str, bool]]:
 def test_no_part_of_the_registry_imports_a_clock_randomness_or_io() -> None:
     impure = []
     for part in PARTS:
-        for name, _ in _imports(ast.parse((PACKAGE / f"{part}.py").read_text())):
+        for name, _ in _imports(parse_file(PACKAGE / f"{part}.py")):
             root = name if name.startswith("relax_glue.") else name.split(".")[0]
             if (root in IMPURE or root == "secrets") and (part, root) not in ALLOWED:
                 impure.append(f"{part}.py imports {name}")
@@ -54,7 +56,7 @@ def test_no_part_of_the_registry_imports_a_clock_randomness_or_io() -> None:
 
 
 def test_the_host_clock_is_read_only_inside_stamp_now() -> None:
-    tree = ast.parse((PACKAGE / "registry.py").read_text())
+    tree = parse_file(PACKAGE / "registry.py")
     assert ("time", True) not in _imports(tree)
     (stamp,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "stamp_now"]
     assert ("time", False) in _imports(stamp)

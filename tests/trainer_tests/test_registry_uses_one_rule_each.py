@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from _rg_helpers import EPOCH, digest, lora_name, new_registry, refused, vk
+from _source_trees import parse_text
 
 import relax_glue
 from lora_contract import names
@@ -116,7 +117,7 @@ def test_no_named_set_of_states_is_spelled_out_again() -> None:
     spelled = [
         f"{m.__name__}:{line} spells out {name}"
         for m in modules
-        for line, members in _state_sets(ast.parse(inspect.getsource(m)))
+        for line, members in _state_sets(parse_text(inspect.getsource(m)))
         for name, value in constants.items()
         if members == value
     ]
