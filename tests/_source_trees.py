@@ -1,12 +1,12 @@
 """Parsing the project's own source in a test, safe beside threads that parse too.
 
 CPython 3.11.7 (the interpreter the bootstrap finds here) keeps the AST constructor's recursion
-depth in interpreter-wide state (python/cpython gh-106905, fixed in 3.11.8): when a thread switch
-lands in the middle of one ``ast.parse`` (a finalizer that runs Python code lets the eval loop hand
-the GIL over) and another thread parses meanwhile, the first parse fails with a spurious
-``SystemError: AST constructor recursion depth mismatch``. CI saw it once, in a full run where
-threads left by earlier tests were alive. A parse holds the GIL here: the switch interval is
-raised for its few milliseconds, so no other thread's parse can interleave."""
+depth in interpreter-wide state (python/cpython gh-106905, fixed in later releases): when the GIL
+passes to another thread in the middle of one ``ast.parse`` (a finalizer that runs Python code
+lets the eval loop hand it over) and that thread parses meanwhile, the first parse fails with a
+spurious ``SystemError: AST constructor recursion depth mismatch``. CI saw it once, in a full run
+where threads left by earlier tests were alive. A parse here holds the GIL: the switch interval
+is raised for its few milliseconds, so no other thread's parse can interleave."""
 
 from __future__ import annotations
 
