@@ -33,6 +33,7 @@ from lora_contract.protocol import (
     ReceiveBucketMeta,
     check_tensor_set,
 )
+from lora_contract.transport import HTTP_TRANSPORT
 from sglang_ext.adapter_compat import sglang_load_config
 from sglang_ext.bucket_receiver import BucketReceiver
 from sglang_ext.bucket_sources import AttemptKey, BucketFiller, OutOfBandReceive, bucket_cap
@@ -119,7 +120,7 @@ class PublicationService:
 
     def _out_of_band(self, transport: str) -> OutOfBandReceive | None:
         """The receive a begin's transport needs: none for HTTP (bodies, local files)."""
-        if transport == "http":
+        if transport == HTTP_TRANSPORT:
             return None
         receive = self.out_of_band.get(transport)
         if receive is None:
