@@ -45,12 +45,13 @@ def install() -> None:
         batches = launched_batches(self)
         on_adapter = sum(1 for b in batches if recv_req.lora_id in b.lora_ids)
         passed = step_fence_passed(recv_req.lora_id, batches)
-        print(
+        # One write of the whole line: print's text and newline are two writes, and another
+        # thread's line can land between them (tests/engine_wrappers/probe_log.py).
+        sys.stderr.write(
             f"{LOG_LINE} lora_id={recv_req.lora_id} overlap={bool(self.enable_overlap)} "
-            f"launched={len(batches)} on_adapter={on_adapter} fence_passed={passed}",
-            file=sys.stderr,
-            flush=True,
+            f"launched={len(batches)} on_adapter={on_adapter} fence_passed={passed}\n"
         )
+        sys.stderr.flush()
         return original(self, recv_req)
 
     Scheduler.unload_lora_adapter = unload_lora_adapter

@@ -16,8 +16,9 @@ is handed to ``launch_server`` and installs the probe inside it.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
+
+from probe_log import log_line
 
 LOG_LINE = "fence-reader probe"
 
@@ -51,7 +52,7 @@ def install() -> None:
         now = readings(self)
         for record in now:
             if record not in last:
-                print(f"{LOG_LINE} {record}", file=sys.stderr, flush=True)
+                log_line(f"{LOG_LINE} {record}")
         last[:] = now
         return ingest(self, *args, **kwargs)
 

@@ -17,10 +17,11 @@ next ``initialize_weights`` removes it and raises, as a failed read of the adapt
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from pathlib import Path
 from typing import Any
+
+from probe_log import log_line
 
 LOG_LINE = "prepared-load probe"
 FAULT_TEXT = "injected preparation fault (tests)"
@@ -36,7 +37,7 @@ def _note(what: str, **fields: Any) -> None:
     thread = threading.current_thread()
     details = " ".join(f"{k}={v}" for k, v in fields.items())
     main = thread is threading.main_thread()
-    print(f"{LOG_LINE} {what} thread={thread.name} main={main} {details}", file=sys.stderr, flush=True)
+    log_line(f"{LOG_LINE} {what} thread={thread.name} main={main} {details}")
 
 
 def install() -> None:

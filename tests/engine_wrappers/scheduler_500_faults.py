@@ -26,11 +26,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import sys
 import time
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
+
+from probe_log import log_line
 
 # Marker suffixes. A resend by the session layer uses another rid ("<rid>.resend1"), so it passes.
 AT_ADMISSION = ":500@admit"
@@ -62,7 +63,7 @@ def _marked(rid: str, marker: str) -> bool:
 
 
 def _note(rid: str, where: str) -> None:
-    print(f"{LOG_LINE} {where}: rid={rid}", file=sys.stderr, flush=True)
+    log_line(f"{LOG_LINE} {where}: rid={rid}")
 
 
 def install() -> None:
@@ -114,7 +115,7 @@ def install() -> None:
             elif signalled(req, FINISH_ON_SIGNAL):
                 # upstream's own length check (Req.check_finished) ends it after this step's token
                 req.sampling_params.max_new_tokens = len(req.output_ids) + 1
-                print(f"{SIGNAL_LOG_LINE}: finish rid={req.rid}", file=sys.stderr, flush=True)
+                log_line(f"{SIGNAL_LOG_LINE}: finish rid={req.rid}")
             if (
                 _marked(req.rid, MID_DECODE)
                 and not req.finished()
