@@ -54,7 +54,6 @@ from lora_contract.names import MANAGED_CAPACITY
 from lora_contract.protocol import EngineVersionState
 from lora_versions_demo.lifecycle import PROMPTS, TOOL_IDS
 from lora_versions_dev.engine_log import UNLOAD_LOG_LINE
-from relax_glue.cohort import open_publisher
 from relax_glue.publisher import PublishOutcome
 from relax_glue.registry_types import VersionState
 
@@ -306,6 +305,7 @@ class Campaign:
         }
 
     def new_publisher(self) -> Any:
+        from relax_glue.cohort import open_publisher
 
         return open_publisher(
             self.registry,

@@ -32,7 +32,6 @@ from typing import Any
 from lora_versions_demo.local_cohort import local_cohort, run_reporting
 from lora_versions_dev.engine_log import await_unload_lines
 from relax_glue.cli import table
-from relax_glue.cohort import open_publisher
 
 PROMPTS: tuple[tuple[int, ...], ...] = (
     (302, 356, 417, 494, 439),  # "The quick brown" in the fixture tokenizer
@@ -86,6 +85,7 @@ class Demo:
     def __init__(
         self, engines: Sequence[Any], fixtures: Any, out_dir: Path, admin_key: str, gateway_url: str
     ) -> None:
+        from relax_glue.cohort import open_publisher
         from relax_glue.engine_client import EngineClient
         from relax_glue.gateway import GatewayClient
         from relax_glue.registry import LoRAVersionRegistry

@@ -82,16 +82,13 @@ class Reclaimer(CohortDriver):
         already RECLAIMING (an earlier run that hit its deadline or an unknown outcome). Then the
         cohort's snapshot store drops the versions that became RECLAIMED."""
         async with self.lock:
-            try:
-                await self._setup()
-                status = await self.registry.status()
-                todo = [
-                    v for v in status.versions if v.state is VersionState.RECLAIMING or may_start_reclaim(v)
-                ]
-                deadline = time.monotonic() + (self.reclaim_deadline_s if deadline_s is None else deadline_s)
-                return tuple([await self._reclaim_version(v, deadline) for v in todo])
-            finally:
-                await self.cohort.retain_live_snapshots()
+            await self._setup()
+            status = await self.registry.status()
+            todo = [v for v in status.versions if v.state is VersionState.RECLAIMING or may_start_reclaim(v)]
+            deadline = time.monotonic() + (self.reclaim_deadline_s if deadline_s is None else deadline_s)
+            results = tuple([await self._reclaim_version(v, deadline) for v in todo])
+        await self.cohort.retain_live_snapshots()
+        return results
 
     async def _reclaim_version(self, view: VersionView, deadline: float) -> ReclaimResult:
         t0 = time.monotonic()

@@ -37,7 +37,6 @@ from examples.online_rl.trainer import Sample, Trainer
 from lora_versions_demo.local_cohort import local_cohort, run_reporting
 from lora_versions_dev.engine_log import await_unload_lines
 from relax_glue.cli import table
-from relax_glue.cohort import open_publisher
 from relax_glue.step_publisher import FAILED, PublicationRecord, StepPublisher
 
 EPOCH = "onlinerl"
@@ -52,6 +51,7 @@ class OnlineRL:
     def __init__(
         self, cfg: RunConfig, engines: Sequence[Any], gateway_url: str, admin_key: str, model_dir: Path
     ) -> None:
+        from relax_glue.cohort import open_publisher
         from relax_glue.engine_client import EngineClient
         from relax_glue.gateway import GatewayClient
         from relax_glue.registry import LoRAVersionRegistry

@@ -10,7 +10,6 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from relax_glue.cohort import open_publisher
 from relax_glue.trl.callback import PublishingHooks, publishing_callback_class
 from relax_glue.trl.cluster import RayRole, join_registry, leave_ray
 from relax_glue.trl.completions import CompletionRecord
@@ -207,6 +206,7 @@ async def _build(
 ) -> tuple[SessionManager, StepPublication, dict[str, EngineClient], GatewayClient]:
     """The async stack, created on the loop it will run on (its HTTP pools belong to that loop).
     The stack's modules are imported here: importing this package stays light."""
+    from relax_glue.cohort import open_publisher
     from relax_glue.engine_client import EngineClient
     from relax_glue.gateway import GatewayClient
     from relax_glue.sessions import SessionManager
