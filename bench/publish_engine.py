@@ -488,6 +488,8 @@ class Runner:
             ),
             "errors": self.errors,
             "collective_connect_ms": None if self.d.connect_ms is None else round(self.d.connect_ms, 1),
+            # of the engine's one sender, shared by its adapters: the whole run's
+            "collective_connects": 0 if self.d.sender is None else self.d.sender.connects,
             "collective_reconnects": self.d.reconnects,
         }
 
@@ -588,12 +590,12 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"  collective {s['collective_ms']:8.1f}  speedup {s['speedup']:5.2f}x"
                 f"  peak {s['peak_main_mib_above_idle']}  (connect {s['collective_connect_ms']} ms, once)"
             )
-        for res in results:
-            if res.get("collective_reconnects"):
-                print(
-                    f"  {res['engine']} {res['adapter']}: {res['collective_reconnects']} group(s) reconnected"
-                    " inside a begin (its time counts in that repetition)"
-                )
+        connects = {res["engine"]: res.get("collective_connects", 0) for res in results}
+        print(f"  collective groups connected per engine over the whole run: {connects} (1: connected once)")
+        for engine in connects:
+            reconnected = next(r["collective_reconnects"] for r in results if r["engine"] == engine)
+            if reconnected:
+                print(f"  {engine}: {reconnected} group(s) reconnected inside a begin (timed in that rep)")
     print("\nengine side (medians, ms; memory of the engine's main process, MiB above idle)")
     head = (
         f"{'engine':6} {'adapter':14} {'cap':>9} {'read':>7} {'verify':>7} {'load':>7} {'probe':>7}"
@@ -766,10 +768,14 @@ def main() -> int:
             startup[e.name] = round(e.started_s or 0.0, 1)
         print(f"engines healthy after {startup_wall:.1f}s: {startup}", flush=True)
         by_name = {e.name: e for e in engines}
+        # One driver per engine, shared by its cases: one trainer per engine, so one collective
+        # group per engine for the whole run (a driver per case had each case's sender replace
+        # the others' group on the engine)
+        drivers = {e.name: Driver(e.url) for e in engines}
         runners = []
         for c in cases:
             eng = by_name[c.engine]
-            runners.append(Runner(c, Driver(eng.url), eng.log_tail, eng.proc.pid, eng.log_path, source_dir))
+            runners.append(Runner(c, drivers[c.engine], eng.log_tail, eng.proc.pid, eng.log_path, source_dir))
         load_before = os.getloadavg()
         rss_before = {e.name: _rss_mib(e.proc.pid) for e in engines}
         rss_per_rep: list[dict[str, float | None]] = []
@@ -787,8 +793,8 @@ def main() -> int:
                 print(f"  rep {rep + 1}/{args.reps}: {dt:.1f}s, main RSS MiB {rss_per_rep[-1]}", flush=True)
             leftovers = {r.case.engine: r.d.managed_versions() for r in runners}
         finally:
-            for r in runners:
-                r.d.close()
+            for d in drivers.values():
+                d.close()
         load_after = os.getloadavg()
         rss_after = {e.name: _rss_mib(e.proc.pid) for e in engines}
         results = [r.result() for r in runners]

@@ -88,6 +88,12 @@ class BeginRequest(WireModel):
     # HTTP has the engine get ready for its buckets (the collective one posts the receives on
     # its group) before PREPARED; TRANSPORT_UNAVAILABLE, changing nothing, when it cannot.
     transport: TransportName = HTTP_TRANSPORT
+    # The out-of-band channel the trainer will send this attempt's bytes over (the collective
+    # transport: its group id). Not part of the identity. An engine whose own channel is another
+    # (a second sender replaced the group, or the engine restarted) refuses the begin with
+    # TRANSPORT_UNAVAILABLE before anything changes, so the trainer connects again before any byte
+    # moves instead of sending into a group nobody receives on. Only with a transport but HTTP.
+    channel: Token | None = None
     # The epoch's base model (the registry's record): an engine with another base refuses the
     # begin (BASE_MISMATCH) before anything is reserved. Not part of the version's identity.
     base_fingerprint: Sha256Hex | None = None
@@ -105,6 +111,8 @@ class BeginRequest(WireModel):
         problem = plan_problem(self.manifest, self.bucket_plan)
         if problem:
             raise mismatch(problem)
+        if self.channel is not None and self.transport == HTTP_TRANSPORT:
+            raise ValueError("channel names an out-of-band transport's channel; HTTP has none")
         return self
 
 

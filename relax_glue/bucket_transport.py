@@ -112,17 +112,22 @@ class CollectiveTransport(BucketTransport):
         self.sender = sender or CollectiveSender()
 
     async def begin(self, req: BeginRequest, engine: EngineCalls) -> BeginReply:
-        req = req.model_copy(update={"transport": self.begin_transport})
+        """The begin names this sender's group (``BeginRequest.channel``): an engine that
+        receives over another one refuses it before anything changes, and so does one with no
+        usable group (it restarted, a transfer broke it, another sender replaced it); then a new
+        group is connected, once, before any byte moves."""
         if not self.sender.connected:
             await self.sender.connect(self._ask_engine(engine))
         try:
-            return await engine.post_begin(req)
+            return await engine.post_begin(self._over_group(req))
         except LoraVersionError as err:
             if err.code is not ErrorCode.TRANSPORT_UNAVAILABLE:
                 raise
-        # The engine has no usable group (it restarted, or a transfer broke it): a new one, once.
         await self.sender.connect(self._ask_engine(engine))
-        return await engine.post_begin(req)
+        return await engine.post_begin(self._over_group(req))
+
+    def _over_group(self, req: BeginRequest) -> BeginRequest:
+        return req.model_copy(update={"transport": self.begin_transport, "channel": self.sender.group_id})
 
     def _ask_engine(self, engine: EngineCalls) -> Callable[[str, str, str], Any]:
         async def connect(group_id: str, init_method: str, backend: str) -> str:

@@ -79,12 +79,15 @@ class OutOfBandReceive(Protocol):
         ...
 
     def receiving(self, key: AttemptKey) -> bool:
-        """Whether this attempt's buckets are being received here already (a retried begin)."""
+        """Whether this attempt's buckets are being received here already (a retried begin).
+        False for an attempt whose receive can no longer end (e.g. its channel broke): the
+        retried begin then gets it ready again, like a new one."""
         ...
 
-    def check_ready(self) -> None:
-        """Raise TRANSPORT_UNAVAILABLE if a new attempt cannot be received now; called before
-        the version table changes, so a refusal leaves nothing behind."""
+    def check_ready(self, channel: str | None) -> None:
+        """Raise TRANSPORT_UNAVAILABLE if a new attempt cannot be received now over the trainer's
+        ``channel`` (``BeginRequest.channel``); called before the version table changes, so a
+        refusal leaves nothing behind."""
         ...
 
     def prepare(self, key: AttemptKey, version: ManagedVersion) -> None:

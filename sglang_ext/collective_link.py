@@ -101,6 +101,8 @@ class CollectiveLink:
         self._connected: asyncio.Future[None] | None = None
         # job -> bucket index -> arrival; a job is one attempt's transfer
         self._arrivals: dict[str, dict[int, asyncio.Future[None]]] = {}
+        # job -> the group its receives were posted on (a job outlives its group only as a record)
+        self._job_group: dict[str, str | None] = {}
         self._landing: dict[str, Landing] = {}
         # job -> why settle() gave up on it (said by the drop that breaks the group)
         self._unsettled: dict[str, str] = {}
@@ -196,6 +198,7 @@ class CollectiveLink:
             fut.add_done_callback(_retrieved)
             arrivals[b.index] = fut
         self._arrivals[job] = arrivals
+        self._job_group[job] = self.group_id
         self._landing[job] = Landing(heard=loop.time())
         self._send(Expect(job=job, tag=tag, buckets=tuple(buckets)))
 
@@ -205,15 +208,26 @@ class CollectiveLink:
             raise transfer_failed(f"bucket {index} is not expected over the collective group")
         return fut
 
+    def receives(self, job: str) -> bool:
+        """Whether ``job``'s receives are posted on the group in use now (not dropped, and not
+        on a group that broke or was replaced since)."""
+        return (
+            job in self._arrivals
+            and self.state is LinkState.CONNECTED
+            and self._job_group.get(job) == self.group_id
+        )
+
     async def arrival(self, job: str, index: int) -> None:
         """Wait (at most the plugin's timeout) until bucket ``index`` of ``job`` arrived whole.
         TRANSFER_FAILED when it cannot: the group broke, or the deadline passed (which breaks
-        it: the sender is out of step or gone)."""
+        the group the job's receives are on, never a later one: the sender is out of step or
+        gone)."""
         fut = self._arrival_of(job, index)
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
         except TimeoutError:
-            self._break(f"bucket {index} did not arrive within {self.timeout_s:.0f} s")
+            if self.receives(job):
+                self._break(f"bucket {index} did not arrive within {self.timeout_s:.0f} s")
             raise transfer_failed(f"bucket {index} did not arrive within {self.timeout_s:.0f} s") from None
 
     async def arrived_whole(self, job: str, index: int) -> None:
@@ -251,13 +265,16 @@ class CollectiveLink:
         """The attempt is over (READY, or cleaned up). If some of its receives are still pending,
         the receiver is killed with them (a cleanup during a transfer): a pending receive is
         never destroyed in place."""
-        arrivals = self._arrivals.pop(job, {})
-        self._landing.pop(job, None)
         verdict = self._unsettled.pop(job, None)
-        if any(not f.done() for f in arrivals.values()):
+        if any(not f.done() for f in self._arrivals.get(job, {}).values()):
+            # broken while the job is still listed, so its waits end now (TRANSFER_FAILED), not
+            # at their deadline, when they would break whatever group is in use then
             self._break(
                 f"a transfer was dropped before it ended (job {job}{': ' + verdict if verdict else ''})"
             )
+        self._arrivals.pop(job, None)
+        self._job_group.pop(job, None)
+        self._landing.pop(job, None)
 
     # ------------------------------------------------------------------------- the receiver
 

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from lora_contract.collective_group import token_tag
+from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.protocol import (
     COLLECTIVE_TRANSPORT,
     BucketSpec,
@@ -101,10 +102,27 @@ class CollectiveReceive:
         )
 
     def receiving(self, key: AttemptKey) -> bool:
-        return key in self._stashes
+        """A stash whose group broke never gets its missing bytes: it goes here, and the retried
+        begin posts the receives again on the trainer's current group."""
+        stash = self._stashes.get(key)
+        if stash is not None and not self.link.receives(stash.job):
+            self.forget(key)
+            return False
+        return stash is not None
 
-    def check_ready(self) -> None:
+    def check_ready(self, channel: str | None) -> None:
+        """The trainer's group must be this engine's (a begin that names no group, or another,
+        is refused before anything changes: its bytes would go where nobody receives them)."""
         self.link.check_idle()
+        if channel != self.link.group_id:
+            raise LoraVersionError(
+                ErrorCode.TRANSPORT_UNAVAILABLE,
+                f"the trainer sends over group {channel}, this engine receives over group "
+                f"{self.link.group_id} (another sender connected since, or the begin names no "
+                "group); connect again",
+                state=self.link.state.value,
+                group_id=self.link.group_id,
+            )
 
     def prepare(self, key: AttemptKey, version: ManagedVersion) -> None:
         v = version

@@ -107,7 +107,7 @@ class PublicationService:
             receive = self._out_of_band(req.transport)
             prepare = receive is not None and not receive.receiving(key)
             if prepare:
-                receive.check_ready()  # before the table changes
+                receive.check_ready(req.channel)  # before the table changes
             receipt = self.table.begin(req)
             if isinstance(receipt, PreparedReceipt):
                 self.staging.attempt_dir(key)

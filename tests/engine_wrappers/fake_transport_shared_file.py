@@ -55,7 +55,7 @@ class SharedFileReceive:
     def receiving(self, key: tuple[str, str]) -> bool:
         return key in self._attempts
 
-    def check_ready(self) -> None:
+    def check_ready(self, _channel: str | None) -> None:
         if not self.directory.is_dir():
             raise LoraVersionError(ErrorCode.TRANSPORT_UNAVAILABLE, f"no shared directory {self.directory}")
 

@@ -53,6 +53,7 @@ class GroupTrainer:
         self.url = url
         self.timeout_s = timeout_s
         self.group: Any = None
+        self.group_id: str | None = None
         self.connect_reply: httpx.Response | None = None
 
     def connect(self) -> httpx.Response:
@@ -77,7 +78,8 @@ class GroupTrainer:
 
     def staged(self, snap: Any, version_id: str | None = None) -> Staged:
         s = Staged(self.url, snap, version_id)
-        s.begin_req = s.begin_req.model_copy(update={"transport": "collective"})
+        # the begin names this trainer's group, as CollectiveTransport's does
+        s.begin_req = s.begin_req.model_copy(update={"transport": "collective", "channel": self.group_id})
         return s
 
     def send(

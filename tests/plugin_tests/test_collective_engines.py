@@ -184,6 +184,29 @@ def test_duplicate_and_out_of_order_acknowledgements(engines, trainers, snaps, a
     assert generate(e.url, PROMPT, s.name).status_code == 200
 
 
+def test_a_begin_over_a_replaced_group_is_refused_before_any_byte_moves(
+    engines, trainers, snaps, a_sessions, cleanup_after
+):
+    """Issue 41: a second sender connected its own group to the engine (the first one's receiver
+    is gone with it). The first sender's begin names its group, which the engine no longer
+    receives over: TRANSPORT_UNAVAILABLE, changing nothing, so that sender connects again before
+    any byte moves. Before, the begin answered PREPARED, the first sender broadcast into its
+    closed group (``Connection closed by peer``) and the second group's receiver waited for frames
+    that never came, until a cleanup broke it too (``bench/publish_engine.py``: 8 of 20 collective
+    publications failed so, one sender per adapter on one engine)."""
+    e = engines[0]
+    first = trainers[e.name]
+    reconnect(trainers, e)  # another sender's group replaces the first one's
+    s = first.staged(snaps["A"])
+    before = visible_state(e.url)
+    r = s.begin()
+    assert r.status_code == 409 and error_code(r) == "TRANSPORT_UNAVAILABLE", r.text
+    assert "connect again" in r.text, r.text
+    assert visible_state(e.url) == before and s.name not in versions(e.url)
+    # the group in use is untouched: the second sender publishes over it
+    assert_collective_publication_works(trainers, e, snaps["A"], cleanup_after)
+
+
 def test_corrupted_data_is_refused_and_the_group_stays_usable(
     engines, trainers, snaps, a_sessions, cleanup_after
 ):

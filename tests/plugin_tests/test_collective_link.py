@@ -193,6 +193,44 @@ async def test_dropping_a_pending_transfer_kills_the_receiver_at_once(tmp_path: 
     await link.close()
 
 
+async def test_a_wait_on_a_dropped_transfer_ends_at_once_and_its_deadline_breaks_no_later_group(
+    tmp_path: Path,
+) -> None:
+    """Issue 41: an acknowledgement still waiting for a bucket when its attempt was cleaned up
+    (its HTTP caller gone) used to wait out the whole deadline, popped from the link and never
+    failed, and then broke whichever group was in use by then: a later, healthy publication."""
+    link, _first = await connected(timeout_s=3.0)
+    path = part_file(tmp_path, "p0", 16 + 100)
+    link.expect("job-1", TAG, [ExpectedBucket(0, 100, path, 16)])
+    waiting = asyncio.ensure_future(link.arrival("job-1", 0))
+    await asyncio.sleep(0)  # the wait has begun
+    link.drop("job-1")  # the cleanup during the transfer
+    with pytest.raises(LoraVersionError) as err:
+        await asyncio.wait_for(waiting, 1.0)  # failed with the drop, not at its 3 s deadline
+    assert err.value.code is ErrorCode.TRANSFER_FAILED and "dropped" in err.value.message
+    assert not link.receives("job-1")
+
+    # a wait on an earlier group's job whose deadline passes after a new group was connected
+    # fails alone: the new group stays usable
+    second = Trainer()
+    await link.connect(second.group_id, second.init_method, "gloo")
+    second.joined()
+    link._arrivals["job-0"] = {0: asyncio.get_running_loop().create_future()}  # never answered
+    link._job_group["job-0"] = _first.group_id
+    with pytest.raises(LoraVersionError) as err:
+        await link.arrival("job-0", 0)
+    assert err.value.code is ErrorCode.TRANSFER_FAILED
+    assert link.state is LinkState.CONNECTED and not link.receives("job-0")
+    link.expect("job-2", TAG, [ExpectedBucket(0, 100, path, 16)])
+    assert link.receives("job-2")
+    await asyncio.to_thread(second.send, 0, b"y" * 100)
+    await link.arrival("job-2", 0)
+    assert path.read_bytes() == b"\0" * 16 + b"y" * 100
+    link.drop("job-2")
+    assert link.state is LinkState.CONNECTED
+    await link.close()
+
+
 async def test_a_cleanup_right_after_the_last_send_lets_the_bytes_land_and_keeps_the_group(
     tmp_path: Path,
 ) -> None:
