@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import _layout  # noqa: E402
 import httpx  # noqa: E402
 from _bench_fixtures import ensure_bench_fixtures, ensure_sized_adapters  # noqa: E402
 from publish_engine import Driver, _engine_phases, _lora_flags  # noqa: E402
@@ -379,70 +380,47 @@ def abba(active: str, pairs: int) -> list[str]:
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", type=int, default=6)
-    p.add_argument("--window-s", type=float, default=6.0)
-    p.add_argument("--streams", type=int, default=2, help="streams per engine")
-    p.add_argument(
-        "--model",
-        choices=("large", "tiny"),
-        default="tiny",
-        help="tiny: the fixture model (decode fast enough for many gaps per window); large: the ~290 MB"
-        " base with the rank-64 adapter (on 2 cores, decode itself is too slow to resolve much)",
-    )
-    p.add_argument("--transport", choices=("http", "local"), default="http")
-    p.add_argument(
-        "--interval-s",
-        type=float,
-        default=0.0,
-        help="pause between publications in a publish window (0: back to back, the worst case)",
-    )
-    p.add_argument(
-        "--margin-s", type=float, default=1.0, help="publication stops this long before its window ends"
-    )
-    p.add_argument(
-        "--clients-in-process",
-        action="store_true",
-        help="run the streams' client threads in this process, beside the publisher (before 2026-12-03)",
-    )
-    p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args()
-    t_start = time.monotonic()
-    run_dir = ROOT / ".runs" / f"bench-gap-{time.strftime('%Y%m%d-%H%M%S')}"
-    # on the engines' staging filesystem, so a handed-over file is taken over, not copied
-    source_dir = default_staging_base() / f"lora-versions-bench-source-{run_dir.name}"
-    source_dir.mkdir(parents=True, exist_ok=True)
-    atexit.register(shutil.rmtree, source_dir, True)
-    env = {LOCAL_SOURCE_DIR_ENV: str(source_dir)}
-    if args.model == "large":
-        big = ensure_bench_fixtures()
-        model_dir, adapter_a = big.model_dir, big.adapter_dir
-        adapter_b = ensure_sized_adapters(big, [27.4])[27.4]
-        extra = {"lora_flags": _lora_flags(big.rank), "extra_args": ("--mem-fraction-static", "0.5")}
-        max_tokens = 1500
-    else:
-        fx = ensure_fixtures()
-        model_dir, adapter_a, adapter_b = fx.model_dir, fx.adapter_dir("A"), fx.adapter_dir("B")
-        extra = {}
-        max_tokens = 1500
+def run_layout(
+    layout: str,
+    args: argparse.Namespace,
+    run_dir: Path,
+    env: dict[str, str],
+    model_dir: Path,
+    extra: dict[str, Any],
+    snap_a: Snapshot,
+    snap_b: Snapshot,
+    payloads_a: list,
+    payloads_b: list,
+    adapter_a: Path,
+    adapter_b: Path,
+    source_dir: Path,
+    max_tokens: int,
+) -> dict[str, Any]:
+    """Both measurements (versioned publication, fixed-name overwrite) on two engines started
+    for ``layout`` (bench/_layout.py)."""
+    out: dict[str, Any] = {}
     specs = [
-        EngineSpec(name=n, model_path=model_dir, log_path=run_dir / f"{n}.log", env=env, **extra)
+        EngineSpec(
+            name=n,
+            model_path=model_dir,
+            log_path=run_dir / f"{n}-{layout}.log",
+            env={**env, **_layout.engine_env(layout)},
+            **extra,
+        )
         for n in ("E0", "E1")
     ]
-    snap_a = Snapshot.from_peft_dir(adapter_a)
-    snap_b = Snapshot.from_peft_dir(adapter_b)
-    payloads_a, payloads_b = list(snap_a.iter_buckets()), list(snap_b.iter_buckets())
-    print(f"starting 2 engines ({args.model}; logs in {run_dir}) ...", flush=True)
-    out: dict[str, Any] = {}
+    print(f"[{layout}] starting 2 engines ({args.model}; logs in {run_dir}) ...", flush=True)
     with running_engines(specs) as engines:
+        pids = [e.proc.pid for e in engines]
+        out["pinned"] = _layout.apply(layout, pids)
         urls, logs, drivers, lora_a = cohort_on_version(engines, snap_a, payloads_a)
+        _layout.pin_new_children(pids, layout)
         src = source_dir if args.transport == "local" else None
         publish_loop(drivers, snap_b, payloads_b, Window("warmup", _now(), _now() + 0.1), 0.0, src, logs)
         streams = Streams(urls, lora_a, args.streams, max_tokens, own_process=not args.clients_in_process)
         streams.start()
         time.sleep(3.0)  # streams past their prefill
-        print(f"versioned: {args.pairs} pairs of {args.window_s:.0f} s windows ...", flush=True)
+        print(f"[{layout}] versioned: {args.pairs} pairs of {args.window_s:.0f} s windows ...", flush=True)
         windows = run_windows(
             abba("publish", args.pairs),
             args.window_s,
@@ -476,7 +454,7 @@ def main() -> int:
         )
         fixed.start()
         time.sleep(3.0)
-        print(f"pause + flush + overwrite: {args.pairs} pairs ...", flush=True)
+        print(f"[{layout}] pause + flush + overwrite: {args.pairs} pairs ...", flush=True)
         flip = [adapter_b, adapter_a]
 
         def overwrite(w: Window) -> None:
@@ -503,7 +481,11 @@ def main() -> int:
         http.close()
         for d in drivers.values():
             d.close()
+    _layout.apply("shared", ())
+    return out
 
+
+def print_layout(layout: str, out: dict[str, Any], args: argparse.Namespace) -> None:
     v, o, s = out["versioned"], out["overwrite"], out["versioned"]["plugin_stalls"]
 
     def fmt(sp: dict[str, Any]) -> str:
@@ -515,7 +497,7 @@ def main() -> int:
         )
 
     print(
-        f"\ninter-chunk gaps of streams bound to another version, {args.pairs} pairs of"
+        f"\n[{layout}] inter-chunk gaps of streams bound to another version, {args.pairs} pairs of"
         f" {args.window_s:.0f} s windows"
     )
     print(
@@ -543,6 +525,88 @@ def main() -> int:
         f" overlapping an unload {s['max_gap_overlapping_unload_ms']:.1f} ms,"
         f" transfer only {s['max_gap_transfer_only_ms']:.1f} ms"
     )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--window-s", type=float, default=6.0)
+    p.add_argument("--streams", type=int, default=2, help="streams per engine")
+    p.add_argument(
+        "--model",
+        choices=("large", "tiny"),
+        default="tiny",
+        help="tiny: the fixture model (decode fast enough for many gaps per window); large: the ~290 MB"
+        " base with the rank-64 adapter (on 2 cores, decode itself is too slow to resolve much)",
+    )
+    p.add_argument("--transport", choices=("http", "local"), default="http")
+    p.add_argument(
+        "--interval-s",
+        type=float,
+        default=0.0,
+        help="pause between publications in a publish window (0: back to back, the worst case)",
+    )
+    p.add_argument(
+        "--margin-s", type=float, default=1.0, help="publication stops this long before its window ends"
+    )
+    p.add_argument(
+        "--clients-in-process",
+        action="store_true",
+        help="run the streams' client threads in this process, beside the publisher (before 2026-12-03)",
+    )
+    p.add_argument(
+        "--layouts",
+        type=lambda text: [x for x in text.split(",") if x],
+        default=list(_layout.LAYOUTS),
+        help="comma separated, each measured on engines of its own in this run (bench/_layout.py):"
+        " shared (every process on every core) and pinned (each scheduler on a core of its own, the"
+        " rest on the others, as on a GPU host)",
+    )
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    if unknown := set(args.layouts) - set(_layout.LAYOUTS):
+        p.error(f"unknown layouts {sorted(unknown)}")
+    t_start = time.monotonic()
+    run_dir = ROOT / ".runs" / f"bench-gap-{time.strftime('%Y%m%d-%H%M%S')}"
+    # on the engines' staging filesystem, so a handed-over file is taken over, not copied
+    source_dir = default_staging_base() / f"lora-versions-bench-source-{run_dir.name}"
+    source_dir.mkdir(parents=True, exist_ok=True)
+    atexit.register(shutil.rmtree, source_dir, True)
+    env = {LOCAL_SOURCE_DIR_ENV: str(source_dir)}
+    if args.model == "large":
+        big = ensure_bench_fixtures()
+        model_dir, adapter_a = big.model_dir, big.adapter_dir
+        adapter_b = ensure_sized_adapters(big, [27.4])[27.4]
+        extra = {"lora_flags": _lora_flags(big.rank), "extra_args": ("--mem-fraction-static", "0.5")}
+        max_tokens = 1500
+    else:
+        fx = ensure_fixtures()
+        model_dir, adapter_a, adapter_b = fx.model_dir, fx.adapter_dir("A"), fx.adapter_dir("B")
+        extra = {}
+        max_tokens = 1500
+    snap_a = Snapshot.from_peft_dir(adapter_a)
+    snap_b = Snapshot.from_peft_dir(adapter_b)
+    payloads_a, payloads_b = list(snap_a.iter_buckets()), list(snap_b.iter_buckets())
+    out: dict[str, Any] = {"layouts": {}}
+    for layout in args.layouts:
+        out["layouts"][layout] = run_layout(
+            layout,
+            args,
+            run_dir,
+            env,
+            model_dir,
+            extra,
+            snap_a,
+            snap_b,
+            payloads_a,
+            payloads_b,
+            adapter_a,
+            adapter_b,
+            source_dir,
+            max_tokens,
+        )
+    for layout, res in out["layouts"].items():
+        print_layout(layout, res, args)
     import sglang
 
     out["meta"] = {

@@ -207,6 +207,34 @@ def test_a_begin_over_a_replaced_group_is_refused_before_any_byte_moves(
     assert_collective_publication_works(trainers, e, snaps["A"], cleanup_after)
 
 
+def test_a_retried_begin_after_its_group_went_posts_the_receives_again_on_the_new_one(
+    engines, trainers, snaps, a_sessions, cleanup_after
+):
+    """A begin whose reply was lost, retried after the group it posted its receives on went
+    (another group connected meanwhile, as ``CollectiveTransport`` does on TRANSPORT_UNAVAILABLE):
+    the attempt's receives are posted again on the group the retry names, and the buckets sent
+    over it are taken. Before, the retry was answered from the table with the receives gone, and
+    every acknowledgement failed (TRANSFER_FAILED)."""
+    e = engines[0]
+    first = trainers[e.name]
+    s = first.staged(snaps["B"])
+    cleanup_after.append(s)
+    assert s.begin().json()["state"] == "PREPARED"  # receives posted on the first group
+    second = reconnect(trainers, e)  # that group goes
+    # a retry that still names the first group is refused, changing nothing
+    before = visible_state(e.url)
+    r = s.begin()
+    assert r.status_code == 409 and error_code(r) == "TRANSPORT_UNAVAILABLE", r.text
+    assert visible_state(e.url) == before
+    s.begin_req = s.begin_req.model_copy(update={"channel": second.group_id})
+    assert s.begin().json()["state"] == "PREPARED"  # the same attempt, receives posted again
+    for b in s.buckets():
+        second.send(s, b)
+        assert second.ack(s, b).json() == {"index": b.spec.index, "accepted": True, "duplicate": False}
+    assert s.end().json()["state"] == "READY_LOCAL"
+    assert generate(e.url, PROMPT, s.name).status_code == 200
+
+
 def test_corrupted_data_is_refused_and_the_group_stays_usable(
     engines, trainers, snaps, a_sessions, cleanup_after
 ):

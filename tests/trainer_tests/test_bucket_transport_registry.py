@@ -69,11 +69,12 @@ class StubSender:
 
     def __init__(self) -> None:
         self.connected = False
+        self.group_id: str | None = None
         self.incarnations: list[str] = []
 
     async def connect(self, ask_engine: Callable[[str, str, str], Awaitable[str]]) -> None:
         self.incarnations.append(await ask_engine("g1", "tcp://127.0.0.1:1234", "gloo"))
-        self.connected = True
+        self.connected, self.group_id = True, "g1"
 
 
 async def test_the_collective_connects_through_its_own_setup_call_before_the_begin() -> None:
@@ -98,4 +99,5 @@ async def test_the_collective_connects_through_its_own_setup_call_before_the_beg
     assert [path for path, _ in seen] == [p.Routes.COLLECTIVE_CONNECT, p.Routes.BEGIN]
     assert seen[0][1] == {"group_id": "g1", "init_method": "tcp://127.0.0.1:1234", "backend": "gloo"}
     assert seen[1][1]["transport"] == "collective"
+    assert seen[1][1]["channel"] == "g1"  # the begin names the group it will be sent over
     assert audit.ops() == ["collective_connect", "begin"]  # audited like every control call

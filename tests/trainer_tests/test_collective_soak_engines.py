@@ -12,11 +12,10 @@ fails a publication a healthy engine can take.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from pathlib import Path
-
-import json
 
 import pytest
 from _e2e_helpers import Deployment, Interceptor
