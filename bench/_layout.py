@@ -5,12 +5,16 @@
 clients then compete with decode for the same two cores, so a decode gap measures the machine as
 much as the plugin.
 
-``pinned``: as on a GPU host, where the scheduler drives the device from a core of its own: each
-engine's scheduler process (every thread of it, its OpenMP threads included: the engines start
-with ``SGLANG_CPU_OMP_THREADS_BIND`` set to that core) runs on the last core, everything else (the
-engines' main and detokenizer processes, the collective receivers, this bench, its publisher and
-its clients) on the others. What a publication then costs decode is what it costs the scheduler:
-the load and the unload it runs, and nothing else.
+``pinned``: as on a GPU host, where the scheduler drives the device from a core of its own: the
+measured engine's scheduler process (every thread of it, its OpenMP threads included: that engine
+starts with ``SGLANG_CPU_OMP_THREADS_BIND`` set to the core) runs alone on the last core;
+everything else (that engine's main and detokenizer processes and collective receiver, the other
+engines whole, this bench, its publisher and its clients) on the others. With two cores only one
+scheduler can have a core of its own (two schedulers on one core starve each other: their loops
+never sleep), so the gaps of the pinned layout are read on the measured engine's streams; the
+other engines are still in the cohort every publication goes to. What a publication then costs
+the measured engine's decode is what it costs its scheduler: the load and the unload it runs,
+and nothing else.
 """
 
 from __future__ import annotations
@@ -34,9 +38,12 @@ def other_cores() -> set[int]:
     return cores
 
 
-def engine_env(layout: str) -> dict[str, str]:
+def engine_env(layout: str, measured: bool) -> dict[str, str]:
     """The environment an engine of ``layout`` starts with (its scheduler's OpenMP binding)."""
-    return {"SGLANG_CPU_OMP_THREADS_BIND": str(scheduler_core())} if layout == "pinned" else {}
+    if layout != "pinned":
+        return {}
+    cores = {scheduler_core()} if measured else other_cores()
+    return {"SGLANG_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(cores)))}
 
 
 def _children(pid: int) -> list[int]:
@@ -77,33 +84,33 @@ def _pin_process(pid: int, cores: set[int]) -> None:
             continue
 
 
-def apply(layout: str, engine_pids: Iterable[int]) -> dict[str, list[int]]:
-    """Pin the engines' processes and this process's thread for ``layout``; returns the pids
-    pinned by role (empty for ``shared``). Processes this one starts later inherit its cores."""
+def apply(layout: str, measured_pid: int, other_pids: Iterable[int] = ()) -> dict[str, list[int]]:
+    """Pin the engines' processes (the measured engine's main process, the others') and this
+    process's thread for ``layout``; returns the pids pinned by role (empty for ``shared``).
+    Processes this one starts later inherit its cores."""
     if layout == "shared":
-        every = set(range(os.cpu_count() or 1))
-        os.sched_setaffinity(0, every)
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         return {}
     roles: dict[str, list[int]] = {"scheduler": [], "other": []}
-    for root in engine_pids:
-        for pid in _tree(root):
-            if _is_scheduler(pid):
-                _pin_process(pid, {scheduler_core()})
-                roles["scheduler"].append(pid)
-            else:
-                _pin_process(pid, other_cores())
-                roles["other"].append(pid)
-    if not roles["scheduler"]:
-        raise SystemExit(f"no {SCHEDULER_TITLE.decode()} process found under {list(engine_pids)}")
+    for pid in _tree(measured_pid):
+        if _is_scheduler(pid):
+            _pin_process(pid, {scheduler_core()})
+            roles["scheduler"].append(pid)
+    if len(roles["scheduler"]) != 1:
+        raise SystemExit(f"expected one {SCHEDULER_TITLE.decode()} under {measured_pid}: {roles}")
+    pin_the_rest(layout, measured_pid, other_pids)
+    roles["other"] = [p for root in (measured_pid, *other_pids) for p in _tree(root)]
+    roles["other"] = [p for p in roles["other"] if p not in roles["scheduler"]]
     os.sched_setaffinity(0, other_cores())
     return roles
 
 
-def pin_new_children(engine_pids: Iterable[int], layout: str) -> None:
-    """Processes an engine started since :func:`apply` (a collective receiver) go with the rest."""
+def pin_the_rest(layout: str, measured_pid: int, other_pids: Iterable[int] = ()) -> None:
+    """Every process of the engines but the measured scheduler on the other cores (again after
+    an engine started one, e.g. a collective receiver)."""
     if layout != "pinned":
         return
-    for root in engine_pids:
+    for root in (measured_pid, *other_pids):
         for pid in _tree(root):
-            if not _is_scheduler(pid):
+            if root != measured_pid or not _is_scheduler(pid):
                 _pin_process(pid, other_cores())

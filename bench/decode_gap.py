@@ -33,10 +33,17 @@ waits for the retracted requests that hold the adapter, and they wait for ``cont
 same name, and ``/continue_generation``), paired with quiet windows the same way. A stream is one
 client thread (like a session): the stall of an abort and resend is one of its gaps.
 
+Layouts (``--layouts``, both by default, each on two engines started for it, in one run; see
+``bench/_layout.py``): ``shared``, every process on every core; ``pinned``, E0's scheduler alone on
+a core of its own and everything else on the other, as on a GPU host, where the scheduler thread
+has a core to itself: the gaps of E0's streams then measure what a publication costs E0's
+scheduler (its load and unload), not the two shared cores. Every layout reports the gaps of all
+streams and of E0's alone.
+
 Prints a table and writes ``bench/results/decode_gap.json``.
 
     .venv/bin/python bench/decode_gap.py [--pairs 6] [--window-s 6] [--streams 2] [--model tiny|large]
-                                         [--transport http|local] [--interval-s 0]
+                                         [--transport http|local] [--interval-s 0] [--layouts shared,pinned]
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ from relax_glue.snapshot import Snapshot  # noqa: E402
 from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV, default_staging_base  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "decode_gap.json"
+# the engine whose scheduler has a core of its own in the pinned layout (bench/_layout.py)
+MEASURED = "E0"
 FIXED_NAME = "policy"
 
 
@@ -163,10 +172,13 @@ class Streams:
                 except httpx.HTTPError as exc:
                     self.errors.append(f"{engine}: {exc!r}")
 
-    def gaps(self, lo: float, hi: float) -> list[float]:
-        """Gaps (s) between consecutive chunks of one request whose later chunk is in [lo, hi)."""
+    def gaps(self, lo: float, hi: float, engines: tuple[str, ...] | None = None) -> list[float]:
+        """Gaps (s) between consecutive chunks of one request whose later chunk is in [lo, hi),
+        on ``engines`` (None: every engine)."""
         out = []
-        for _, times in list(self.arrivals):
+        for engine, times in list(self.arrivals):
+            if engines is not None and engine not in engines:
+                continue
             ts = list(times)
             out.extend(b - a for a, b in itertools.pairwise(ts) if lo <= b < hi)
         return out
@@ -294,14 +306,16 @@ def overwrite_once(http: httpx.Client, urls: dict[str, str], adapter_dir: Path, 
     w.events.append(steps)
 
 
-def summarize_pairs(streams: Streams, windows: list[Window], active: str) -> dict[str, Any]:
+def summarize_pairs(
+    streams: Streams, windows: list[Window], active: str, engines: tuple[str, ...] | None = None
+) -> dict[str, Any]:
     rows = []
     by_kind: dict[str, list[Window]] = {}
     for w in windows:
         by_kind.setdefault(w.kind, []).append(w)
     pairs = list(zip(by_kind.get(active, []), by_kind.get("quiet", []), strict=False))
     for a, q in pairs:
-        ga, gq = streams.gaps(a.lo, a.hi), streams.gaps(q.lo, q.hi)
+        ga, gq = streams.gaps(a.lo, a.hi, engines), streams.gaps(q.lo, q.hi, engines)
         rows.append(
             {
                 "active_p99_ms": 1e3 * (_pct(ga, 0.99) or 0),
@@ -404,17 +418,18 @@ def run_layout(
             name=n,
             model_path=model_dir,
             log_path=run_dir / f"{n}-{layout}.log",
-            env={**env, **_layout.engine_env(layout)},
+            env={**env, **_layout.engine_env(layout, measured=n == MEASURED)},
             **extra,
         )
         for n in ("E0", "E1")
     ]
     print(f"[{layout}] starting 2 engines ({args.model}; logs in {run_dir}) ...", flush=True)
     with running_engines(specs) as engines:
-        pids = [e.proc.pid for e in engines]
-        out["pinned"] = _layout.apply(layout, pids)
+        by_name = {e.name: e.proc.pid for e in engines}
+        others = [pid for name, pid in by_name.items() if name != MEASURED]
+        out["pinned"] = _layout.apply(layout, by_name[MEASURED], others)
         urls, logs, drivers, lora_a = cohort_on_version(engines, snap_a, payloads_a)
-        _layout.pin_new_children(pids, layout)
+        _layout.pin_the_rest(layout, by_name[MEASURED], others)
         src = source_dir if args.transport == "local" else None
         publish_loop(drivers, snap_b, payloads_b, Window("warmup", _now(), _now() + 0.1), 0.0, src, logs)
         streams = Streams(urls, lora_a, args.streams, max_tokens, own_process=not args.clients_in_process)
@@ -428,6 +443,11 @@ def run_layout(
         )
         streams.stop()
         versioned = summarize_pairs(streams, windows, "publish")
+        # the streams of the engine whose scheduler has a core of its own in the pinned layout
+        versioned["measured_engine"] = {
+            "engine": MEASURED,
+            **summarize_pairs(streams, windows, "publish", (MEASURED,)),
+        }
         stalls = plugin_stalls(streams, windows)
         out["versioned"] = {
             **versioned,
@@ -514,6 +534,11 @@ def print_layout(layout: str, out: dict[str, Any], args: argparse.Namespace) -> 
     print(
         f"versioned publication: p99 ratio {fmt(v['p99_ratio'])}; max ratio {fmt(v['max_ratio'])};"
         f" {v['publications']} publications, {v['aborted']} of {v['requests']} requests aborted"
+    )
+    m = v["measured_engine"]
+    print(
+        f"versioned publication, {m['engine']}'s streams only: p99 ratio {fmt(m['p99_ratio'])};"
+        f" max ratio {fmt(m['max_ratio'])}"
     )
     print(
         f"pause+flush+overwrite: p99 ratio {fmt(o['p99_ratio'])}; max ratio {fmt(o['max_ratio'])};"

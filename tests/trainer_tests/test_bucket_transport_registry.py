@@ -101,3 +101,15 @@ async def test_the_collective_connects_through_its_own_setup_call_before_the_beg
     assert seen[1][1]["transport"] == "collective"
     assert seen[1][1]["channel"] == "g1"  # the begin names the group it will be sent over
     assert audit.ops() == ["collective_connect", "begin"]  # audited like every control call
+
+
+def test_a_begin_names_a_channel_only_with_an_out_of_band_transport() -> None:
+    """``BeginRequest.channel`` (the collective: the sender's group) travels as JSON; with HTTP,
+    which has no channel, it is an INVALID_REQUEST, not a field silently ignored."""
+    body = BEGIN.model_dump(mode="json")
+    assert body["channel"] is None
+    over_group = p.parse_model(p.BeginRequest, {**body, "transport": "collective", "channel": "g1"})
+    assert over_group.channel == "g1"
+    with pytest.raises(LoraVersionError) as err:
+        p.parse_model(p.BeginRequest, {**body, "channel": "g1"})
+    assert err.value.code is ErrorCode.INVALID_REQUEST and "channel" in err.value.message
