@@ -82,12 +82,14 @@ def receiver_pid(link: CollectiveLink) -> int:
 
 
 def gone(pid: int) -> bool:
+    """Exited (a zombie not reaped yet counts). The process may be reaped between the two
+    looks: its /proc entry is then gone too (seen in CI as ProcessLookupError from the read)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return True
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] == "Z"
 
 
 async def test_buckets_land_after_their_header_and_the_group_goes_idle(tmp_path: Path) -> None:
