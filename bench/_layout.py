@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from pathlib import Path
+
+import psutil
+from _profiling import engine_processes
 
 LAYOUTS = ("shared", "pinned")
-SCHEDULER_TITLE = b"sglang::scheduler"  # SGLang 0.5.23's process title (scheduler.py, setproctitle)
 
 
 def scheduler_core() -> int:
-    return max(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    return (os.cpu_count() or 1) - 1
 
 
 def other_cores() -> set[int]:
@@ -46,42 +47,24 @@ def engine_env(layout: str, measured: bool) -> dict[str, str]:
     return {"SGLANG_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(cores)))}
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(_children(p))
-    return out
-
-
-def _is_scheduler(pid: int) -> bool:
+def _pin(proc: psutil.Process, cores: set[int]) -> None:
+    """Every thread of ``proc`` (affinity is per thread; threads started later inherit it)."""
     try:
-        return (Path(f"/proc/{pid}/cmdline").read_bytes()).startswith(SCHEDULER_TITLE)
-    except OSError:
-        return False
-
-
-def _pin_process(pid: int, cores: set[int]) -> None:
-    """Every thread of ``pid`` (affinity is per thread; threads started later inherit it)."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
+        threads = proc.threads()
+    except psutil.Error:  # gone meanwhile
+        return
+    for thread in threads:
         try:
-            os.sched_setaffinity(int(task.name), cores)
+            os.sched_setaffinity(thread.id, cores)
         except (ProcessLookupError, PermissionError):
             continue
+
+
+def _measured_scheduler(measured_pid: int) -> psutil.Process:
+    scheduler = engine_processes("measured", measured_pid).get("measured scheduler")
+    if scheduler is None:
+        raise SystemExit(f"no scheduler process under {measured_pid}")
+    return scheduler
 
 
 def apply(layout: str, measured_pid: int, other_pids: Iterable[int] = ()) -> dict[str, list[int]]:
@@ -91,26 +74,24 @@ def apply(layout: str, measured_pid: int, other_pids: Iterable[int] = ()) -> dic
     if layout == "shared":
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         return {}
-    roles: dict[str, list[int]] = {"scheduler": [], "other": []}
-    for pid in _tree(measured_pid):
-        if _is_scheduler(pid):
-            _pin_process(pid, {scheduler_core()})
-            roles["scheduler"].append(pid)
-    if len(roles["scheduler"]) != 1:
-        raise SystemExit(f"expected one {SCHEDULER_TITLE.decode()} under {measured_pid}: {roles}")
-    pin_the_rest(layout, measured_pid, other_pids)
-    roles["other"] = [p for root in (measured_pid, *other_pids) for p in _tree(root)]
-    roles["other"] = [p for p in roles["other"] if p not in roles["scheduler"]]
+    scheduler = _measured_scheduler(measured_pid)
+    _pin(scheduler, {scheduler_core()})
+    others = pin_the_rest(layout, measured_pid, other_pids)
     os.sched_setaffinity(0, other_cores())
-    return roles
+    return {"scheduler": [scheduler.pid], "other": others}
 
 
-def pin_the_rest(layout: str, measured_pid: int, other_pids: Iterable[int] = ()) -> None:
+def pin_the_rest(layout: str, measured_pid: int, other_pids: Iterable[int] = ()) -> list[int]:
     """Every process of the engines but the measured scheduler on the other cores (again after
-    an engine started one, e.g. a collective receiver)."""
+    an engine started one, e.g. a collective receiver); returns their pids."""
     if layout != "pinned":
-        return
+        return []
+    scheduler = _measured_scheduler(measured_pid).pid
+    pinned = []
     for root in (measured_pid, *other_pids):
-        for pid in _tree(root):
-            if root != measured_pid or not _is_scheduler(pid):
-                _pin_process(pid, other_cores())
+        main = psutil.Process(root)
+        for proc in (main, *main.children(recursive=True)):
+            if proc.pid != scheduler:
+                _pin(proc, other_cores())
+                pinned.append(proc.pid)
+    return pinned

@@ -15,8 +15,8 @@ import asyncio
 import json
 import os
 import signal
-from pathlib import Path
 
+import psutil
 import pytest
 from _e2e_helpers import Deployment, Interceptor
 
@@ -36,19 +36,11 @@ STARVED_S = 2 * SETTLE_STALL_S + 1.0  # well past the old bound, well inside the
 
 def receiver_pids(engine_pid: int) -> list[int]:
     """The engine's collective receiver processes (children of its main process)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == engine_pid and b"sglang_ext.collective_receiver" in cmdline:
-            found.append(int(entry.name))
-    return found
+    return [
+        child.pid
+        for child in psutil.Process(engine_pid).children()
+        if "sglang_ext.collective_receiver" in " ".join(child.cmdline())
+    ]
 
 
 @pytest.fixture(scope="module")
