@@ -13,6 +13,7 @@ Prints a table and writes ``bench/results/decode_gap_profile.json``.
 
     .venv/bin/python bench/decode_gap_profile.py [--modes quiet,publish] [--seconds 8]
                                                  [--streams 2] [--process scheduler|main]
+                                                 [--layout shared|pinned]
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import _layout  # noqa: E402
 import psutil  # noqa: E402
 from _profiling import engine_processes, raw_stacks  # noqa: E402
-from decode_gap import Streams, Window, _now, _pct, cohort_on_version, publish_loop  # noqa: E402
+from decode_gap import MEASURED, Streams, Window, _now, _pct, cohort_on_version, publish_loop  # noqa: E402
 
 from lora_versions_dev.fixtures import ensure_fixtures  # noqa: E402
 from lora_versions_dev.launcher import EngineSpec, running_engines  # noqa: E402
@@ -80,18 +82,37 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=2, help="streams per engine")
     p.add_argument("--process", choices=("scheduler", "main"), default="scheduler")
     p.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
+    p.add_argument(
+        "--layout",
+        choices=_layout.LAYOUTS,
+        default="shared",
+        help="bench/_layout.py; pinned: E0's scheduler alone on the last core, and the gaps are E0's streams",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
 
     fx = ensure_fixtures()
     run_dir = args.out.parent / "decode_gap_profile"
     run_dir.mkdir(parents=True, exist_ok=True)
-    specs = [EngineSpec(name=n, model_path=fx.model_dir, log_path=run_dir / f"{n}.log") for n in ("E0", "E1")]
+    specs = [
+        EngineSpec(
+            name=n,
+            model_path=fx.model_dir,
+            log_path=run_dir / f"{n}-{args.layout}.log",
+            env=_layout.engine_env(args.layout, measured=n == MEASURED),
+        )
+        for n in ("E0", "E1")
+    ]
     snap_a, snap_b = Snapshot.from_peft_dir(fx.adapter_dir("A")), Snapshot.from_peft_dir(fx.adapter_dir("B"))
     payloads_a, payloads_b = list(snap_a.iter_buckets()), list(snap_b.iter_buckets())
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "modes": {}}
+    print(f"layout {args.layout}")
     with running_engines(specs) as engines:
+        by_name = {e.name: e.proc.pid for e in engines}
+        others = [pid for name, pid in by_name.items() if name != MEASURED]
+        report["pinned"] = _layout.apply(args.layout, by_name[MEASURED], others)
         urls, logs, drivers, lora_a = cohort_on_version(engines, snap_a, payloads_a)
+        _layout.pin_the_rest(args.layout, by_name[MEASURED], others)
         procs: dict[str, psutil.Process] = {}
         for e in engines:
             procs.update(engine_processes(e.name, e.proc.pid))
@@ -122,7 +143,8 @@ def main() -> None:
             c1, f1, dt = cpu_seconds(procs), major_faults(procs), time.monotonic() - t0
             spy.send_signal(2)  # py-spy writes its file on SIGINT
             spy.wait(timeout=120)
-            gaps = streams.gaps(w.lo, w.hi)
+            # pinned: the gaps of the engine whose scheduler has a core of its own (bench/_layout.py)
+            gaps = streams.gaps(w.lo, w.hi, (MEASURED,) if args.layout == "pinned" else None)
             report["modes"][mode] = {
                 "publications": len(w.events),
                 "cores_used": {k: round((c1[k] - c0[k]) / dt, 3) for k in c0},
@@ -136,6 +158,7 @@ def main() -> None:
                 "profile": summarise_profile(raw) if raw.exists() else {},
             }
         streams.stop()
+        _layout.apply("shared", 0)
     args.out.write_text(json.dumps(report, indent=2))
     print_report(report, args.process)
     print(f"wrote {args.out}")

@@ -48,6 +48,7 @@ import argparse
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -66,6 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import _layout  # noqa: E402
 import httpx  # noqa: E402
 from _bench_fixtures import LARGE_CONFIG, ensure_bench_fixtures, ensure_sized_adapters, rank_for_mib  # noqa: E402
 
@@ -197,14 +199,14 @@ class Driver:
         write_ms = (time.perf_counter() - tw) * 1e3
         t0 = time.perf_counter()
         try:
-            if sender is not None:  # begin and the bucket phase in one event loop, as the publisher
-                t0, t1 = asyncio.run(self._collective_begin_and_buckets(sender, begin, payloads))
+            if source_dir is None:  # begin and the bucket phase in one event loop, as the publisher
+                t0, t1 = asyncio.run(self._client_begin_and_buckets(sender, begin, payloads))
             else:
                 r = _check(self.http.post(Routes.BEGIN, json=body), "begin")
                 if r.json().get("state") != "PREPARED":
                     raise BenchError(f"begin: expected PREPARED, got {r.text[:500]}")
                 t1 = time.perf_counter()
-            for b, source in zip(payloads, sources, strict=True) if sender is None else ():
+            for b, source in zip(payloads, sources, strict=True) if source_dir is not None else ():
                 meta = ReceiveBucketMeta(
                     lora_name=name, attempt_token=attempt, index=b.spec.index, sha256=b.sha256, source=source
                 )
@@ -238,14 +240,17 @@ class Driver:
         }
         return times, name, attempt
 
-    async def _collective_begin_and_buckets(
-        self, sender: CollectiveSender, begin: BeginRequest, payloads: list[EncodedBucket]
+    async def _client_begin_and_buckets(
+        self, sender: CollectiveSender | None, begin: BeginRequest, payloads: list[EncodedBucket]
     ) -> tuple[float, float]:
-        """As the publisher does it, through ``EngineClient``: ``begin`` (which connects a new
-        group when the engine's is unusable, e.g. broken by an earlier cleanup), then every
-        bucket broadcast at once (the engine is PREPARED), then the acknowledgements in order,
-        each asked while its broadcast is on the wire. Returns the clock when ``begin`` started
-        and when it ended."""
+        """As the publisher does it, through ``EngineClient`` (its async HTTP client: the
+        blocking client's write re-slices the unsent rest of a body after every partial send, a
+        copy per send that cost the sender 0.7 s of CPU per 350 MiB here, against 0.1 s for the
+        kernel's own copy). HTTP: ``begin``, then each bucket as a body. Collective (``sender``):
+        ``begin`` (which connects a new group when the engine's is unusable, e.g. broken by an
+        earlier cleanup), then every bucket broadcast at once (the engine is PREPARED), then the
+        acknowledgements in order, each asked while its broadcast is on the wire. Returns the
+        clock when ``begin`` started and when it ended."""
         # The client's pools belong to this event loop (the sender and its group outlive it).
         # Built before the clock: a client's two pools cost ~50 ms (SSL contexts) that a
         # publisher pays once, not per publication.
@@ -256,7 +261,7 @@ class Driver:
             if not isinstance(receipt, PreparedReceipt):
                 raise BenchError(f"begin: expected PREPARED, got {receipt!r:.500}")
             t1 = time.perf_counter()
-            for b in payloads:
+            for b in payloads if sender is not None else ():
                 sender.send_soon(begin.attempt_token, b.spec.index, b.payload)
             for b in payloads:
                 meta = ReceiveBucketMeta(
@@ -620,6 +625,109 @@ def print_table(results: list[dict[str, Any]]) -> None:
             )
 
 
+# ------------------------------------------------------------------------------------------ layouts
+
+
+def measured_engine(specs: list[EngineSpec]) -> str:
+    """The engine whose scheduler has a core of its own in the pinned layout: the large one
+    (the 27 MiB rank-64 adapter the goals are stated for), else the only one."""
+    names = [s.name for s in specs]
+    return "large" if "large" in names else names[0]
+
+
+def measure_layout(
+    layout: str, args: argparse.Namespace, cases: list[Case], specs: list[EngineSpec], source_dir: Path
+) -> dict[str, Any]:
+    """Every case on engines started for ``layout`` (bench/_layout.py), the reps interleaved."""
+    measured = measured_engine(specs)
+    specs = [
+        dataclasses.replace(
+            s,
+            log_path=s.log_path.with_name(f"{s.name}-{layout}.log"),
+            env={**s.env, **_layout.engine_env(layout, measured=s.name == measured)},
+        )
+        for s in specs
+    ]
+    t0 = time.monotonic()
+    print(f"[{layout}] starting {len(specs)} engines in parallel (logs in {specs[0].log_path.parent}) ...")
+    with running_engines(specs) as engines:
+        startup_wall = time.monotonic() - t0
+        startup = {e.name: round(e.started_s or 0.0, 1) for e in engines}
+        print(f"[{layout}] engines healthy after {startup_wall:.1f}s: {startup}", flush=True)
+        by_name = {e.name: e for e in engines}
+        others = [e.proc.pid for e in engines if e.name != measured]
+        pinned = _layout.apply(layout, by_name[measured].proc.pid, others)
+        # One driver per engine, shared by its cases: one trainer per engine, so one collective
+        # group per engine for the whole run (a driver per case had each case's sender replace
+        # the others' group on the engine)
+        drivers = {e.name: Driver(e.url) for e in engines}
+        runners = [
+            Runner(c, drivers[c.engine], by_name[c.engine].log_tail, by_name[c.engine].proc.pid,
+                   by_name[c.engine].log_path, source_dir)
+            for c in cases
+        ]  # fmt: skip
+        rss_before = {e.name: _rss_mib(e.proc.pid) for e in engines}
+        rss_per_rep: list[dict[str, float | None]] = []
+        try:
+            for r in runners:  # warm-up: first adapter generation, first native load
+                t1 = time.monotonic()
+                r.run_rep(None)
+                print(f"  warm-up {r.case.engine}: {time.monotonic() - t1:.1f}s", flush=True)
+            # the collective receivers started in the warm-up: on the other cores too
+            pinned["other"] = _layout.pin_the_rest(layout, by_name[measured].proc.pid, others)
+            load_before = os.getloadavg()
+            for rep in range(args.reps):
+                t1 = time.monotonic()
+                for r in runners:
+                    r.run_rep(rep)
+                rss_per_rep.append({e.name: _rss_mib(e.proc.pid) for e in engines})
+                dt = time.monotonic() - t1
+                print(f"  rep {rep + 1}/{args.reps}: {dt:.1f}s, main RSS MiB {rss_per_rep[-1]}", flush=True)
+            leftovers = {r.case.engine: r.d.managed_versions() for r in runners}
+        finally:
+            for d in drivers.values():
+                d.close()
+            _layout.apply("shared", 0)
+        return {
+            "layout": layout,
+            "pinned_pids": pinned,
+            "results": [r.result() for r in runners],
+            "measured_engine": measured,
+            "leftover_versions": leftovers,
+            "loadavg_before_measure": load_before,
+            "loadavg_after_measure": os.getloadavg(),
+            "engine_startup_s": startup,
+            "engine_startup_wall_s": round(startup_wall, 1),
+            "engine_main_rss_mib_before": rss_before,
+            "engine_main_rss_mib_after": {e.name: _rss_mib(e.proc.pid) for e in engines},
+            "engine_main_rss_mib_per_rep": rss_per_rep,
+        }
+
+
+def _layout_line(layout: str, out: dict[str, Any]) -> str:
+    where = {
+        "shared": "every process on every core",
+        "pinned": f"the {out['measured_engine']} engine's scheduler alone on core {_layout.scheduler_core()},"
+        " everything else on the other cores",
+    }[layout]
+    return (
+        f"{where}; load average {tuple(round(x, 2) for x in out['loadavg_before_measure'])} ->"
+        f" {tuple(round(x, 2) for x in out['loadavg_after_measure'])}; engine main-process RSS (MiB)"
+        f" {out['engine_main_rss_mib_before']} -> {out['engine_main_rss_mib_after']}"
+    )
+
+
+def report(results: list[dict[str, Any]], leftovers: dict[str, list[str]]) -> None:
+    print_table(results)
+    for res in results:
+        if res["staged_equals_stock_tokens"] is False:
+            print(f"WARNING {res['engine']}: staged and stock greedy tokens differ: {res['warmup']}")
+        for err in res["errors"]:
+            print(f"ERROR {res['engine']} {err['where']}: {err['error']}")
+    if any(leftovers.values()):
+        print(f"WARNING managed versions left after the run: {leftovers}")
+
+
 # --------------------------------------------------------------------------------------------- main
 
 
@@ -697,9 +805,19 @@ def main() -> int:
         " RAM free at start-up, and the default 0.1 fails when other engines share the machine (the KV cache"
         " stays capped by --max-total-tokens 4096 either way)",
     )
+    p.add_argument(
+        "--layouts",
+        type=lambda text: [x for x in text.split(",") if x],
+        default=list(_layout.LAYOUTS),
+        help="comma separated, each measured on engines of its own in this run (bench/_layout.py):"
+        " shared, every process on every core; pinned, the large engine's scheduler alone on the last"
+        " core (as on a GPU host) and everything else on the others",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--run-dir", type=Path, default=None, help="engine logs (default .runs/bench-publish-*)")
     args = p.parse_args()
+    if unknown := set(args.layouts) - set(_layout.LAYOUTS):
+        p.error(f"unknown layouts {sorted(unknown)}")
     t_start = time.monotonic()
     load_start = os.getloadavg()
 
@@ -758,55 +876,11 @@ def main() -> int:
         c.prepare()
     print(f"snapshots and payloads prepared in {time.monotonic() - t0:.1f}s", flush=True)
 
-    t0 = time.monotonic()
-    print(f"starting {len(specs)} engines in parallel (logs in {run_dir}) ...", flush=True)
-    results: list[dict[str, Any]] = []
-    startup: dict[str, float | None] = {}
-    with running_engines(specs) as engines:
-        startup_wall = time.monotonic() - t0
-        for e in engines:
-            startup[e.name] = round(e.started_s or 0.0, 1)
-        print(f"engines healthy after {startup_wall:.1f}s: {startup}", flush=True)
-        by_name = {e.name: e for e in engines}
-        # One driver per engine, shared by its cases: one trainer per engine, so one collective
-        # group per engine for the whole run (a driver per case had each case's sender replace
-        # the others' group on the engine)
-        drivers = {e.name: Driver(e.url) for e in engines}
-        runners = []
-        for c in cases:
-            eng = by_name[c.engine]
-            runners.append(Runner(c, drivers[c.engine], eng.log_tail, eng.proc.pid, eng.log_path, source_dir))
-        load_before = os.getloadavg()
-        rss_before = {e.name: _rss_mib(e.proc.pid) for e in engines}
-        rss_per_rep: list[dict[str, float | None]] = []
-        try:
-            for r in runners:  # warm-up: first adapter generation, first native load
-                t1 = time.monotonic()
-                r.run_rep(None)
-                print(f"  warm-up {r.case.engine}: {time.monotonic() - t1:.1f}s", flush=True)
-            for rep in range(args.reps):
-                t1 = time.monotonic()
-                for r in runners:
-                    r.run_rep(rep)
-                rss_per_rep.append({e.name: _rss_mib(e.proc.pid) for e in engines})
-                dt = time.monotonic() - t1
-                print(f"  rep {rep + 1}/{args.reps}: {dt:.1f}s, main RSS MiB {rss_per_rep[-1]}", flush=True)
-            leftovers = {r.case.engine: r.d.managed_versions() for r in runners}
-        finally:
-            for d in drivers.values():
-                d.close()
-        load_after = os.getloadavg()
-        rss_after = {e.name: _rss_mib(e.proc.pid) for e in engines}
-        results = [r.result() for r in runners]
-
-    print_table(results)
-    for res in results:
-        if res["staged_equals_stock_tokens"] is False:
-            print(f"WARNING {res['engine']}: staged and stock greedy tokens differ: {res['warmup']}")
-        for err in res["errors"]:
-            print(f"ERROR {res['engine']} {err['where']}: {err['error']}")
-    if any(leftovers.values()):
-        print(f"WARNING managed versions left after the run: {leftovers}")
+    layouts: dict[str, Any] = {}
+    for layout in args.layouts:
+        layouts[layout] = measure_layout(layout, args, cases, specs, source_dir)
+        print(f"\n[{layout}] {_layout_line(layout, layouts[layout])}")
+        report(layouts[layout]["results"], layouts[layout]["leftover_versions"])
 
     import sglang
     import torch
@@ -819,17 +893,12 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "reps": args.reps,
         "loadavg_start": load_start,
-        "loadavg_before_measure": load_before,
-        "loadavg_end": load_after,
-        "engine_startup_s": startup,
-        "engine_startup_wall_s": round(startup_wall, 1),
+        "loadavg_end": os.getloadavg(),
         "run_time_s": round(time.monotonic() - t_start, 1),
         "engine_logs": str(run_dir),
         "fixtures": fixtures_meta,
-        "leftover_versions": leftovers,
-        "engine_main_rss_mib_before": rss_before,
-        "engine_main_rss_mib_after": rss_after,
-        "engine_main_rss_mib_per_rep": rss_per_rep,
+        "layouts": args.layouts,
+        "measured_engine": measured_engine(specs),
         "notes": [
             "CPU engines (torch_native LoRA backend), fp32; another agent may share the 2 cores.",
             "staged total = begin + buckets + end; payloads encoded before the clock (client_encode_ms).",
@@ -840,13 +909,22 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
-            {"meta": meta, "results": results, "collective_vs_http": transport_speedups(results)}, indent=2
+            {
+                "meta": meta,
+                "layouts": {
+                    layout: {**out, "collective_vs_http": transport_speedups(out["results"])}
+                    for layout, out in layouts.items()
+                },
+            },
+            indent=2,
         )
         + "\n"
     )
-    print(f"engine main-process RSS (MiB) before -> after the measurements: {rss_before} -> {rss_after}")
-    print(f"\nrun time {meta['run_time_s']}s; load average {load_start} -> {load_after}; wrote {args.out}")
-    return 1 if any(res["errors"] for res in results) else 0
+    print(
+        f"\nrun time {meta['run_time_s']}s; load average {load_start} -> {meta['loadavg_end']};"
+        f" wrote {args.out}"
+    )
+    return 1 if any(res["errors"] for out in layouts.values() for res in out["results"]) else 0
 
 
 if __name__ == "__main__":

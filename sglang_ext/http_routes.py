@@ -10,7 +10,7 @@ trainer-side tests run the real routes and services in process, over a fake nati
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -67,10 +67,17 @@ def _removal_reply(reply: Any, op: dict[str, str]) -> JSONResponse:
 
 
 async def read_body(
-    request: Request, cap: int, limits: BodyLimits, what: str, sink: Callable[[bytes], None] | None = None
+    request: Request,
+    cap: int,
+    limits: BodyLimits,
+    what: str,
+    sink: Callable[[bytes], None] | None = None,
+    pace: Callable[[], Awaitable[None]] | None = None,
 ) -> bytes:
     """The request body, at most ``cap`` bytes, read under ``limits``' deadlines. With ``sink``
-    each chunk goes to it as it arrives (and nothing is kept here; the sink raises to stop).
+    each chunk goes to it as it arrives (and nothing is kept here; the sink raises to stop);
+    ``pace`` is awaited before each next chunk (the sink's backpressure: that wait is the
+    receiver's, so it counts against the total deadline, not the client's idle one).
 
     Refused before reading when Content-Length says it is too large (PAYLOAD_TOO_LARGE). A body
     that stalls past its deadline or is cut short by the client is INCOMPLETE_BODY and one log
@@ -88,6 +95,9 @@ async def read_body(
     try:
         async with asyncio.timeout(None) as scope:
             while True:
+                if pace is not None:
+                    scope.reschedule(deadline)
+                    await pace()
                 scope.reschedule(min(deadline, loop.time() + limits.idle_timeout_s))
                 try:
                     chunk = await anext(stream)
@@ -195,7 +205,7 @@ def build_routes(state: EngineState) -> list[tuple[str, Any, list[str]]]:
         what = f"bucket {meta.index} of {meta.lora_name}"
 
         async def read_bucket(cap: int, receiver: BucketReceiver) -> None:
-            await read_body(request, cap, state.body_limits, what, receiver.feed)
+            await read_body(request, cap, state.body_limits, what, receiver.feed, receiver.pace)
 
         async def read_local_source(cap: int, receiver: BucketReceiver) -> None:
             # a bucket comes from one place only: the body must be empty

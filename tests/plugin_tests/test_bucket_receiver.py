@@ -3,12 +3,14 @@ refused with its code, and a refused body leaves no file behind."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
 import shutil
 import stat
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +23,10 @@ from safetensors.torch import load, save
 from lora_contract import protocol as p
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.transport import TensorSpan, parse_payload_layout
-from sglang_ext import staging
+from sglang_ext import bucket_receiver, staging
 from sglang_ext.bucket_receiver import (
-    HASH_STRIDE_BYTES,
     HASH_WHILE_RECEIVING_ENV,
+    WRITE_BACKLOG_BYTES,
     BucketReceiver,
     same_dtype_runs,
     split_groups,
@@ -88,6 +90,7 @@ async def receive(
     r = BucketReceiver(area, manifest, spec, checksum or p.bucket_checksum(payload), cap)
     try:
         for i in range(0, len(payload), chunk):
+            await r.pace()  # as read_body does between chunks
             r.feed(payload[i : i + chunk])
         await r.finish()
     except BaseException:
@@ -100,7 +103,7 @@ def no_parts(area: StagingArea) -> bool:
     return not list(area.root.glob("*.part"))
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 4096, HASH_STRIDE_BYTES + 3, 1 << 30])
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1024 * 1024 + 3, WRITE_BACKLOG_BYTES + 3, 1 << 30])
 async def test_a_good_body_in_any_chunking_is_verified_and_committed_byte_for_byte(area, chunk) -> None:
     manifest, spec, payload = setup(adapter(hidden=2048 if chunk > 4096 else 16))
     r = await receive(area, manifest, spec, payload, chunk=chunk)
@@ -689,3 +692,58 @@ async def test_a_failed_copy_names_the_side_that_failed(area, tmp_path, monkeypa
         assert not isinstance(info.value, LoraVersionError), "not the sender's fault"
         assert isinstance(info.value, OSError) and info.value.errno == errno.EIO
     assert no_parts(area) and open_fds() == before
+
+
+async def test_the_read_waits_while_the_write_lane_is_a_backlog_behind_and_goes_on_when_it_catches_up(
+    area, monkeypatch
+) -> None:
+    """The body's chunks are written on a lane: a lane that cannot keep up (starved by decode)
+    holds the body's read at WRITE_BACKLOG_BYTES, never a whole bucket in memory."""
+    tensors = adapter(hidden=131072)  # ~12 MiB: more than the backlog
+    manifest, spec, payload = setup(tensors)
+    assert len(payload) > WRITE_BACKLOG_BYTES + (1 << 20)
+    release = threading.Event()
+    real_pwrite = os.pwrite
+
+    def held_pwrite(fd: int, data: Any, offset: int) -> int:
+        release.wait(30)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(staging.os, "pwrite", held_pwrite)
+    cap = p.max_payload_bytes(manifest, spec) + 64 * 1024
+    r = BucketReceiver(area, manifest, spec, p.bucket_checksum(payload), cap)
+    chunk, pos = 1 << 20, 0
+    try:
+        while pos <= WRITE_BACKLOG_BYTES:  # the lane holds every chunk so far
+            await r.pace()
+            r.feed(payload[pos : pos + chunk])
+            pos += chunk
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(r.pace(), 0.3)  # more than the backlog is unwritten: wait
+        release.set()
+        await asyncio.wait_for(r.pace(), 30)
+        while pos < len(payload):
+            await r.pace()
+            r.feed(payload[pos : pos + chunk])
+            pos += chunk
+        await r.finish()
+    finally:
+        release.set()
+    area.commit_part(KEY, r.part, 0)
+    [f] = area.bucket_files(KEY)
+    assert f.read_bytes() == payload
+
+
+async def test_a_write_lane_failure_stops_the_read_at_the_next_chunk(area, monkeypatch) -> None:
+    manifest, spec, payload = setup(adapter(hidden=2048))
+    monkeypatch.setattr(staging.os, "pwrite", failing_nth(os.pwrite, 1, errno.ENOSPC))
+    r = BucketReceiver(area, manifest, spec, p.bucket_checksum(payload), len(payload) + 1024)
+    r.feed(payload[:4096])
+    # the lane runs in order: once a later no-op ran, the first chunk's write has failed
+    await asyncio.wrap_future(bucket_receiver._WRITE_LANE.submit(lambda: None))
+    with pytest.raises(LoraVersionError) as info:
+        await r.pace()
+    with pytest.raises(LoraVersionError):
+        r.feed(payload[4096:8192])  # nothing more is taken
+    await r.abandon()
+    assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE and no_parts(area)
