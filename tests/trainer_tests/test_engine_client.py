@@ -21,6 +21,7 @@ from lora_contract import protocol as p
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_versions_dev.fault_injection import FaultInjectingClient, FaultKind
 from relax_glue.engine_client import (
+    BODY_SLICE_BYTES,
     FORBIDDEN_PATHS,
     AuditLog,
     ClientTimeouts,
@@ -188,6 +189,41 @@ async def test_receive_bucket_sends_the_raw_payload_with_meta_headers() -> None:
     assert req.url.path == p.Routes.RECEIVE_BUCKET and req.content == bucket.payload
     assert p.ReceiveBucketMeta.from_headers(req.headers) == meta
     assert req.headers["content-type"] == p.BUCKET_CONTENT_TYPE
+    # one body framed by its length (the engine checks it against the cap before reading)
+    assert req.headers["content-length"] == str(len(bucket.payload))
+    assert "transfer-encoding" not in req.headers
+
+
+async def test_a_body_of_several_slices_reaches_a_real_server_whole_and_framed_by_its_length() -> None:
+    """A real socket and a reader slower than the sender: the body goes in slices, each one
+    after the last drained (asyncio's buffer never holds the rest of a large body)."""
+    payload = bytes(range(256)) * (3 * BODY_SLICE_BYTES // 256 + 17)
+    got: dict[str, Any] = {}
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        got["head"] = head.decode().lower()
+        length = int(got["head"].split("content-length: ")[1].split("\r\n")[0])
+        body = bytearray()
+        while len(body) < length:
+            body += await reader.read(64 * 1024)
+            await asyncio.sleep(0.001)  # a slow reader: the sender's buffer fills
+        got["body"] = bytes(body)
+        reply = b'{"index": 0, "accepted": true}'
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (len(reply), reply)
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    meta = p.ReceiveBucketMeta(lora_name=LORA, attempt_token=TOKEN, index=0, sha256="0" * 64)
+    async with server, EngineClient("e0", f"http://127.0.0.1:{port}") as client:
+        ack = await client.post_bucket(meta, payload)
+    assert ack.accepted and got["body"] == payload
+    assert f"content-length: {len(payload)}" in got["head"] and "transfer-encoding" not in got["head"]
 
 
 async def test_each_call_type_has_its_own_read_timeout() -> None:
