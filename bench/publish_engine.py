@@ -147,11 +147,28 @@ class Driver:
         self.url = url
         self.http = httpx.Client(base_url=url, timeout=HTTP_TIMEOUT)
         self._n = 0
+        self._loop = asyncio.Runner()  # one event loop for the run: the clients' and the sender's
+        self._clients: dict[str, EngineClient] = {}
         self.sender: CollectiveSender | None = None
         self.connect_ms: float | None = None
 
     def close(self) -> None:
         self.http.close()
+        for client in self._clients.values():
+            self._loop.run(client.__aexit__(None, None, None))
+        self._clients.clear()
+        self._loop.close()
+
+    def _client(self, sender: CollectiveSender | None) -> EngineClient:
+        """The run's client for HTTP bodies, or for the collective: each opened once, in this
+        driver's one event loop, as a publisher keeps its clients (a client's pools cost ~50 ms
+        of CPU to build, SSL contexts; its connections are kept alive between publications)."""
+        kind = "http" if sender is None else "collective"
+        if kind not in self._clients:
+            transport = CollectiveTransport(sender) if sender is not None else None
+            client = EngineClient("bench", self.url, timeouts=CLIENT_TIMEOUTS, transport=transport)
+            self._clients[kind] = self._loop.run(client.__aenter__())
+        return self._clients[kind]
 
     def collective(self) -> CollectiveSender:
         """The group to this engine, connected on first use (timed apart, never in a total)."""
@@ -164,7 +181,7 @@ class Driver:
                 return _check(r, "collective connect").json()["incarnation"]
 
             t0 = time.perf_counter()
-            asyncio.run(sender.connect(ask_engine))
+            self._loop.run(sender.connect(ask_engine))
             self.connect_ms = (time.perf_counter() - t0) * 1e3
             self.sender = sender
         return self.sender
@@ -200,7 +217,8 @@ class Driver:
         t0 = time.perf_counter()
         try:
             if source_dir is None:  # begin and the bucket phase in one event loop, as the publisher
-                t0, t1 = asyncio.run(self._client_begin_and_buckets(sender, begin, payloads))
+                client = self._client(sender)
+                t0, t1 = self._loop.run(self._client_begin_and_buckets(client, sender, begin, payloads))
             else:
                 r = _check(self.http.post(Routes.BEGIN, json=body), "begin")
                 if r.json().get("state") != "PREPARED":
@@ -241,7 +259,11 @@ class Driver:
         return times, name, attempt
 
     async def _client_begin_and_buckets(
-        self, sender: CollectiveSender | None, begin: BeginRequest, payloads: list[EncodedBucket]
+        self,
+        client: EngineClient,
+        sender: CollectiveSender | None,
+        begin: BeginRequest,
+        payloads: list[EncodedBucket],
     ) -> tuple[float, float]:
         """As the publisher does it, through ``EngineClient`` (its async HTTP client: the
         blocking client's write re-slices the unsent rest of a body after every partial send, a
@@ -251,26 +273,21 @@ class Driver:
         earlier cleanup), then every bucket broadcast at once (the engine is PREPARED), then the
         acknowledgements in order, each asked while its broadcast is on the wire. Returns the
         clock when ``begin`` started and when it ended."""
-        # The client's pools belong to this event loop (the sender and its group outlive it).
-        # Built before the clock: a client's two pools cost ~50 ms (SSL contexts) that a
-        # publisher pays once, not per publication.
-        transport = CollectiveTransport(sender) if sender is not None else None
-        async with EngineClient("bench", self.url, timeouts=CLIENT_TIMEOUTS, transport=transport) as client:
-            t0 = time.perf_counter()
-            receipt = await client.begin(begin)
-            if not isinstance(receipt, PreparedReceipt):
-                raise BenchError(f"begin: expected PREPARED, got {receipt!r:.500}")
-            t1 = time.perf_counter()
-            for b in payloads if sender is not None else ():
-                sender.send_soon(begin.attempt_token, b.spec.index, b.payload)
-            for b in payloads:
-                meta = ReceiveBucketMeta(
-                    lora_name=begin.lora_name,
-                    attempt_token=begin.attempt_token,
-                    index=b.spec.index,
-                    sha256=b.sha256,
-                )
-                await client.receive_bucket(meta, b.payload)
+        t0 = time.perf_counter()
+        receipt = await client.begin(begin)
+        if not isinstance(receipt, PreparedReceipt):
+            raise BenchError(f"begin: expected PREPARED, got {receipt!r:.500}")
+        t1 = time.perf_counter()
+        for b in payloads if sender is not None else ():
+            sender.send_soon(begin.attempt_token, b.spec.index, b.payload)
+        for b in payloads:
+            meta = ReceiveBucketMeta(
+                lora_name=begin.lora_name,
+                attempt_token=begin.attempt_token,
+                index=b.spec.index,
+                sha256=b.sha256,
+            )
+            await client.receive_bucket(meta, b.payload)
         return t0, t1
 
     @property
