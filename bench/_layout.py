@@ -19,6 +19,7 @@ and nothing else.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Iterable
 
@@ -26,6 +27,25 @@ import psutil
 from _profiling import engine_processes
 
 LAYOUTS = ("shared", "pinned")
+
+
+def add_layouts_option(parser: argparse.ArgumentParser, measured: str) -> None:
+    """``--layouts``: comma separated, both by default, each measured on engines of its own."""
+
+    def layouts(text: str) -> list[str]:
+        chosen = [x for x in text.split(",") if x]
+        if unknown := set(chosen) - set(LAYOUTS):
+            raise argparse.ArgumentTypeError(f"unknown layouts {sorted(unknown)}")
+        return chosen
+
+    parser.add_argument(
+        "--layouts",
+        type=layouts,
+        default=list(LAYOUTS),
+        help="comma separated, each measured on engines of its own in this run (bench/_layout.py):"
+        f" shared, every process on every core; pinned, {measured}'s scheduler alone on the last core"
+        " (as on a GPU host) and everything else on the others",
+    )
 
 
 def scheduler_core() -> int:

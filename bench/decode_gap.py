@@ -579,18 +579,9 @@ def main() -> int:
         action="store_true",
         help="run the streams' client threads in this process, beside the publisher (before 2026-12-03)",
     )
-    p.add_argument(
-        "--layouts",
-        type=lambda text: [x for x in text.split(",") if x],
-        default=list(_layout.LAYOUTS),
-        help="comma separated, each measured on engines of its own in this run (bench/_layout.py):"
-        " shared (every process on every core) and pinned (each scheduler on a core of its own, the"
-        " rest on the others, as on a GPU host)",
-    )
+    _layout.add_layouts_option(p, measured="E0")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
-    if unknown := set(args.layouts) - set(_layout.LAYOUTS):
-        p.error(f"unknown layouts {sorted(unknown)}")
     t_start = time.monotonic()
     run_dir = ROOT / ".runs" / f"bench-gap-{time.strftime('%Y%m%d-%H%M%S')}"
     # on the engines' staging filesystem, so a handed-over file is taken over, not copied

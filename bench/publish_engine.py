@@ -36,10 +36,15 @@ stock load + a 1-token generation. One unmeasured warm-up of each path first, wh
 that the staged and the stock copy give the same greedy tokens. Capacity never fills: every
 candidate is cleaned up and every stock load unloaded before the next.
 
-Prints a table and writes ``bench/results/publish_engine.json``.
+Layouts (``--layouts``, both by default, each on engines started for it, in one run;
+``bench/_layout.py``): ``shared``, every process on every core; ``pinned``, the large engine's
+scheduler alone on the last core and every other process (the other engines whole, this bench)
+on the others.
+
+Prints a table per layout and writes ``bench/results/publish_engine.json``.
 
     .venv/bin/python bench/publish_engine.py [--reps 5] [--large-caps 1,4,64] [--sizes 1,8,32,128]
-                                             [--no-large]
+                                             [--no-large] [--layouts shared,pinned]
 """
 
 from __future__ import annotations
@@ -822,19 +827,10 @@ def main() -> int:
         " RAM free at start-up, and the default 0.1 fails when other engines share the machine (the KV cache"
         " stays capped by --max-total-tokens 4096 either way)",
     )
-    p.add_argument(
-        "--layouts",
-        type=lambda text: [x for x in text.split(",") if x],
-        default=list(_layout.LAYOUTS),
-        help="comma separated, each measured on engines of its own in this run (bench/_layout.py):"
-        " shared, every process on every core; pinned, the large engine's scheduler alone on the last"
-        " core (as on a GPU host) and everything else on the others",
-    )
+    _layout.add_layouts_option(p, measured="the large engine")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--run-dir", type=Path, default=None, help="engine logs (default .runs/bench-publish-*)")
     args = p.parse_args()
-    if unknown := set(args.layouts) - set(_layout.LAYOUTS):
-        p.error(f"unknown layouts {sorted(unknown)}")
     t_start = time.monotonic()
     load_start = os.getloadavg()
 
