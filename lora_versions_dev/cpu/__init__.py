@@ -1,6 +1,6 @@
 """CPU development mode for SGLang 0.5.23: run real engines on machines without a GPU.
 
-Four workarounds, none of which edits SGLang's files:
+Five workarounds, none of which edits SGLang's files:
 
 1. ``SGLANG_USE_CPU_ENGINE=1`` (set by :func:`engine_env`).
 2. An import-only stand-in for ``sgl_kernel`` (``shim/sgl_kernel``) placed first on the engine's
@@ -8,6 +8,11 @@ Four workarounds, none of which edits SGLang's files:
 3. ``pin_memory`` neutralised (``shim/sitecustomize.py`` -> :func:`activate`), because SGLang's
    LoRA code hard-codes ``pin_memory=True``.
 4. ``--lora-backend torch_native --attention-backend torch_native`` (see :data:`ENGINE_FLAGS`).
+5. Tensor parallelism: ``sglang.srt.distributed.parallel_state.init_model_parallel_group``
+   defaults ``use_pynccl=False`` (:func:`no_pynccl_by_default`; upstream defaults it to True on
+   CPU, and ``PyNcclCommunicator`` then asks for a CUDA device), and each rank gets its own
+   cores through ``SGLANG_CPU_OMP_THREADS_BIND`` (:func:`tp_env`; without it
+   ``srt/utils/numa_utils.py`` ``init_threads_binding`` asserts one NUMA node per rank).
 
 It is a development and test mode only: it activates only when ``SGLANG_EXT_CPU_DEV=1`` is set
 explicitly, logs loudly, and refuses to activate when a GPU is visible.
@@ -84,9 +89,10 @@ def activate() -> None:
             f"{SWITCH_ENV} and remove {SHIM_DIR} from PYTHONPATH."
         )
     neutralise_pin_memory()
+    no_pynccl_by_default()
     print(
         f"[lora-versions] WARNING: CPU DEVELOPMENT MODE ACTIVE in pid {os.getpid()} "
-        "(sgl_kernel stand-in, pin_memory neutralised). Not for production.",
+        "(sgl_kernel stand-in, pin_memory neutralised, no pynccl). Not for production.",
         file=sys.stderr,
         flush=True,
     )
@@ -144,3 +150,66 @@ def neutralise_pin_memory() -> None:
 
         setattr(torch, name, make(original))
     torch._lora_versions_pin_memory_neutralised = True  # type: ignore[attr-defined]
+
+
+PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
+
+
+def tp_env(tp_size: int, cores: int | None = None) -> dict[str, str]:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for a ``--tp-size`` CPU engine: the cores split among the
+    ranks (``0|1`` for 2 ranks on 2 cores). SGLang asserts ranks <= NUMA nodes without it."""
+    n = cores or os.cpu_count() or 1
+    if tp_size <= 1:
+        return {}
+    if tp_size > n:
+        raise ValueError(f"--tp-size {tp_size} needs at least {tp_size} cores, this machine has {n}")
+    share = n // tp_size
+    ranks = [range(r * share, (r + 1) * share) for r in range(tp_size)]
+    return {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cores_)) for cores_ in ranks)}
+
+
+def _without_pynccl(init_model_parallel_group):  # type: ignore[no-untyped-def]
+    import functools
+
+    @functools.wraps(init_model_parallel_group)
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("use_pynccl") is None:
+            kwargs["use_pynccl"] = False  # no NCCL without CUDA: the gloo group carries the ranks
+        return init_model_parallel_group(*args, **kwargs)
+
+    wrapper._lora_versions_no_pynccl = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def no_pynccl_by_default() -> None:
+    """Workaround 5: wrap ``init_model_parallel_group`` once its module is imported (an import
+    hook: SGLang's scheduler processes are spawned, so the wrap is installed in each of them by
+    the shim's ``sitecustomize``). Its callers look it up in the module at call time."""
+    import importlib.abc
+    import importlib.machinery
+
+    module = sys.modules.get(PARALLEL_STATE)
+    if module is not None:
+        if not getattr(module.init_model_parallel_group, "_lora_versions_no_pynccl", False):
+            module.init_model_parallel_group = _without_pynccl(module.init_model_parallel_group)
+        return
+
+    class WrapOnImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
+            if name != PARALLEL_STATE:
+                return None
+            sys.meta_path.remove(self)  # once: the module is imported once per process
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_then_wrap(mod):  # type: ignore[no-untyped-def]
+                exec_module(mod)
+                mod.init_model_parallel_group = _without_pynccl(mod.init_model_parallel_group)
+
+            spec.loader.exec_module = exec_then_wrap  # type: ignore[method-assign]
+            return spec
+
+    if not any(type(f).__name__ == "WrapOnImport" for f in sys.meta_path):
+        sys.meta_path.insert(0, WrapOnImport())

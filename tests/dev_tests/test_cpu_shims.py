@@ -71,3 +71,35 @@ def test_dev_engines_wait_passively_at_openmp_barriers_unless_told_otherwise():
     engine_env has the figures); an operator's own setting wins."""
     assert cpu.engine_env({})["OMP_WAIT_POLICY"] == "PASSIVE"
     assert cpu.engine_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_tensor_parallel_groups_default_to_no_pynccl_in_every_dev_process():
+    """Workaround 5: upstream's init_model_parallel_group defaults use_pynccl=True on CPU, and
+    PyNcclCommunicator then asks for a CUDA device. In dev mode the default is False (a caller
+    that asks for it explicitly still gets what it asked)."""
+    code = (
+        "import sglang.srt.distributed.parallel_state as ps\n"
+        "ps.GroupCoordinator = lambda **kw: kw\n"
+        "print(ps.init_model_parallel_group([[0, 1]], 0, 'gloo')['use_pynccl'],"
+        " ps.init_model_parallel_group([[0, 1]], 0, 'gloo', use_pynccl=True)['use_pynccl'])\n"
+    )
+    res = run_py(code, switch=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[-2:] == ["False", "True"]
+
+
+@pytest.mark.parametrize(
+    ("tp", "cores", "expected"),
+    [
+        (1, 2, {}),
+        (2, 2, {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}),
+        (2, 4, {"SGLANG_CPU_OMP_THREADS_BIND": "0,1|2,3"}),
+    ],
+)
+def test_each_tensor_parallel_rank_gets_its_own_cores(tp, cores, expected):
+    assert cpu.tp_env(tp, cores) == expected
+
+
+def test_more_ranks_than_cores_is_refused():
+    with pytest.raises(ValueError, match="needs at least 3 cores"):
+        cpu.tp_env(3, 2)
