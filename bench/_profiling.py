@@ -8,7 +8,9 @@ from pathlib import Path
 
 import psutil
 
-ROLES = ("scheduler", "detokenizer")  # SGLang titles its child processes sglang::<role>
+# SGLang titles its child processes sglang::<role>; the plugin's collective receiver runs as
+# ``python -m sglang_ext.collective_receiver`` (only once a group is connected)
+ROLES = ("scheduler", "detokenizer", "collective_receiver")
 
 
 def engine_processes(name: str, pid: int) -> dict[str, psutil.Process]:

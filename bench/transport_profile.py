@@ -101,13 +101,10 @@ def main() -> int:
             procs = {"sender": psutil.Process()}
             for role, proc in engine_processes("engine", engine.proc.pid).items():
                 procs[role.removeprefix("engine ")] = proc
-            for child in psutil.Process(engine.proc.pid).children(recursive=True):
-                if "collective_receiver" in " ".join(child.cmdline()):
-                    procs["receiver"] = child
             spies = {}
             if args.py_spy:
                 spy = str(Path(sys.executable).with_name("py-spy"))
-                for role in ("sender", "main", "receiver"):
+                for role in ("sender", "main", "collective_receiver"):
                     if role not in procs:
                         continue
                     raw = run_dir / f"py-spy-{role}.txt"
@@ -149,9 +146,11 @@ def main() -> int:
     summary = {t: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for t, rs in rows.items()}
     print(f"\n{snap.total_bytes / pe.MiB:.1f} MiB in {len(payloads)} buckets, medians of {args.reps}:")
     keys = [k for k in summary["http"] if k.startswith("cpu_") or k == "wall_s"]
-    print(f"{'transport':11}" + "".join(f"{k.removeprefix('cpu_').removesuffix('_s'):>12}" for k in keys))
+    names = {k: k.removeprefix("cpu_").removesuffix("_s") for k in keys}
+    widths = {k: max(12, len(names[k]) + 2) for k in keys}
+    print(f"{'transport':11}" + "".join(f"{names[k]:>{widths[k]}}" for k in keys))
     for transport, s in summary.items():
-        print(f"{transport:11}" + "".join(f"{s.get(k, float('nan')):12.3f}" for k in keys))
+        print(f"{transport:11}" + "".join(f"{s.get(k, float('nan')):{widths[k]}.3f}" for k in keys))
     print("(seconds: wall, then each process's CPU over the publication)")
     for transport, s in summary.items():
         engine_side = ", ".join(
