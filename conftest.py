@@ -61,3 +61,18 @@ def spare_engine(fixtures: Fixtures, run_dir: Path) -> Iterator[SpareEngine]:
         yield spare
     finally:
         spare.stop()
+
+
+@pytest.fixture(scope="session")
+def tp2_engine(fixtures: Fixtures, run_dir: Path) -> Iterator[SpareEngine]:
+    """A TP=2 plugin engine (issue 38) with E1's scheduler probes, which the TP tests of several
+    modules share and may kill and start again (lora_versions_dev.farm.SpareEngine): spawned at
+    its first use. Its local source directory is its own (the probes' trigger files lie beside)."""
+    source = run_dir / "tp2-source"
+    source.mkdir(exist_ok=True)
+    launcher = [sys.executable, str(E1_PROBE_LAUNCHER)]
+    spare = SpareEngine(fixtures, run_dir, "TP2", tp=2, command_prefix=launcher, source_dir=source)
+    try:
+        yield spare
+    finally:
+        spare.stop()

@@ -35,10 +35,11 @@ class LocalCohort:
 
 @contextlib.contextmanager
 def local_cohort(
-    out_dir: Path, n_engines: int, tag: str, engine_args: Sequence[str] = ()
+    out_dir: Path, n_engines: int, tag: str, engine_args: Sequence[str] = (), last_engine_tp: int = 1
 ) -> Iterator[LocalCohort]:
-    """Fixtures, ``n_engines`` CPU engines in parallel (each also given ``engine_args``) and smg
-    in front of them; everything is stopped on the way out (also on Ctrl-C or SIGTERM unwinding)."""
+    """Fixtures, ``n_engines`` CPU engines in parallel (each also given ``engine_args``; the last
+    one with ``last_engine_tp`` tensor-parallel ranks) and smg in front of them; everything is
+    stopped on the way out (also on Ctrl-C or SIGTERM unwinding)."""
     from lora_versions_dev.fixtures import ensure_fixtures
     from lora_versions_dev.gateway_process import running_gateway
     from lora_versions_dev.launcher import EngineSpec, running_engines
@@ -55,10 +56,12 @@ def local_cohort(
             model_path=fx.model_dir,
             log_path=out_dir / f"{n}.log",
             extra_args=["--admin-api-key", admin_key, *engine_args],
+            tp=last_engine_tp if n == cohort[-1] else 1,
         )
         for n in cohort
     ]
-    print(f"[{tag}] starting {'/'.join(cohort)} in parallel (CPU dev mode, plugin on; logs in {out_dir})")
+    shown = "/".join(f"{s.name} (tp {s.tp})" if s.tp > 1 else s.name for s in specs)
+    print(f"[{tag}] starting {shown} in parallel (CPU dev mode, plugin on; logs in {out_dir})")
     t0 = time.monotonic()
     with running_engines(specs) as engines:
         started = round(time.monotonic() - t0, 1)

@@ -29,7 +29,9 @@ def cmd_engine(args: argparse.Namespace, out: Output) -> int:
 
     if args.gpu:
         model = args.model or "<model dir or hub id>"
-        argv = gpu_launch_command(model, port=args.port or 30000, max_lora_rank=args.max_lora_rank)
+        argv = gpu_launch_command(
+            model, port=args.port or 30000, max_lora_rank=args.max_lora_rank, tp_size=args.tp
+        )
         record = {"env": {PLUGIN_SWITCH_ENV: "1"}, "argv": argv}
         out.result(record, lambda r: f"{PLUGIN_SWITCH_ENV}=1 " + " ".join(r["argv"]))
         return 0
@@ -39,9 +41,16 @@ def cmd_engine(args: argparse.Namespace, out: Output) -> int:
     if args.enable_metrics:
         extra.append("--enable-metrics")
     spec = EngineSpec(
-        name="engine", model_path=model, log_path=log, extra_args=extra, port=args.port or free_port()
+        name="engine",
+        model_path=model,
+        log_path=log,
+        extra_args=extra,
+        port=args.port or free_port(),
+        tp=args.tp,
     )
-    out.progress(f"starting a CPU development engine (plugin on) on port {spec.port}; log {log}")
+    out.progress(
+        f"starting a CPU development engine (plugin on, tp {args.tp}) on port {spec.port}; log {log}"
+    )
     engine = start_engine(spec)
     out.result(
         {"url": engine.url, "pid": engine.proc.pid, "log": str(log)}, lambda r: f"engine ready at {r['url']}"
@@ -70,12 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="where engine logs and demo.json go",
     )
     demo.add_argument("--engines", type=int, default=2, help="engines in the cohort (default 2)")
+    demo.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the cohort's last engine")
 
     engine = sub.add_parser("engine", parents=[common], help="start a CPU dev engine, or print the GPU line")
     engine.add_argument("--gpu", action="store_true", help="print the GPU launch command instead")
     engine.add_argument("--model", default=None, help="model dir (CPU default: the built-in tiny Qwen3)")
     engine.add_argument("--port", type=int, default=None)
     engine.add_argument("--max-lora-rank", type=int, default=64)
+    engine.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (CPU: at most one per core)")
     engine.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV))
     engine.add_argument("--enable-metrics", action="store_true", help="serve /metrics (with the plugin's)")
     engine.add_argument("--log", default=None)
@@ -87,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from lora_versions_demo.lifecycle import run_demo
 
-        return run_demo(args.out, args.engines, as_json=args.json)
+        return run_demo(args.out, args.engines, as_json=args.json, last_engine_tp=args.tp)
     return cmd_engine(args, Output(args.json))
 
 

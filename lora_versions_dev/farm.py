@@ -78,22 +78,40 @@ class SpareEngine:
     boots while that module's other tests run. Whoever restarts it puts the new process in
     :attr:`engine`; :meth:`take` hands it to the next test with nothing an earlier one left."""
 
-    def __init__(self, fixtures: Fixtures, run_dir: Path, name: str = "spare") -> None:
+    def __init__(
+        self,
+        fixtures: Fixtures,
+        run_dir: Path,
+        name: str = "spare",
+        *,
+        tp: int = 1,
+        command_prefix: Sequence[str] | None = None,
+        source_dir: Path | None = None,
+    ) -> None:
         from lora_versions_dev.launcher import spawn_engine
 
         self.fixtures, self.run_dir, self.name = fixtures, run_dir, name
+        # tp > 1: a tensor-parallel engine, each rank bound to its cores (issue 38);
+        # command_prefix: a wrapper launch (e.g. E1's scheduler probes); source_dir: its local
+        # source directory (the probes' trigger files live beside it)
+        self.tp, self.command_prefix, self.source_dir = tp, command_prefix, source_dir
         self.starts = 0
         self.engine = spawn_engine(self.spec())
 
     def spec(self, port: int | None = None, tag: str = "") -> EngineSpec:
         """The spare's spec; ``port`` for a restart on the same port, ``tag`` names its log."""
+        from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV
+
         self.starts += 1
         return EngineSpec(
             name=self.name,
             model_path=self.fixtures.model_dir,
             log_path=self.run_dir / f"{self.name}.{self.starts}{tag}.log",
             extra_args=["--admin-api-key", ADMIN_KEY],
+            env={LOCAL_SOURCE_DIR_ENV: str(self.source_dir)} if self.source_dir is not None else {},
             port=port,
+            command_prefix=self.command_prefix,
+            tp=self.tp,
         )
 
     def take(self, timeout_s: float = 300.0) -> Engine:

@@ -91,6 +91,9 @@ class EngineSpec:
     # fp32 on CPU (the fixtures are fp32 and the tests compare logprobs with epsilon 0);
     # bfloat16 for the GPU acceptance profile (lora_versions_dev.device_profile).
     dtype: str = "float32"
+    # Tensor-parallel ranks (``--tp-size``); on CPU each rank gets its share of the cores
+    # (lora_versions_dev.cpu.tp_env: SGLang refuses more ranks than NUMA nodes without it).
+    tp: int = 1
 
 
 # Ports that a child process binds only later (an engine binds its HTTP port about a minute after
@@ -229,6 +232,8 @@ def build_command(spec: EngineSpec, port: int) -> list[str]:
         cmd.append("--disable-overlap-schedule")
     cmd += spec.lora_flags
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    if spec.tp > 1:
+        cmd += ["--tp-size", str(spec.tp)]
     cmd += spec.extra_args
     return cmd
 
@@ -239,6 +244,7 @@ def gpu_launch_command(
     port: int = 30000,
     host: str = "0.0.0.0",
     max_lora_rank: int = 64,
+    tp_size: int = 1,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """The launch line for a CUDA host, run with ``SGLANG_LORA_VERSIONS=1`` in the environment
@@ -246,9 +252,9 @@ def gpu_launch_command(
 
     What the plugin requires and why: LoRA on, room for two pinned managed versions plus one
     free slot (``--max-loras-per-batch`` and ``--max-loaded-loras`` 3 or more), the overlap
-    scheduler off (the deferred-free hazard is not proven closed on GPU), tp 1, one tokenizer
-    worker; it refuses to start otherwise. ``--enable-metrics`` adds the plugin's series to
-    ``/metrics``; add ``--admin-api-key`` to guard the control routes."""
+    scheduler off (the deferred-free hazard is not proven closed on GPU), one node (``tp_size``
+    GPUs of it), one tokenizer worker; it refuses to start otherwise. ``--enable-metrics`` adds
+    the plugin's series to ``/metrics``; add ``--admin-api-key`` to guard the control routes."""
     return [
         "python",
         "-m",
@@ -262,6 +268,7 @@ def gpu_launch_command(
         host,
         "--port",
         str(port),
+        *(["--tp-size", str(tp_size)] if tp_size > 1 else []),
         *extra_args,
     ]
 
@@ -273,6 +280,8 @@ def build_env(spec: EngineSpec) -> dict[str, str]:
         env = cpu.engine_env(env)
     if spec.plugin:
         env[PLUGIN_SWITCH_ENV] = "1"
+    if spec.cpu_dev:
+        env.update(cpu.tp_env(spec.tp))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(spec.env)
     return env

@@ -22,9 +22,7 @@ async def live_versions(clients: Mapping[str, EngineAPI], marker: str = "") -> d
     """Per engine: managed versions (named with ``marker``) that still hold something."""
     out: dict[str, list[str]] = {}
     for eid, c in clients.items():
-        out[eid] = sorted(
-            n for n, v in (await engine_versions(c, marker)).items() if v.state.holds_slot
-        )
+        out[eid] = sorted(n for n, v in (await engine_versions(c, marker)).items() if v.state.holds_slot)
     return out
 
 

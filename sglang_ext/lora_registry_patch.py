@@ -319,7 +319,10 @@ DECLARED_FIELDS: tuple[tuple[str, str], ...] = (
             "dp_size",
             "max_loras_per_batch",
             "max_loaded_loras",
-            "tp_size",
+            "nnodes",
+            "enable_dp_attention",
+            "attn_cp_size",
+            "ep_size",
             "pp_size",
             "enable_pdmux",
             "enable_lora_overlap_loading",
@@ -603,7 +606,7 @@ def new_pinned_ref(lora_name: str) -> Any:
 # ``GenerationBatchResult.copy_done`` (a device event recorded after the step's forward, None
 # when none was recorded) are dataclass fields; ``Req.lora_id`` (None for a base-model row) is set
 # in Req.__init__.
-SCHEDULER_ATTRIBUTES = ("enable_overlap", "last_batch", "result_queue")
+SCHEDULER_ATTRIBUTES = ("enable_overlap", "last_batch", "result_queue", "tp_group", "tp_cpu_group")
 STEP_FIELDS: tuple[tuple[str, str], ...] = (("ScheduleBatch", "reqs"), ("GenerationBatchResult", "copy_done"))
 REQ_ATTRIBUTES = ("lora_id",)
 
@@ -699,9 +702,38 @@ def rank_loaded(rank_result: Any, lora_name: str) -> bool:
     return bool(rank_result.success) or lora_name in (rank_result.loaded_adapters or {})
 
 
-def lora_update_output(success: bool, message: str | None = None) -> Any:
+def lora_update_output(
+    success: bool, message: str | None = None, loaded_adapters: dict[str, str] | None = None
+) -> Any:
     """A scheduler's reply to a LoRA update (merged by the tokenizer like any rank's)."""
-    return symbol("LoRAUpdateOutput")(success=success, error_message=message)
+    return symbol("LoRAUpdateOutput")(success=success, error_message=message, loaded_adapters=loaded_adapters)
+
+
+def take_back_a_load(scheduler: Any, lora_name: str, lora_id: str) -> Any:
+    """SGLang's own unload of one load on this rank only (0.5.23: ``TpModelWorker.unload_lora_adapter``
+    -> ``LoRAManager.unload_lora_adapter``), not ``Scheduler.unload_lora_adapter``, whose step fence
+    waits for every rank. For a load no request could have used (never registered)."""
+    return scheduler.tp_worker.unload_lora_adapter(unload_request(lora_name, lora_id))
+
+
+# The scheduler's tensor-parallel group (0.5.23, set in Scheduler.__init__): ``tp_group`` (a
+# GroupCoordinator; ``world_size``) and ``tp_cpu_group`` (its gloo group, which SGLang itself
+# broadcasts the requests over). Read by the rank agreement (sglang_ext.rank_agreement).
+def tp_peers(scheduler: Any) -> tuple[int, Any] | None:
+    """(TP world size, the TP group's CPU group) when the scheduler has more than one TP rank."""
+    size = int(scheduler.tp_group.world_size)
+    return None if size <= 1 else (size, scheduler.tp_cpu_group)
+
+
+def tp_rank(scheduler: Any) -> int:
+    """This scheduler's rank in its TP group (``GroupCoordinator.rank_in_group``)."""
+    return int(scheduler.tp_group.rank_in_group)
+
+
+def all_gather_object(out: list[Any], obj: Any, cpu_group: Any) -> None:
+    import torch.distributed
+
+    torch.distributed.all_gather_object(out, obj, group=cpu_group)
 
 
 def unload_request(lora_name: str, lora_id: str) -> Any:

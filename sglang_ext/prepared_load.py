@@ -52,6 +52,7 @@ from typing import Any
 
 from lora_contract.protocol import is_managed_name
 from sglang_ext import lora_registry_patch as upstream
+from sglang_ext import rank_agreement as ranks
 
 # The rid of the plugin's load requests: RID_PREFIX + the op.
 RID_PREFIX = "lora-versions-managed-load:"
@@ -207,7 +208,8 @@ def prepare_then_install(original: Any, self: Any, recv_req: Any, *args: Any, **
     load goes through unchanged. The plugin's: ``prepare`` queues the build and answers;
     ``poll`` answers the state; ``discard`` drops the preparation; ``install`` runs SGLang's own
     load (whose LoRAManager step installs the prepared adapter), refused when nothing is prepared
-    under its exact key: a managed load is never read and re-shaped on the scheduler thread."""
+    under its exact key: a managed load is never read and re-shaped on the scheduler thread.
+    With several TP ranks, every answer but a discard's is all ranks' (:mod:`sglang_ext.rank_agreement`)."""
 
     rid, lora_name, lora_path, lora_id = upstream.load_request_fields(recv_req)
     op = op_of(rid, lora_name)
@@ -217,19 +219,43 @@ def prepare_then_install(original: Any, self: Any, recv_req: Any, *args: Any, **
     if op is Op.PREPARE:
         build = upstream.adapter_builder(upstream.lora_manager_of(self), key.lora_id, key.lora_path)
         refused = PREPARATIONS.start(key, prepare_off_the_loop(build))
-        return upstream.lora_update_output(refused is None, refused)
+        return ranks.agree(self, upstream.lora_update_output(refused is None, refused))
     if op is Op.POLL:
         state, message = PREPARATIONS.state(key)
         if state is State.PREPARED:
-            return upstream.lora_update_output(True)
-        return upstream.lora_update_output(False, PENDING_MESSAGE if state is State.PENDING else message)
+            return ranks.agree(self, upstream.lora_update_output(True), PENDING_MESSAGE)
+        local = upstream.lora_update_output(False, PENDING_MESSAGE if state is State.PENDING else message)
+        return ranks.agree(self, local, PENDING_MESSAGE)
     if op is Op.DISCARD:
-        PREPARATIONS.discard(key)
+        PREPARATIONS.discard(key)  # a discard changes nothing a rank could disagree about
         return upstream.lora_update_output(True)
+    return install_on_every_rank_or_none(original, self, recv_req, key, *args, **kwargs)
+
+
+def install_on_every_rank_or_none(
+    original: Any, self: Any, recv_req: Any, key: LoadKey, *args: Any, **kwargs: Any
+) -> Any:
+    """The install: only when every rank has its preparation (checked before any rank installs),
+    and taken back out of the ranks that installed it when another rank's install failed, so a
+    load is on every rank or on none when rank 0 replies. The take-back is SGLang's own unload on
+    this rank (``TpModelWorker.unload_lora_adapter``), not the scheduler's, whose step fence
+    gathers every rank: the adapter was never registered, so no step has read it."""
     state, message = PREPARATIONS.state(key)
-    if state is not State.PREPARED:
-        return upstream.lora_update_output(False, f"nothing prepared to install: {message or state.value}")
-    return original(self, recv_req, *args, **kwargs)
+    ready = upstream.lora_update_output(
+        state is State.PREPARED,
+        None if state is State.PREPARED else f"nothing prepared to install: {message or state.value}",
+    )
+    ready = ranks.agree(self, ready)
+    if not ready.success:
+        return ready
+    result = original(self, recv_req, *args, **kwargs)
+    agreed = ranks.agree(self, result)
+    if agreed.success or upstream.tp_peers(self) is None:
+        return agreed
+    if result.success:  # every rank gathers below, whichever way its own install went
+        upstream.take_back_a_load(self, key.lora_name, key.lora_id)
+    held = upstream.lora_manager_of(self).create_lora_update_result(success=False)
+    return ranks.refusal_with_what_ranks_hold(self, held, agreed.error_message)
 
 
 def load_installing_what_was_prepared(manager: Any, lora_ref: Any) -> Any:

@@ -66,13 +66,25 @@ def setup_problems(cfg: Any, env: Mapping[str, str] | None = None) -> list[str]:
             f"max_loaded_loras={mll} < {MIN_LORAS_PER_BATCH}: {MANAGED_CAPACITY} pinned managed versions "
             "plus one free slot must fit in host memory (set --max-loaded-loras 3 or more, or leave it unset)"
         )
-    if (cfg.tp_size or 1) > 1:
-        # Decision: not proven on real engines here (the CPU engines run tp 1), so refused rather
-        # than assumed: the load, probe, unload and refcount paths would have to hold on every rank.
+    # tp_size > 1 is supported: every rank answers each managed step (sglang_ext.rank_agreement).
+    # What is still refused around it is named on its own:
+    if (cfg.nnodes or 1) > 1:
+        # The bytes of a version are received, verified and staged once, on this node's disk;
+        # every rank reads the staged directory by path, which a rank on another node lacks.
         problems.append(
-            f"tp_size={cfg.tp_size} > 1: tensor parallelism is not proven with managed versions "
-            "(run tp 1 engines, one cohort member each)"
+            f"nnodes={cfg.nnodes} > 1: a version is staged on the first node's disk and every rank reads "
+            "it there (run each engine on one node; tensor parallelism within it is fine)"
         )
+    if cfg.enable_dp_attention:
+        problems.append(
+            "--enable-dp-attention is on: data-parallel attention is not proven with managed versions"
+        )
+    if (cfg.attn_cp_size or 1) > 1:
+        problems.append(
+            f"attn_cp_size={cfg.attn_cp_size} > 1: context parallelism is not proven with managed versions"
+        )
+    if (cfg.ep_size or 1) > 1:
+        problems.append(f"ep_size={cfg.ep_size} > 1: expert parallelism is not proven with managed versions")
     if (cfg.pp_size or 1) > 1:
         # The step fence reads the one-batch loops' last_batch and result_queue; the pipeline loop
         # (event_loop_pp) keeps a micro-batch in flight per stage, which the fence cannot see.

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_ext import lora_registry_patch as upstream
+from sglang_ext import rank_agreement as ranks
 from sglang_ext.plugin_log import log_line, refuse_to_start
 from sglang_ext.version_table import LaunchedBatch, step_fence_passed
 
@@ -55,7 +56,7 @@ def complete_the_step_before_unload(
         steps = upstream.launched_steps(self)
         overlap = upstream.overlap_scheduler_on(self)
     except upstream.SchedulerUnreadable as exc:
-        return refuse_unreadable(exc, recv_req)
+        return ranks.agree(self, refuse_unreadable(exc, recv_req))  # every rank gathers once
     waited = 0
     if lora_id is not None and not step_fence_passed(lora_id, fence_view(steps)):
         for step in steps:
@@ -64,14 +65,22 @@ def complete_the_step_before_unload(
                 waited += 1
     passed = lora_id is None or step_fence_passed(lora_id, fence_view(steps))
     log_line(
-        f"{LOG_MARKER} lora_id={lora_id} overlap={overlap} launched={len(steps)} "
-        f"on_adapter={sum(1 for s in steps if lora_id in s.lora_ids)} waited={waited} fence_passed={passed}"
+        f"{LOG_MARKER} lora_id={lora_id} tp_rank={upstream.tp_rank(self)} overlap={overlap} "
+        f"launched={len(steps)} on_adapter={sum(1 for s in steps if lora_id in s.lora_ids)} "
+        f"waited={waited} fence_passed={passed}"
     )
-    if not passed:
-        return upstream.unload_refused(
+    fence = (
+        upstream.lora_update_output(True)
+        if passed
+        else upstream.unload_refused(
             f"step fence: a launched step on adapter {lora_id} has no known completion; nothing unloaded"
         )
-    return original(self, recv_req, *args, **kwargs)
+    )
+    # every rank unloads or none does: the fence must have passed on each (check before mutate)
+    fence = ranks.agree(self, fence)
+    if not fence.success:
+        return fence
+    return ranks.agree(self, original(self, recv_req, *args, **kwargs))
 
 
 def refuse_unreadable(exc: upstream.SchedulerUnreadable, recv_req: Any) -> Any:

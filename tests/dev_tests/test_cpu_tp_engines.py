@@ -12,7 +12,6 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from lora_versions_dev import cpu
 from lora_versions_dev.launcher import LORA_FLAGS, EngineSpec, running_engines
 
 pytestmark = pytest.mark.engine
@@ -42,8 +41,8 @@ def test_a_tp2_cpu_engine_generates_what_the_tp1_engine_generates_with_and_witho
         log_path=run_dir / "tp2.log",
         plugin=False,
         lora_flags=LORA_FLAGS,
-        extra_args=("--tp-size", "2", "--lora-paths", f"A={fixtures.adapter_dir('A')}"),
-        env=cpu.tp_env(2),
+        extra_args=("--lora-paths", f"A={fixtures.adapter_dir('A')}"),
+        tp=2,
     )
     with running_engines([spec]) as (tp2,):
         got = {lora: greedy(tp2.url, lora) for lora in (None, "A")}

@@ -12,6 +12,8 @@ loads there. One log line per call, naming the thread that ran it:
 
 One fault, for the call it marks only: when the trigger file (:func:`trigger_path`) exists, the
 next ``initialize_weights`` removes it and raises, as a failed read of the adapter's files would.
+``trigger_path(..., tp_rank=1)`` marks the next one of that tensor-parallel rank only (issue 38:
+a preparation that fails on one rank of a TP engine). Every line names its TP rank.
 """
 
 from __future__ import annotations
@@ -27,17 +29,34 @@ LOG_LINE = "prepared-load probe"
 FAULT_TEXT = "injected preparation fault (tests)"
 
 
-def trigger_path(local_source_dir: str | os.PathLike[str]) -> Path:
-    """Beside the farm's local source directory (its path is in E0's and E1's environment)."""
+def trigger_path(local_source_dir: str | os.PathLike[str], tp_rank: int | None = None) -> Path:
+    """Beside the engine's local source directory (its path is in E0's and E1's environment);
+    ``tp_rank``: the fault of that rank only."""
     source = Path(local_source_dir)
-    return source.with_name(f"{source.name}.fail-next-preparation")
+    rank = "" if tp_rank is None else f".tp-rank-{tp_rank}"
+    return source.with_name(f"{source.name}.fail-next-preparation{rank}")
+
+
+def tp_rank() -> int:
+    """This scheduler process's TP rank (its global rank: one engine, no DP, no PP)."""
+    import torch.distributed
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _note(what: str, **fields: Any) -> None:
     thread = threading.current_thread()
     details = " ".join(f"{k}={v}" for k, v in fields.items())
     main = thread is threading.main_thread()
-    log_line(f"{LOG_LINE} {what} thread={thread.name} main={main} {details}")
+    log_line(f"{LOG_LINE} {what} thread={thread.name} main={main} tp_rank={tp_rank()} {details}")
+
+
+def take_the_fault(trigger: Path) -> bool:
+    try:
+        trigger.unlink()  # only one call takes the fault
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def install() -> None:
@@ -48,20 +67,14 @@ def install() -> None:
     from sglang_ext.staging import LOCAL_SOURCE_DIR_ENV
 
     source = os.environ.get(LOCAL_SOURCE_DIR_ENV)
-    trigger = trigger_path(source) if source else None
 
     initialize = LoRAAdapter.initialize_weights
 
     def initialize_weights(self: Any) -> Any:
         _note("initialize_weights", lora_id=self.uid)
-        if trigger is not None:
-            try:
-                trigger.unlink()  # only one call takes the fault
-            except FileNotFoundError:
-                pass
-            else:
-                _note("fault injected", lora_id=self.uid)
-                raise OSError(FAULT_TEXT)
+        if source and any(take_the_fault(t) for t in (trigger_path(source), trigger_path(source, tp_rank()))):
+            _note("fault injected", lora_id=self.uid)
+            raise OSError(FAULT_TEXT)
         return initialize(self)
 
     normalize = LoRAAdapter._normalize_weights

@@ -84,7 +84,8 @@ def test_the_live_scheduler_is_checked_before_it_serves():
     pool = SimpleNamespace(**dict.fromkeys(upstream.POOL_ATTRIBUTES))
     manager = SimpleNamespace(**{**dict.fromkeys(upstream.LORA_MANAGER_ATTRIBUTES), "memory_pool": pool})
     lora_side = SimpleNamespace(model_runner=SimpleNamespace(lora_manager=manager))
-    renamed = SimpleNamespace(enable_overlap=False, last_batch=None, tp_worker=lora_side)
+    tp = dict(tp_group=SimpleNamespace(world_size=1), tp_cpu_group=None)
+    renamed = SimpleNamespace(enable_overlap=False, last_batch=None, tp_worker=lora_side, **tp)
     assert upstream.scheduler_problems(renamed) == ["Scheduler.result_queue is missing"]
     assert upstream.scheduler_problems(SimpleNamespace(tp_worker=lora_side)) == [
         f"Scheduler.{a} is missing" for a in upstream.SCHEDULER_ATTRIBUTES
@@ -94,7 +95,7 @@ def test_the_live_scheduler_is_checked_before_it_serves():
     assert problems == []
     del manager.num_pinned_loras
     assert upstream.scheduler_problems(renamed)[-1] == "LoRAManager.num_pinned_loras is missing"
-    no_lora = SimpleNamespace(enable_overlap=False, last_batch=None, result_queue=[], tp_worker=None)
+    no_lora = SimpleNamespace(enable_overlap=False, last_batch=None, result_queue=[], tp_worker=None, **tp)
     assert upstream.scheduler_problems(no_lora)[0].startswith("Scheduler.tp_worker.model_runner.lora_manager")
 
 

@@ -197,7 +197,7 @@ REFUSED = {
         {"lora_flags": _flags_with("--max-loaded-loras", "2")},
         "max_loaded_loras=2 < 3",
     ),
-    "tp-size": ({"extra_args": ["--tp-size", "2"]}, "tp_size=2 > 1"),
+    "nnodes": ({"extra_args": ["--nnodes", "2", "--node-rank", "0"]}, "nnodes=2 > 1"),
     "speculative": ({"extra_args": ["--speculative-algorithm", "NGRAM"]}, "speculative decoding (NGRAM)"),
     "pd-disaggregation": (
         {"extra_args": ["--disaggregation-mode", "prefill"]},

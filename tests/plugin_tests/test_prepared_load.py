@@ -113,6 +113,7 @@ class FakeUpstream:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, build: Any) -> None:
         self.built: list[tuple[str, str]] = []
         monkeypatch.setattr(upstream, "lora_manager_of", lambda scheduler: scheduler.manager)
+        monkeypatch.setattr(upstream, "tp_peers", lambda scheduler: None)  # one TP rank
 
         def adapter_builder(manager: Any, lora_id: str, lora_path: str) -> Any:
             self.built.append((lora_id, lora_path))

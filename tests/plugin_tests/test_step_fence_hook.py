@@ -44,6 +44,8 @@ def scheduler(*, overlap: bool, queue: list[tuple[Any, Any]] = (), last: Any = N
         enable_overlap=overlap,
         result_queue=deque(queue),
         last_batch=last,
+        tp_group=SimpleNamespace(world_size=1, rank_in_group=0),  # one TP rank: nothing is gathered
+        tp_cpu_group=None,
         tp_worker=SimpleNamespace(model_runner=SimpleNamespace(lora_manager=manager)),
     )
 
@@ -93,7 +95,8 @@ def test_an_unknown_completion_refuses_and_unloads_nothing() -> None:
 
 def test_a_scheduler_without_its_result_queue_refuses_the_unload() -> None:
     calls: list[str] = []
-    renamed = SimpleNamespace(enable_overlap=False, last_batch=None)  # result_queue renamed away
+    one_rank = SimpleNamespace(world_size=1)
+    renamed = SimpleNamespace(enable_overlap=False, last_batch=None, tp_group=one_rank)  # no result_queue
     out = complete_the_step_before_unload(unload(calls), renamed, REQ)
     assert not out.success and "Scheduler.result_queue is missing" in out.error_message
     assert calls == []

@@ -51,8 +51,11 @@ def test_the_gpu_line_has_what_the_plugin_requires(capsys) -> None:
         assert flag in argv
     assert argv[argv.index("--max-loras-per-batch") + 1] == "3"
     assert argv[argv.index("--max-lora-rank") + 1] == "64"
+    assert "--tp-size" not in argv
     assert dev_cli.main(["engine", "--gpu", "--model", "/models/qwen"]) == 0
     assert capsys.readouterr().out.startswith(f"{PLUGIN_SWITCH_ENV}=1 python -m sglang.launch_server")
+    assert dev_cli.main(["engine", "--gpu", "--model", "/models/qwen", "--tp", "4"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("--tp-size 4")
 
 
 def test_renderings_show_what_an_operator_needs() -> None:
