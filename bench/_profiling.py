@@ -3,6 +3,7 @@ engine's processes by role, and py-spy's raw output read as stacks."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +24,9 @@ def engine_processes(name: str, pid: int) -> dict[str, psutil.Process]:
             continue
         for role in ROLES:
             if role in cmd:
-                out[f"{name} {role}"] = child
+                # a TP engine's schedulers are titled per rank (sglang::scheduler_TP0, _TP1, ...)
+                rank = re.search(r"sglang::(scheduler_TP\d+)", cmd)
+                out[f"{name} {rank[1] if rank else role}"] = child
     return out
 
 

@@ -18,7 +18,10 @@ plugin's worker thread (issue 29) is counted apart, as ``prepare (worker thread)
 Prints a table per size and writes ``bench/results/scheduler_profile.json`` (the raw py-spy files
 beside it). Not run in CI (minutes, and a 350 MiB adapter).
 
-    python bench/scheduler_profile.py [--sizes 1,27,350] [--rounds 3] [--rate 250]
+    python bench/scheduler_profile.py [--sizes 1,27,350] [--rounds 3] [--rate 250] [--tp 1,2]
+
+With ``--tp 1,2`` the same publications run on a TP=1 engine and then on a TP=2 engine (issue
+38), each rank's scheduler process sampled by its own py-spy.
 """
 
 from __future__ import annotations
@@ -71,21 +74,27 @@ OWNERS = (
 )
 
 
-def scheduler_pid(engine_pid: int) -> int:
-    """The engine's scheduler process (SGLang titles it ``sglang::scheduler``)."""
-    process = engine_processes("engine", engine_pid).get("engine scheduler")
-    if process is None:
-        raise RuntimeError(f"no scheduler process under pid {engine_pid}")
-    return process.pid
+def scheduler_pids(engine_pid: int, tp: int) -> dict[int, int]:
+    """The engine's scheduler process of each TP rank (SGLang titles it ``sglang::scheduler``,
+    ``sglang::scheduler_TP<rank>`` with several ranks)."""
+    processes = engine_processes("engine", engine_pid)
+    roles = {0: "engine scheduler"} if tp == 1 else {r: f"engine scheduler_TP{r}" for r in range(tp)}
+    missing = [role for role in roles.values() if role not in processes]
+    if missing:
+        raise RuntimeError(f"no {missing} under pid {engine_pid}")
+    return {rank: processes[role].pid for rank, role in roles.items()}
 
 
-def count_lines(log: Path, needle: str) -> int:
-    return sum(1 for line in log.read_text(errors="replace").splitlines() if needle in line)
+def count_lines(log: Path, needle: str, rank: int | None) -> int:
+    """Lines with ``needle``; of one TP rank's scheduler when ``rank`` is set (SGLang's prefix ``TP<r>]``)."""
+    tag = None if rank is None else f" TP{rank}]"
+    lines = log.read_text(errors="replace").splitlines()
+    return sum(1 for line in lines if needle in line and (tag is None or tag in line))
 
 
-def operations(log: Path) -> dict[str, int]:
+def operations(log: Path, rank: int | None = None) -> dict[str, int]:
     """SGLang's loads and unloads so far ("adapter loading" is not a part of "adapter unloading")."""
-    return {"load": count_lines(log, LOAD_LINE), "unload": count_lines(log, UNLOAD_LINE)}
+    return {"load": count_lines(log, LOAD_LINE, rank), "unload": count_lines(log, UNLOAD_LINE, rank)}
 
 
 def held_ms(report: dict[str, Any], rate: int) -> dict[str, float]:
@@ -157,81 +166,133 @@ async def publish_and_reclaim(url: str, adapter: Path, rounds: int) -> list[dict
     return timings
 
 
+def start_spy(pid: int, raw: Path, rate: int) -> subprocess.Popen[str]:
+    spy_exe = str(Path(sys.executable).with_name("py-spy"))
+    return subprocess.Popen(
+        [
+            spy_exe,
+            *("record", "--pid", str(pid), "--format", "raw", "--output", str(raw)),
+            *("--rate", str(rate), "--idle", "--nonblocking", "--full-filenames"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def stop_spy(spy: subprocess.Popen[str], raw: Path) -> None:
+    spy.send_signal(2)  # py-spy writes its file on SIGINT
+    _, err = spy.communicate(timeout=120)
+    if not raw.exists():
+        raise RuntimeError(f"py-spy wrote nothing: {err[-800:]}")
+
+
+def profile_engine(spec: Any, tp: int, sizes: list[float], adapters: dict, args: Any, run_dir: Path) -> dict:
+    """One engine: per adapter size, the publications' timings and each rank's scheduler profile."""
+    from lora_versions_dev.launcher import running_engines
+
+    out: dict[str, Any] = {}
+    with running_engines([spec]) as (engine,):
+        pids = scheduler_pids(engine.proc.pid, tp)
+        asyncio.run(publish_and_reclaim(engine.url, adapters[sizes[0]], 1))  # warm-up, not sampled
+        for mib in sizes:
+            raws = {rank: run_dir / f"scheduler-tp{tp}-rank{rank}-{mib:g}MiB.txt" for rank in pids}
+            spies = {rank: start_spy(pid, raws[rank], args.rate) for rank, pid in pids.items()}
+            time.sleep(1.0)
+            rank_of = (lambda r: None) if tp == 1 else (lambda r: r)
+            before = {rank: operations(spec.log_path, rank_of(rank)) for rank in pids}
+            timings = asyncio.run(publish_and_reclaim(engine.url, adapters[mib], args.rounds))
+            time.sleep(0.5)
+            after = {rank: operations(spec.log_path, rank_of(rank)) for rank in pids}
+            ranks: dict[str, Any] = {}
+            for rank, spy in spies.items():
+                stop_spy(spy, raws[rank])
+                ops = {k: after[rank][k] - before[rank][k] for k in after[rank]}
+                r = {"operations": ops, **summarise(raws[rank])}
+                r["held_ms"] = held_ms(r, args.rate)
+                ranks[str(rank)] = r
+            out[f"{mib:g}"] = {"timings": timings, "ranks": ranks}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1,27", help="adapter sizes in MiB (350 takes minutes)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    parser.add_argument("--tp", default="1", help="tensor-parallel sizes, comma separated (e.g. 1,2)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    from lora_versions_dev.launcher import EngineSpec, lora_flags, running_engines
+    from lora_versions_dev.launcher import EngineSpec, lora_flags
 
     sizes = [float(x) for x in args.sizes.split(",") if x.strip()]
+    tps = [int(x) for x in args.tp.split(",") if x.strip()]
     big = ensure_bench_fixtures()
     adapters = ensure_sized_adapters(big, sizes)
     run_dir = args.out.parent / "scheduler_profile"
     run_dir.mkdir(parents=True, exist_ok=True)
-    spec = EngineSpec(
-        name="profiled",
-        model_path=big.model_dir,
-        log_path=run_dir / "engine.log",
-        lora_flags=lora_flags(max(rank_for_mib(m) for m in sizes)),
-        extra_args=["--admin-api-key", ADMIN_KEY, "--mem-fraction-static", "0.5"],
-    )
-    report: dict[str, Any] = {"base": str(big.model_dir), "rounds": args.rounds, "rate": args.rate}
-    report["sizes"] = {}
-    with running_engines([spec]) as (engine,):
-        pid = scheduler_pid(engine.proc.pid)
-        asyncio.run(publish_and_reclaim(engine.url, adapters[sizes[0]], 1))  # warm-up, not sampled
-        for mib in sizes:
-            raw = run_dir / f"scheduler-{mib:g}MiB.txt"
-            spy_exe = str(Path(sys.executable).with_name("py-spy"))
-            spy = subprocess.Popen(
-                [
-                    spy_exe,
-                    *("record", "--pid", str(pid), "--format", "raw", "--output", str(raw)),
-                    *("--rate", str(args.rate), "--idle", "--nonblocking", "--full-filenames"),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            time.sleep(1.0)
-            before = operations(spec.log_path)
-            timings = asyncio.run(publish_and_reclaim(engine.url, adapters[mib], args.rounds))
-            time.sleep(0.5)
-            after = operations(spec.log_path)
-            spy.send_signal(2)  # py-spy writes its file on SIGINT
-            _, err = spy.communicate(timeout=120)
-            if not raw.exists():
-                raise RuntimeError(f"py-spy wrote nothing: {err[-800:]}")
-            r = {"timings": timings, "operations": {k: after[k] - before[k] for k in after}, **summarise(raw)}
-            r["held_ms"] = held_ms(r, args.rate)
-            report["sizes"][f"{mib:g}"] = r
+    report: dict[str, Any] = {"base": str(big.model_dir), "rounds": args.rounds, "rate": args.rate, "tp": {}}
+    for tp in tps:
+        spec = EngineSpec(
+            name=f"profiled-tp{tp}",
+            model_path=big.model_dir,
+            log_path=run_dir / f"engine-tp{tp}.log",
+            lora_flags=lora_flags(max(rank_for_mib(m) for m in sizes)),
+            extra_args=["--admin-api-key", ADMIN_KEY, "--mem-fraction-static", "0.5"],
+            tp=tp,
+        )
+        report["tp"][str(tp)] = profile_engine(spec, tp, sizes, adapters, args, run_dir)
     args.out.write_text(json.dumps(report, indent=2))
     print_report(report)
 
 
+def median_ms(timings: list[dict[str, float]], key: str) -> float:
+    values = sorted(t[key] for t in timings)
+    return round(1e3 * values[len(values) // 2], 1) if values else float("nan")
+
+
 def print_report(report: dict[str, Any]) -> None:
-    for size, r in report["sizes"].items():
-        w = r["windows"]
-        busy = sum(v for k, v in w.items() if k != "idle") or 1
-        print(f"\n{size} MiB adapter, {report['rounds']} publications + reclaims; scheduler samples:")
-        print(
-            "  " + ", ".join(f"{k} {v / busy:.0%}" for k, v in w.items() if k != "idle") + " of the busy ones"
-        )
-        ops, held = r["operations"], r["held_ms"]
-        print(
-            f"  scheduler thread held per load {held['load']} ms ({ops['load']} loads), per unload "
-            f"{held['unload']} ms ({ops['unload']} unloads); "
-            f"prepared off it per load {held['prepare_off_loop']} ms"
-        )
-        for window in ("load", "unload"):
-            owners = ", ".join(f"{k} {v:.0%}" for k, v in r[window]["by_owner"].items())
-            print(f"  {window}: {owners}")
-            for f in r[window]["top_frames"][:5]:
-                print(f"    {f['share']:>5.0%}  {f['frame'][:100]}")
+    from relax_glue.cli import table
+
+    rows = []
+    for tp, sizes in report["tp"].items():
+        for size, r in sizes.items():
+            for rank, rr in r["ranks"].items():
+                held, ops = rr["held_ms"], rr["operations"]
+                rows.append(
+                    [
+                        tp,
+                        size,
+                        median_ms(r["timings"], "publish_s"),
+                        median_ms(r["timings"], "reclaim_s"),
+                        rank,
+                        f"{held['load']} ({ops['load']})",
+                        f"{held['unload']} ({ops['unload']})",
+                        held["prepare_off_loop"],
+                    ]
+                )
+    header = [
+        "tp",
+        "MiB",
+        "publish ms",
+        "reclaim ms",
+        "rank",
+        "held/load ms (n)",
+        "held/unload ms (n)",
+        "prep ms",
+    ]
+    print(f"\n{report['rounds']} publications + reclaims per row (medians); scheduler thread per rank:")
+    print(table(header, rows))
+    for tp, sizes in report["tp"].items():
+        for size, r in sizes.items():
+            for rank, rr in r["ranks"].items():
+                print(f"\ntp {tp}, {size} MiB, rank {rank}:")
+                for window in ("load", "unload"):
+                    owners = ", ".join(f"{k} {v:.0%}" for k, v in rr[window]["by_owner"].items())
+                    print(f"  {window}: {owners}")
+                    for f in rr[window]["top_frames"][:3]:
+                        print(f"    {f['share']:>5.0%}  {f['frame'][:100]}")
 
 
 if __name__ == "__main__":

@@ -1078,6 +1078,7 @@ POOL_RANK_MINOR = ("embedding_B_buffer", "lm_head_B_buffer")
 POOL_ATTRIBUTES = (
     "max_loras_per_batch",
     "max_lora_rank",
+    "tp_rank",  # named in the slot zeroing's log line (each TP rank clears its own pool)
     "new_embeddings_buffer",
     "A_buffer",
     "B_buffer",

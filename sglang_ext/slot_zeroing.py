@@ -159,5 +159,8 @@ def zero_only_what_was_written(original: Any, pool: Any, buffer_id: Any, *args: 
     if written is not None:
         written.cleared(buffer_id)
     zeroed = "all" if views is None else extent
-    log_line(f"{LOG_MARKER} slot={buffer_id} zeroed_ranks={zeroed} max_rank={pool.max_lora_rank}")
+    log_line(
+        f"{LOG_MARKER} slot={buffer_id} zeroed_ranks={zeroed} max_rank={pool.max_lora_rank} "
+        f"tp_rank={pool.tp_rank}"
+    )
     return result

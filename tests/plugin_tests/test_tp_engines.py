@@ -33,7 +33,8 @@ from _engine_helpers import (
 
 from lora_versions_dev import reference
 from lora_versions_dev.farm import PROMPT
-from lora_versions_dev.fixtures import Fixtures
+from lora_versions_dev.fixtures import ADAPTER_RANKS, Fixtures
+from sglang_ext.slot_zeroing import LOG_MARKER as SLOT_ZEROING
 
 pytestmark = pytest.mark.engine
 
@@ -125,6 +126,14 @@ def test_a_version_is_installed_served_and_unloaded_on_every_rank(tp2, stock_eng
     assert sorted(re.search(r"tp_rank=(\d)", ln)[1] for ln in fences) == ["0", "1"], fences
     assert all("fence_passed=True" in ln for ln in fences), fences
     assert per_rank(tp2, rf"LoRA adapter unloading starts: LoRARef\(lora_id={lora_id}") == {0: 1, 1: 1}
+    # each rank zeroed its own slot, only the adapter's ranks (sglang_ext.slot_zeroing)
+    lines = log_text(tp2).splitlines()
+    first_unload = min(
+        i for i, ln in enumerate(lines) if f"unloading starts: LoRARef(lora_id={lora_id}" in ln
+    )
+    clears = [ln for ln in lines[first_unload:] if SLOT_ZEROING in ln]
+    by_rank = {re.search(r"tp_rank=(\d)", ln)[1]: re.search(r"zeroed_ranks=(\w+)", ln)[1] for ln in clears}
+    assert by_rank == {"0": str(ADAPTER_RANKS["A"]), "1": str(ADAPTER_RANKS["A"])}, clears
     late = generate(tp2.url, PROMPT, a.name)
     assert late.status_code != 200 and error_code(late) is not None, late.text
 
