@@ -730,6 +730,15 @@ def tp_rank(scheduler: Any) -> int:
     return int(scheduler.tp_group.rank_in_group)
 
 
+def all_reduce_min(value: int, cpu_group: Any) -> int:
+    import torch
+    import torch.distributed
+
+    tensor = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=cpu_group)
+    return int(tensor.item())
+
+
 def all_gather_object(out: list[Any], obj: Any, cpu_group: Any) -> None:
     import torch.distributed
 

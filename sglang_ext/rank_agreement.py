@@ -8,9 +8,11 @@ num_dp_ranks)``), so what rank 1 did is never seen. A preparation that failed on
 would be installed on rank 0 and registered, and the first step on that adapter would run it on
 one rank and not the other.
 
-So each managed step gathers every rank's answer over the TP group's CPU (gloo) group and every
-rank returns the merged one: the reply rank 0 sends is what all ranks did. Every rank reaches the
-gather for the same request, because every rank gets the same requests in the same order and
+So each managed step combines every rank's answer over the TP group's CPU (gloo) group and every
+rank returns the merged one: the reply rank 0 sends is what all ranks did. The usual case costs one
+all-reduce of one integer (every rank succeeded, or some poll is still pending); only a failure
+gathers every rank's whole answer (its message, what it holds). Every rank reaches the
+collectives for the same request, because every rank gets the same requests in the same order and
 tells a managed one apart from the request alone (``prepared_load.op_of``). A step that would
 change state asks first (check before mutate), so a refusal on one rank changes nothing on any:
 
@@ -91,13 +93,35 @@ def gather(scheduler: Any, answer: RankAnswer) -> list[RankAnswer]:
     return out
 
 
+# An answer's kind as one integer, so that the usual case (every rank agrees) costs one all-reduce
+# of one integer (the smallest wins: a failure anywhere, else a pending poll anywhere); only a
+# failure then gathers every rank's whole answer, for its messages and what each rank holds.
+FAILED, PENDING, SUCCEEDED = 0, 1, 2
+
+
+def kind_of(answer: RankAnswer) -> int:
+    return SUCCEEDED if answer.success else PENDING if answer.pending else FAILED
+
+
+def worst_kind(scheduler: Any, kind: int) -> int:
+    """The smallest answer kind of every TP rank. Blocks until every rank has called it."""
+    peers = upstream.tp_peers(scheduler)
+    return kind if peers is None else upstream.all_reduce_min(kind, peers[1])
+
+
 def agree(scheduler: Any, output: Any, pending_message: str | None = None) -> Any:
     """The LoRAUpdateOutput every rank returns for ``output``, this rank's: the merge of all
-    ranks' (``output`` itself with one rank)."""
+    ranks' (``output`` itself with one rank). Every rank makes the same collective calls: the
+    all-reduce, then the gather only when the all-reduce said some rank failed."""
     if upstream.tp_peers(scheduler) is None:
         return output
-    answers = gather(scheduler, RankAnswer.of(output, pending_message))
-    merged = merge(answers, pending_message)
+    answer = RankAnswer.of(output, pending_message)
+    worst = worst_kind(scheduler, kind_of(answer))
+    if worst == SUCCEEDED:
+        return output
+    if worst == PENDING:
+        return upstream.lora_update_output(False, pending_message, answer.loaded_adapters)
+    merged = merge(gather(scheduler, answer), pending_message)
     return upstream.lora_update_output(merged.success, merged.error_message, merged.loaded_adapters)
 
 

@@ -1,6 +1,7 @@
 """Every TP rank's answer to a managed step, merged (sglang_ext.rank_agreement): the pure merge,
 and the scheduler hooks' check-before-mutate with another rank's answers scripted in place of
-the gather (the engine test, test_tp_engines.py, runs the real gather between two real ranks)."""
+the all-reduce and the gather (the engine tests, test_tp_engines.py, run the real collectives
+between two real ranks)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,15 @@ class Peer:
         self.gathered: list[RankAnswer] = []
         monkeypatch.setattr(upstream, "tp_peers", lambda scheduler: (2, "gloo group"))
         monkeypatch.setattr(ranks, "gather", self.gather)
+        monkeypatch.setattr(ranks, "worst_kind", self.worst_kind)
+
+    def worst_kind(self, scheduler: Any, kind: int) -> int:
+        """The all-reduce: rank 1's answer is used up here unless a gather follows (a failure)."""
+        assert self.answers, "an all-reduce rank 1 would not have made: the ranks would hang"
+        worst = min(kind, ranks.kind_of(self.answers[0]))
+        if worst != ranks.FAILED:
+            self.answers.pop(0)
+        return worst
 
     def gather(self, scheduler: Any, answer: RankAnswer) -> list[RankAnswer]:
         assert self.answers, "a gather rank 1 would not have made: the ranks would hang"

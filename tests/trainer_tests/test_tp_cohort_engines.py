@@ -20,6 +20,7 @@ from _e2e_helpers import (
     PROMPTS,
     TOOL_IDS,
     Deployment,
+    abort_and_resume,
     assert_clean_audit,
     engine_versions,
     lora_paths,
@@ -54,7 +55,8 @@ async def assert_tp2_turns_equal_the_reference(w: Deployment, fixtures) -> int:
             continue
         adapter = fixtures.adapter_dir(w.adapter_of[t.lora_path])
         ref = await asyncio.to_thread(greedy_tokens, fixtures.model_dir, adapter, t.prefix, t.n)
-        assert t.tokens == ref, (t.session, t.kind, t.tokens, ref)
+        want = ref[: len(t.tokens)] if t.kind == "partial" else ref  # an aborted stream's first tokens
+        assert t.tokens == want, (t.session, t.kind, t.tokens, want)
         checked += 1
     return checked
 
@@ -67,7 +69,7 @@ async def test_a_tp2_and_a_tp1_engine_publish_serve_and_reclaim_together(
         assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED
         s_a = [await w.sm.open(f"SA{i}") for i in range(2)]  # round robin: one per engine
         out_a = [await turn(w.tx, s, PROMPTS[i], 6) for i, s in enumerate(s_a)]
-        assert {s.requests[-1].engine_id for s in s_a} == set(COHORT)
+        assert [s.requests[-1].engine_id for s in s_a] == list(COHORT)
 
         # B is published while every A session generates a tool turn on its engine
         tool_turns = [
@@ -80,11 +82,13 @@ async def test_a_tp2_and_a_tp1_engine_publish_serve_and_reclaim_together(
         for i, s in enumerate(s_b):
             await turn(w.tx, s, PROMPTS[i], 6)
         assert {s.requests[-1].engine_id for s in s_b} == set(COHORT)
+        # the request lifecycle on the TP=2 engine: a stream aborted by its rid, then resumed
+        await abort_and_resume(w.tx, s_a[1], [*PROMPTS[1], *out_a[1], *TOOL_IDS], 160, abort_after=3)
         assert all(lora_paths(s) == {w.name_of["A"]} for s in s_a)
         assert all(lora_paths(s) == {w.name_of["B"]} for s in s_b)
         bad = await w.tx.mismatches(w.refs, w.adapter_of)
         assert not bad, w.tx.table(w.adapter_of)
-        assert await assert_tp2_turns_equal_the_reference(w, fixtures) == 3
+        assert await assert_tp2_turns_equal_the_reference(w, fixtures) == 5
 
         for s in s_a:
             await s.close()
@@ -94,7 +98,7 @@ async def test_a_tp2_and_a_tp1_engine_publish_serve_and_reclaim_together(
             versions = await engine_versions(client, w.marker)
             assert versions[w.name_of["A"]].state is S.UNLOADED
             assert versions[w.name_of["B"]].in_flight == 0, "the native count of B is back at 0"
-        assert_clean_audit(w.clients.values())
+        assert_clean_audit(w.clients.values(), allow_failed_rids=w.tx.aborted_rids)
 
 
 def rank_1_scheduler(engine) -> psutil.Process:
