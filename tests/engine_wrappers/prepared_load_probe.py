@@ -13,7 +13,9 @@ loads there. One log line per call, naming the thread that ran it:
 One fault, for the call it marks only: when the trigger file (:func:`trigger_path`) exists, the
 next ``initialize_weights`` removes it and raises, as a failed read of the adapter's files would.
 ``trigger_path(..., tp_rank=1)`` marks the next one of that tensor-parallel rank only (issue 38:
-a preparation that fails on one rank of a TP engine). Every line names its TP rank.
+a preparation that fails on one rank of a TP engine); ``install_trigger_path(..., tp_rank=1)``
+fails that rank's next install of a prepared adapter instead, as ``install_prepared`` answers a
+refusal (nothing of it installed). Every line names its TP rank.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from probe_log import log_line
 
 LOG_LINE = "prepared-load probe"
 FAULT_TEXT = "injected preparation fault (tests)"
+INSTALL_FAULT_TEXT = "injected install fault (tests)"
 
 
 def trigger_path(local_source_dir: str | os.PathLike[str], tp_rank: int | None = None) -> Path:
@@ -35,6 +38,11 @@ def trigger_path(local_source_dir: str | os.PathLike[str], tp_rank: int | None =
     source = Path(local_source_dir)
     rank = "" if tp_rank is None else f".tp-rank-{tp_rank}"
     return source.with_name(f"{source.name}.fail-next-preparation{rank}")
+
+
+def install_trigger_path(local_source_dir: str | os.PathLike[str], tp_rank: int) -> Path:
+    source = Path(local_source_dir)
+    return source.with_name(f"{source.name}.fail-next-install.tp-rank-{tp_rank}")
 
 
 def tp_rank() -> int:
@@ -99,6 +107,9 @@ def install() -> None:
 
     def install_prepared_noted(manager: Any, lora_ref: Any, prepared: Any) -> Any:
         _note("install", lora_id=lora_ref.lora_id)
+        if source and take_the_fault(install_trigger_path(source, tp_rank())):
+            _note("install fault injected", lora_id=lora_ref.lora_id)
+            return manager.create_lora_update_result(success=False, error_message=INSTALL_FAULT_TEXT)
         return install_prepared(manager, lora_ref, prepared)
 
     release = prepared_load.release_off_the_loop

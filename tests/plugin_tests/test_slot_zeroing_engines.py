@@ -53,6 +53,7 @@ def test_an_unload_zeroes_the_adapters_ranks_and_the_slot_serves_the_next_versio
             "slot": record["slot"],
             "zeroed_ranks": str(ADAPTER_RANKS[name]),
             "max_rank": str(MAX_LORA_RANK),
+            "tp_rank": "0",
         }
     base = reference.greedy_tokens(fixtures.model_dir, None, PROMPT, MAX_NEW)
     r = generate(e1.url, PROMPT, None, max_new_tokens=MAX_NEW)

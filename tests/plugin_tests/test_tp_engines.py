@@ -179,6 +179,47 @@ def test_a_preparation_failed_on_rank_1_only_leaves_nothing_on_any_rank(tp2, fix
         assert r.status_code == 200 and r.json()["state"] == "CLEANED", r.text
 
 
+def test_an_install_failed_on_rank_1_only_is_taken_back_out_of_rank_0(tp2, fixtures: Fixtures, source_dir):
+    """Both ranks prepared A and agreed to install it; rank 1's install then fails: rank 0 takes
+    its install back out (SGLang's own unload, on rank 0 alone) before it replies, so the load is
+    LOAD_FAILED with nothing left on either rank, and a retried end serves A."""
+    trigger = probe.install_trigger_path(source_dir, tp_rank=1)
+    s = Staged(tp2.url, snapshot_of(fixtures.adapter_dir("A")))
+    assert s.begin().status_code == 200
+    for b in s.buckets():
+        assert s.send_bucket(b).status_code == 200
+    trigger.write_text("")
+    try:
+        r = s.end()
+    finally:
+        left = trigger.exists()
+        trigger.unlink(missing_ok=True)
+    try:
+        assert not left, "rank 1's install took the fault"
+        assert r.status_code != 200 and error_code(r) == "LOAD_FAILED", r.text
+        assert "TP rank 1" in r.text and probe.INSTALL_FAULT_TEXT in r.text, r.text
+        v = versions(tp2.url)[s.name]
+        assert v["state"] == "PREPARED" and v["lora_id"] is None, v
+        (fault,) = [ln for ln in log_text(tp2).splitlines() if "install fault injected" in ln]
+        assert "tp_rank=1" in fault
+        failed_id = fault.split("lora_id=")[1].split()[0]
+        installs = [(rank, ok) for rank, op, ok in probe_ops(tp2, failed_id) if op == "install"]
+        assert sorted(installs) == [("0", "False"), ("1", "False")], installs  # the agreed answer
+        loads = rf"LoRA adapter loading starts: LoRARef\(lora_id={failed_id}"
+        unloads = rf"LoRA adapter unloading starts: LoRARef\(lora_id={failed_id}"
+        assert per_rank(tp2, loads) == {0: 1, 1: 1}, "both ranks began the install"
+        assert per_rank(tp2, unloads) == {0: 1}, "rank 0 took its install back; rank 1 never held it"
+
+        r = s.end()  # the same attempt again: a new load on both ranks serves exactly A
+        assert r.status_code == 200 and r.json()["state"] == "READY_LOCAL", r.text
+        lora_id = lora_id_of(tp2.url, s.name)
+        assert per_rank(tp2, rf"LoRA adapter loading starts: LoRARef\(lora_id={lora_id}") == {0: 1, 1: 1}
+        assert greedy(tp2.url, s.name)[0] == expected_tokens(fixtures, "A")
+    finally:
+        r = s.cleanup()
+        assert r.status_code == 200 and r.json()["state"] == "CLEANED", r.text
+
+
 def test_capacity_holds_on_the_tp_engine(tp2, snaps, cleanup_after, fixtures: Fixtures):
     """Every slot but one holds a managed version on both ranks; one more begin is CAPACITY_ERROR
     with nothing changed; a cleanup frees a slot on both ranks and admits it."""
