@@ -99,6 +99,19 @@ def lora_id_of(url: str, name: str) -> str:
     return versions(url)[name]["lora_id"]
 
 
+def end_with_a_fault(s: Staged, trigger: Path) -> tuple[httpx.Response, bool]:
+    """Stage ``s`` (begin, every bucket), then its ``end`` with the probe's ``trigger`` armed:
+    (the end's reply, whether the trigger was left untaken)."""
+    assert s.begin().status_code == 200
+    for b in s.buckets():
+        assert s.send_bucket(b).status_code == 200
+    trigger.write_text("")
+    try:
+        return s.end(), trigger.exists()
+    finally:
+        trigger.unlink(missing_ok=True)
+
+
 def test_a_version_is_installed_served_and_unloaded_on_every_rank(tp2, stock_engine, fixtures: Fixtures):
     a = Staged(tp2.url, snapshot_of(fixtures.adapter_dir("A")))
     assert a.publish()["state"] == "READY_LOCAL"
@@ -139,17 +152,8 @@ def test_a_version_is_installed_served_and_unloaded_on_every_rank(tp2, stock_eng
 
 
 def test_a_preparation_failed_on_rank_1_only_leaves_nothing_on_any_rank(tp2, fixtures: Fixtures, source_dir):
-    trigger = probe.trigger_path(source_dir, tp_rank=1)
     s = Staged(tp2.url, snapshot_of(fixtures.adapter_dir("B")))
-    assert s.begin().status_code == 200
-    for b in s.buckets():
-        assert s.send_bucket(b).status_code == 200
-    trigger.write_text("")
-    try:
-        r = s.end()
-    finally:
-        left = trigger.exists()
-        trigger.unlink(missing_ok=True)
+    r, left = end_with_a_fault(s, probe.trigger_path(source_dir, tp_rank=1))
     try:
         assert not left, "rank 1's preparation took the fault"
         assert r.status_code != 200 and error_code(r) == "LOAD_FAILED", r.text
@@ -183,17 +187,8 @@ def test_an_install_failed_on_rank_1_only_is_taken_back_out_of_rank_0(tp2, fixtu
     """Both ranks prepared A and agreed to install it; rank 1's install then fails: rank 0 takes
     its install back out (SGLang's own unload, on rank 0 alone) before it replies, so the load is
     LOAD_FAILED with nothing left on either rank, and a retried end serves A."""
-    trigger = probe.install_trigger_path(source_dir, tp_rank=1)
     s = Staged(tp2.url, snapshot_of(fixtures.adapter_dir("A")))
-    assert s.begin().status_code == 200
-    for b in s.buckets():
-        assert s.send_bucket(b).status_code == 200
-    trigger.write_text("")
-    try:
-        r = s.end()
-    finally:
-        left = trigger.exists()
-        trigger.unlink(missing_ok=True)
+    r, left = end_with_a_fault(s, probe.install_trigger_path(source_dir, tp_rank=1))
     try:
         assert not left, "rank 1's install took the fault"
         assert r.status_code != 200 and error_code(r) == "LOAD_FAILED", r.text

@@ -479,6 +479,20 @@ class Deployment:
         self.pub_engines = dict(self.clients)
         self.pub = self._publisher()
 
+    def restore_on_version_missing(self) -> list[str]:
+        """A session turn refused before admission with UNKNOWN_VERSION (its engine restarted and
+        holds nothing) runs the reconciler for that engine and is sent again (every 0.2 s). The
+        list returned fills with the engines restored, in order."""
+        restored: list[str] = []
+
+        async def restore(engine_id: str, lora_path: str) -> None:
+            restored.append(engine_id)
+            await self.pub.reconcile([engine_id])
+
+        self.sm.on_version_missing = restore
+        self.sm.resend_interval_s = 0.2
+        return restored
+
     @property
     def marker(self) -> str:
         return f"@{self.epoch}-"

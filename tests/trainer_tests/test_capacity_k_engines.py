@@ -72,14 +72,7 @@ async def test_k_live_versions_refuse_the_next_survive_a_restart_and_reclaim_onc
     async with Deployment(
         (engines[0], e2), stock_engine, fixtures, registry=registry, epoch=epoch, cohort=COHORT, store=store
     ) as w:
-        restores: list[str] = []
-
-        async def restore(engine_id: str, lora_path: str) -> None:
-            restores.append(engine_id)
-            await w.pub.reconcile([engine_id])
-
-        w.sm.on_version_missing = restore
-        w.sm.resend_interval_s = 0.2
+        restores = w.restore_on_version_missing()
         prompt = PROMPTS[0]
         first: dict[str, list[int]] = {}  # session name -> its first turn
         sessions = []

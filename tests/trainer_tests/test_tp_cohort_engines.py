@@ -151,14 +151,7 @@ async def test_a_rank_killed_in_a_publication_and_in_a_reclaim_drain_frees_nothi
     tp2 = await asyncio.to_thread(tp2_engine.take)
     store = SnapshotStore(tmp_path / "snapshots")
     async with Deployment((engines[0], tp2), stock_engine, fixtures, cohort=COHORT, store=store) as w:
-        reconciles: list[str] = []
-
-        async def restore(engine_id: str, lora_path: str) -> None:
-            reconciles.append(engine_id)
-            await w.pub.reconcile([engine_id])
-
-        w.sm.on_version_missing = restore
-        w.sm.resend_interval_s = 0.2
+        reconciles = w.restore_on_version_missing()
         assert (await w.publish(snaps, "A")).outcome is PublishOutcome.PUBLISHED
         name_a = w.name_of["A"]
         s_a = [await w.sm.open(f"SA{i}") for i in range(2)]
