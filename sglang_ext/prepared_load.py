@@ -239,7 +239,7 @@ def install_on_every_rank_or_none(
     and taken back out of the ranks that installed it when another rank's install failed, so a
     load is on every rank or on none when rank 0 replies. The take-back is SGLang's own unload on
     this rank (``TpModelWorker.unload_lora_adapter``), not the scheduler's, whose step fence
-    gathers every rank: the adapter was never registered, so no step has read it."""
+    waits for every rank to agree: the adapter was never registered, so no step has read it."""
     state, message = PREPARATIONS.state(key)
     ready = upstream.lora_update_output(
         state is State.PREPARED,
@@ -252,7 +252,7 @@ def install_on_every_rank_or_none(
     agreed = ranks.agree(self, result)
     if agreed.success or upstream.tp_peers(self) is None:
         return agreed
-    if result.success:  # every rank gathers below, whichever way its own install went
+    if result.success:  # every rank agrees below, whichever way its own install went
         upstream.take_back_a_load(self, key.lora_name, key.lora_id)
     held = upstream.lora_manager_of(self).create_lora_update_result(success=False)
     return ranks.refusal_with_what_ranks_hold(self, held, agreed.error_message)

@@ -56,7 +56,7 @@ def complete_the_step_before_unload(
         steps = upstream.launched_steps(self)
         overlap = upstream.overlap_scheduler_on(self)
     except upstream.SchedulerUnreadable as exc:
-        return ranks.agree(self, refuse_unreadable(exc, recv_req))  # every rank gathers once
+        return ranks.agree(self, refuse_unreadable(exc, recv_req))  # every rank agrees once
     waited = 0
     if lora_id is not None and not step_fence_passed(lora_id, fence_view(steps)):
         for step in steps:
