@@ -67,6 +67,10 @@ class ErrorCode(StrEnum):
     # a restarted registry found no database (missing or empty) where its state must be: it
     # refuses every call rather than serve an empty registry under the epoch's name
     REGISTRY_STATE_LOST = "REGISTRY_STATE_LOST"
+    # The engine attested that a reply's tokens were served by another version than the session's
+    # binding (or did not attest them at all): the reply is not handed on as the binding's. Not a
+    # refusal: the engine did run the request, so it is not a 4xx (issue 39).
+    SERVED_VERSION_MISMATCH = "SERVED_VERSION_MISMATCH"
     # guards
     MANAGED_ADAPTER = "MANAGED_ADAPTER"
     FORBIDDEN_FIELD = "FORBIDDEN_FIELD"
@@ -108,6 +112,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SESSION_CLOSED: 409,
     ErrorCode.SESSION_EXPIRED: 409,
     ErrorCode.REGISTRY_STATE_LOST: 503,
+    ErrorCode.SERVED_VERSION_MISMATCH: 502,
     ErrorCode.MANAGED_ADAPTER: 409,
     ErrorCode.FORBIDDEN_FIELD: 400,
     ErrorCode.INVALID_REQUEST: 400,

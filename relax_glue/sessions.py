@@ -31,6 +31,12 @@
   them). Several sessions may also declare one ``group`` at open: they route by the group's key
   (one engine for the group, so its shared prompt prefix is computed once there) while each keeps
   its own binding and close.
+* **What served each reply is checked** (issue 39). Every generation reply of a plugin engine names
+  the version its scheduler ran for every output token (``meta_info.lora_versions``, read from the
+  batch: :mod:`lora_contract.served_version`). Each reply (each sample, each streamed chunk) is
+  checked against the binding: a token served by anything else, or a reply that attests nothing,
+  raises SERVED_VERSION_MISMATCH and counts in ``served_mismatches``, never handed on as the
+  binding's. The versions each request was served by are kept in its :class:`RequestRecord`.
 * **Close** (RFC 4.3), exactly once however many callers ask: FINALIZING (no new dispatch) ->
   ``registry.begin_close`` (late open/bind are refused) -> wait for the binding task, abort the
   requests already sent (by rid, never abort-all) -> ``registry.close_and_release`` (the session ref
@@ -46,6 +52,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import logging
 import math
 import time
 import uuid
@@ -55,6 +62,7 @@ from types import MappingProxyType
 from typing import Any
 
 from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.served_version import read_served_spans, served_version_problem, versions_of
 from relax_glue.actor import AsyncRegistryClient, RegistryUnavailable
 from relax_glue.engine_client import (
     CallOutcome,
@@ -68,6 +76,8 @@ from relax_glue.engine_client import (
 from relax_glue.gateway import GatewayClient
 from relax_glue.registry_types import Binding, SessionKey, SessionView
 from relax_glue.router import Router, StickyRoundRobinRouter
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_LEASE_TTL_S",
@@ -96,6 +106,9 @@ class RequestRecord:
     outcome: str  # a CallOutcome value, or "refused:<CODE>"
     started_at: float
     duration_s: float
+    # What the engine attested it ran for the request's tokens, in order (None: base model or
+    # unattested); empty when no reply said (a refusal, an unknown outcome)
+    served: tuple[str | None, ...] = ()
 
 
 class TurnOutcomeUnknown(OutcomeUnknown):
@@ -177,6 +190,7 @@ class Session:
         self.lease_id: str | None = None  # the worker lease it hangs on (None: leases off)
         self.bind_calls = 0  # bind_first calls this session made (one, unless a bind failed)
         self.resends = 0  # requests sent again after a not-yet-admitted refusal
+        self.served_mismatches = 0  # replies whose attested version was not the binding
         self.requests: list[RequestRecord] = []
         self.close_view: SessionView | None = None
         self._binding: Binding | None = None
@@ -285,13 +299,50 @@ class Session:
         self._check_open()
         return req, self._m.router.pick(self.route_key)
 
-    def _finish(self, flight: _InFlight, lora_path: str, outcome: str, started: float, t0: float) -> None:
+    def _finish(
+        self,
+        flight: _InFlight,
+        lora_path: str,
+        outcome: str,
+        started: float,
+        t0: float,
+        served: tuple[str | None, ...] = (),
+    ) -> None:
         flight.done.set()
         self._in_flight.pop(flight.rid, None)
         engine_id = self._m._served_by(flight.rid, flight.engine_id)
         self.requests.append(
-            RequestRecord(flight.rid, engine_id, lora_path, outcome, started, time.monotonic() - t0)
+            RequestRecord(flight.rid, engine_id, lora_path, outcome, started, time.monotonic() - t0, served)
         )
+
+    def _check_served(
+        self, reply: Any, rid: str, engine_id: str, served: list[str | None], *, chunk: bool
+    ) -> None:
+        """Every token of ``reply`` (a reply, a list of one per sample, or a streamed chunk)
+        attested as served by the binding; else SERVED_VERSION_MISMATCH, counted. ``served``
+        collects the attested versions in order."""
+        binding = self._binding
+        assert binding is not None  # every dispatch binds first
+        for one in reply if isinstance(reply, list) else (reply,):
+            meta = one.get("meta_info") if isinstance(one, Mapping) else None
+            ids = one.get("output_ids") if isinstance(one, Mapping) and not chunk else None
+            tokens = len(ids) if isinstance(ids, list) else None  # a chunk may cover a delta only
+            spans = read_served_spans(meta) if isinstance(meta, Mapping) else None
+            served.extend(v for v in versions_of(spans or ()) if v not in served)
+            problem = served_version_problem(meta, binding.lora_name, binding.digest, tokens)
+            if problem is None:
+                continue
+            self.served_mismatches += 1
+            self._m.served_mismatches += 1
+            logger.warning("session %s, request %s on %s: %s", self.key, rid, engine_id, problem)
+            raise LoraVersionError(
+                ErrorCode.SERVED_VERSION_MISMATCH,
+                f"request {rid} of session {self.key}: {problem}",
+                rid=rid,
+                engine_id=engine_id,
+                bound=binding.lora_name,
+                served=[s.to_wire() for s in spans or ()],
+            )
 
     async def generate(self, body: Mapping[str, Any], *, rid: str | None = None) -> dict[str, Any]:
         """One backend generation with the bound ``lora_path``, sent exactly once (one
@@ -328,6 +379,7 @@ class Session:
         flight = self._in_flight[req["rid"]] = _InFlight(req["rid"], engine_id)
         started, t0, outcome = time.time(), time.monotonic(), CallOutcome.CANCELLED
         deadline = t0 + self._m.not_ready_wait_s
+        served: list[str | None] = []
         try:
             while True:
                 try:
@@ -336,13 +388,14 @@ class Session:
                 except (LoraVersionError, OutcomeUnknown) as err:
                     if not await self._wait_to_resend(err, engine_id, req["lora_path"], deadline):
                         raise self._settled_by_caller(err, engine_id, req) from None
+            self._check_served(result, req["rid"], engine_id, served, chunk=False)
             outcome = generation_outcome(result)
             return result
         except (LoraVersionError, OutcomeUnknown) as exc:
             outcome = outcome_label(exc)
             raise
         finally:
-            self._finish(flight, req["lora_path"], outcome, started, t0)
+            self._finish(flight, req["lora_path"], outcome, started, t0, tuple(served))
 
     async def generate_stream(
         self, body: Mapping[str, Any], *, rid: str | None = None
@@ -354,12 +407,14 @@ class Session:
         started, t0, outcome = time.time(), time.monotonic(), CallOutcome.CANCELLED
         aborted_samples: dict[int, bool] = {}
         deadline = t0 + self._m.not_ready_wait_s
+        served: list[str | None] = []
         try:
             while True:
                 streamed = False
                 try:
                     async for chunk in self._m._target(self.route_key, engine_id).generate_stream(req):
                         streamed = True
+                        self._check_served(chunk, req["rid"], engine_id, served, chunk=True)
                         # with n > 1 the samples' chunks interleave, each with its "index"
                         aborted_samples[chunk.get("index", 0)] = generation_aborted(chunk)
                         yield chunk
@@ -379,7 +434,7 @@ class Session:
             outcome = outcome_label(exc)
             raise
         finally:
-            self._finish(flight, req["lora_path"], outcome, started, t0)
+            self._finish(flight, req["lora_path"], outcome, started, t0, tuple(served))
 
     def _settled_by_caller(
         self, err: LoraVersionError | OutcomeUnknown, engine_id: str, req: dict[str, Any]
@@ -586,6 +641,8 @@ class SessionManager:
         self._lease_sent_at = -math.inf  # monotonic send time of the last accepted keep-alive
         self._heartbeat: asyncio.Task[None] | None = None
         self.renewals = 0
+        # Replies of this worker's sessions whose attested version was not their binding (issue 39)
+        self.served_mismatches = 0
         self._epoch: str | None = None
         self._sessions: dict[SessionKey, Session] = {}
         self._routed: collections.Counter[Hashable] = collections.Counter()  # open sessions per route key

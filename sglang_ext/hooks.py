@@ -1,6 +1,7 @@
 """Every hook the plugin places on SGLang, in :func:`register_all`: the main process's list,
 and the scheduler's (the step fence at the physical unload, :mod:`sglang_ext.step_fence`; the
-managed load prepared off the scheduler thread, :mod:`sglang_ext.prepared_load`).
+managed load prepared off the scheduler thread, :mod:`sglang_ext.prepared_load`; what each output
+token was served by, :mod:`sglang_ext.served_version`).
 
 Each hook is small and named after what it guards; the upstream targets (SGLang 0.5.23) are
 named in :mod:`sglang_ext.lora_registry_patch`. Hooks go through SGLang's own ``HookRegistry``;
@@ -14,7 +15,7 @@ from typing import Any
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.protocol import is_managed_name
-from sglang_ext import hook_timing, prepared_load, slot_zeroing
+from sglang_ext import hook_timing, prepared_load, served_version, slot_zeroing
 from sglang_ext import lora_registry_patch as upstream
 from sglang_ext import parallel_sampling as ps
 from sglang_ext import tokenizer_hooks as th
@@ -114,6 +115,21 @@ def register_all(role: str) -> None:
             upstream.POOL_LOAD_TO_BUFFER, slot_zeroing.record_the_rank_about_to_be_written, "BEFORE"
         )
         upstream.register_hook(upstream.POOL_CLEAR_SLOT, slot_zeroing.zero_only_what_was_written, "AROUND")
+        # Issue 39: every output token is attested with what its step ran, read from the batch.
+        upstream.register_hook(
+            upstream.LORA_BACKEND_FACTORY, served_version.backend_that_reports_its_rows, "AFTER"
+        )
+        upstream.register_hook(
+            upstream.LORA_MANAGER_PREPARE_BATCH, served_version.read_the_rows_each_batch_runs, "AROUND"
+        )
+        upstream.register_hook(
+            upstream.SCHEDULER_RUN_BATCH, served_version.mark_each_request_with_what_ran, "AROUND"
+        )
+        upstream.register_hook(
+            upstream.SCHEDULER_OUTPUT_STREAMER_CLASS,
+            served_version.streamer_class_that_attests_tokens,
+            "REPLACE",
+        )
         return
     if role != "main":
         return

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_contract.messages import QUEUE_FULL_MESSAGE
+from lora_contract.served_version import SERVED_TOKENS_KEY
 
 # ------------------------------------------------------------------------------ hook targets
 # Patched through SGLang's own HookRegistry (sglang.srt.plugins.hook_registry).
@@ -83,6 +84,15 @@ _POOL = "sglang.srt.lora.mem_pool.LoRAMemoryPool"
 POOL_INIT_BUFFERS = f"{_POOL}.init_buffers"
 POOL_LOAD_TO_BUFFER = f"{_POOL}.load_lora_weight_to_buffer"
 POOL_CLEAR_SLOT = f"{_POOL}._clear_buffer_slot_for_base"
+# Issue 39 (every reply names what served it, sglang_ext.served_version). LoRAManager.__init__
+# builds its backend from the class this factory returns (imported by name into lora_manager: the
+# hook registry rebinds it there); prepare_lora_batch builds each forward step's LoRA batch
+# (ForwardBatch.init_new, on the scheduler thread); run_batch runs one step; the streamer class
+# is built once, in Scheduler.init_output_streamer, its only caller.
+LORA_BACKEND_FACTORY = "sglang.srt.lora.backend.lora_registry.get_backend_from_name"
+LORA_MANAGER_PREPARE_BATCH = "sglang.srt.lora.lora_manager.LoRAManager.prepare_lora_batch"
+SCHEDULER_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+SCHEDULER_OUTPUT_STREAMER_CLASS = "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class"
 SCHEDULER_PROCESS_TARGETS = (
     SCHEDULER_INIT,
     SCHEDULER_UNLOAD_ADAPTER,
@@ -92,6 +102,10 @@ SCHEDULER_PROCESS_TARGETS = (
     POOL_INIT_BUFFERS,
     POOL_LOAD_TO_BUFFER,
     POOL_CLEAR_SLOT,
+    LORA_BACKEND_FACTORY,
+    LORA_MANAGER_PREPARE_BATCH,
+    SCHEDULER_RUN_BATCH,
+    SCHEDULER_OUTPUT_STREAMER_CLASS,
 )
 
 MAIN_PROCESS_TARGETS = (
@@ -171,6 +185,14 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "LoRAConfig": ("sglang.srt.lora.lora_config", "LoRAConfig"),
     "LoRAAdapter": ("sglang.srt.lora.lora", "LoRAAdapter"),
     "warn_if_adapter_targets_embeddings": ("sglang.srt.lora.utils", "warn_if_adapter_targets_embeddings"),
+    # what served each reply (sglang_ext.served_version): the streamer subclassed, the backend
+    # method whose parameters are read, the step's rows
+    "SchedulerOutputStreamer": (
+        "sglang.srt.managers.scheduler_components.output_streamer",
+        "SchedulerOutputStreamer",
+    ),
+    "BaseLoRABackend": ("sglang.srt.lora.backend.base_backend", "BaseLoRABackend"),
+    "ForwardBatch": ("sglang.srt.model_executor.forward_batch_info", "ForwardBatch"),
 }
 
 # (symbol, attribute) that must exist on the class itself.
@@ -185,6 +207,8 @@ CLASS_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("HookRegistry", "register"),
     ("HookRegistry", "_patched"),
     ("LoRAAdapter", "initialize_weights"),
+    ("SchedulerOutputStreamer", "stream_output"),
+    ("BaseLoRABackend", "prepare_lora_batch"),
 )
 # Set in LoRARegistry.__init__ (checked on a fresh instance).
 LORA_REGISTRY_ATTRIBUTES = ("_registry", "_counters", "_registry_lock")
@@ -247,6 +271,9 @@ PROMPT_RID = "{rid}_{i}"
 # hook reads both, sent by position or by name; checked at start on the method's signature).
 PROMPT_RID_TAIL = PROMPT_RID.removeprefix("{rid}").format(i=r"\d+")
 ABORT_REQUEST_PARAMETERS = ("rid", "abort_all")
+# What LoRAManager.prepare_lora_batch hands each backend (0.5.23: positionally, then scalings and
+# the CUDA-graph flags): per row the slot index, per slot the rank this step.
+BACKEND_PREPARE_PARAMETERS = ("forward_batch", "weight_indices", "lora_ranks")
 
 
 def abort_request_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -282,10 +309,20 @@ def signature_problems() -> list[str]:
         method = symbol("TokenizerManager").abort_request
     except (ImportError, AttributeError):
         return []  # already reported above
+    problems = []
     params = tuple(inspect.signature(method).parameters)[1 : 1 + len(ABORT_REQUEST_PARAMETERS)]
     if params != ABORT_REQUEST_PARAMETERS:
-        return [f"TokenizerManager.abort_request takes {params!r}, not {ABORT_REQUEST_PARAMETERS!r}"]
-    return []
+        problems.append(f"TokenizerManager.abort_request takes {params!r}, not {ABORT_REQUEST_PARAMETERS!r}")
+    try:
+        method = symbol("BaseLoRABackend").prepare_lora_batch
+    except (ImportError, AttributeError):
+        return problems  # already reported above
+    params = tuple(inspect.signature(method).parameters)[1 : 1 + len(BACKEND_PREPARE_PARAMETERS)]
+    if params != BACKEND_PREPARE_PARAMETERS:
+        problems.append(
+            f"BaseLoRABackend.prepare_lora_batch takes {params!r}, not {BACKEND_PREPARE_PARAMETERS!r}"
+        )
+    return problems
 
 
 # (symbol, field) declared on the class (a dataclass field, a msgspec Struct field or a pydantic
@@ -607,8 +644,14 @@ def new_pinned_ref(lora_name: str) -> Any:
 # when none was recorded) are dataclass fields; ``Req.lora_id`` (None for a base-model row) is set
 # in Req.__init__.
 SCHEDULER_ATTRIBUTES = ("enable_overlap", "last_batch", "result_queue", "tp_group", "tp_cpu_group")
-STEP_FIELDS: tuple[tuple[str, str], ...] = (("ScheduleBatch", "reqs"), ("GenerationBatchResult", "copy_done"))
-REQ_ATTRIBUTES = ("lora_id",)
+STEP_FIELDS: tuple[tuple[str, str], ...] = (
+    ("ScheduleBatch", "reqs"),
+    ("GenerationBatchResult", "copy_done"),
+    ("ForwardBatch", "lora_ids"),  # one per row, in ScheduleBatch.reqs order (served_version)
+)
+# output_ids and customized_info (None until something is collected): what the attestation of each
+# output token reads and writes (sglang_ext.served_version).
+REQ_ATTRIBUTES = ("lora_id", "output_ids", "customized_info")
 
 
 class SchedulerUnreadable(Exception):
@@ -1088,6 +1131,7 @@ POOL_ATTRIBUTES = (
     "max_loras_per_batch",
     "max_lora_rank",
     "tp_rank",  # named in the slot zeroing's log line (each TP rank clears its own pool)
+    "buffer_id_to_uid",  # what each slot holds (served_version names a row's slot by it)
     "new_embeddings_buffer",
     "A_buffer",
     "B_buffer",
@@ -1136,3 +1180,52 @@ def load_to_buffer_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
 def loaded_adapter(manager: Any, lora_ref: Any) -> Any | None:
     """The LoRAAdapter the manager holds for ``lora_ref``'s id (None: not loaded)."""
     return manager.loras.get(lora_ref.lora_id)
+
+
+# ------------------------------------------------------------------ what served each reply
+# sglang_ext.served_version (issue 39). Read on the scheduler thread, once per forward step.
+
+
+def backend_batch_rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """(weight_indices, lora_ranks) of a backend's prepare_lora_batch call (``args`` without
+    self); raises :class:`SchedulerUnreadable` when the call does not carry them."""
+    values = dict(zip(BACKEND_PREPARE_PARAMETERS, args, strict=False))
+    values.update({k: kwargs[k] for k in BACKEND_PREPARE_PARAMETERS if k in kwargs})
+    try:
+        return values["weight_indices"], values["lora_ranks"]
+    except KeyError as missing:
+        raise SchedulerUnreadable(f"prepare_lora_batch({missing.args[0]})") from None
+
+
+def forward_lora_ids(forward_batch: Any) -> list[Any]:
+    return list(_read(forward_batch, "ForwardBatch", "lora_ids"))
+
+
+def batch_reqs(batch: Any) -> list[Any]:
+    return list(_read(batch, "ScheduleBatch", "reqs"))
+
+
+def slot_lora_names(manager: Any) -> list[str | None]:
+    """Per slot of the LoRA pool, the name of the adapter it holds now; None for the base model's
+    slot, an empty slot, or an adapter the manager has no ref for."""
+    holders = _read(_read(manager, "LoRAManager", "memory_pool"), "LoRAMemoryPool", "buffer_id_to_uid")
+    refs = _read(manager, "LoRAManager", "lora_refs")
+    names: list[str | None] = []
+    for uid in holders:
+        ref = refs.get(uid) if isinstance(uid, str) else None
+        name = getattr(ref, "lora_name", None)
+        names.append(name if isinstance(name, str) else None)
+    return names
+
+
+def served_token_entries(req: Any) -> list[Any]:
+    """The request's per-token entries of what served it, in its ``customized_info`` (created on
+    first use: upstream leaves it None until something is collected)."""
+    info = _read(req, "Req", "customized_info")
+    if info is None:
+        info = req.customized_info = {}
+    return info.setdefault(SERVED_TOKENS_KEY, [])
+
+
+def output_token_count(req: Any) -> int:
+    return len(_read(req, "Req", "output_ids"))

@@ -34,6 +34,7 @@ from sglang_ext.engine_state import engine_state
 from sglang_ext.http_routes import error_response
 from sglang_ext.native_lora import managed_call
 from sglang_ext.parallel_sampling import parallel_samples
+from sglang_ext.served_version import with_served_versions
 from sglang_ext.version_table import may_unload_now
 
 # The request fields the guards read, their defaults and the formats of SGLang's ids are SGLang
@@ -118,18 +119,27 @@ async def refuse_forged_internal_fields(
     original: Any, self: Any, obj: Any, *args: Any, **kwargs: Any
 ) -> AsyncIterator:
     """AROUND TokenizerManager.generate_request (an async generator). Runs before
-    ``_init_req_state``: refusing later would make the failure cleanup release the forged id."""
+    ``_init_req_state``: refusing later would make the failure cleanup release the forged id.
+    Every generation reply it yields names what served its tokens (:mod:`sglang_ext.served_version`)."""
     bad = forbidden_fields(obj)
     if bad:
         raise refuse(
             ErrorCode.FORBIDDEN_FIELD, f"fields set by the engine itself may not be sent: {bad}", fields=bad
         )
+    generation = upstream.is_generation(obj)
     agen = original(self, obj, *args, **kwargs)
     try:
         async for out in agen:
-            yield out
+            yield with_served_versions(out, managed_digest) if generation else out
     finally:
         await agen.aclose()
+
+
+def managed_digest(lora_name: str) -> str | None:
+    """The full digest of a managed version this engine knows (its record outlives its unload)."""
+    table = engine_state().table
+    v = table.get(lora_name) if table is not None else None
+    return v.digest if v is not None else None
 
 
 def refuse_what_normalisation_lets_through(self: Any, obj: Any, *args: Any, **kwargs: Any) -> None:

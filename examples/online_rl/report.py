@@ -84,6 +84,9 @@ def _episode_problems(ep: Episode) -> list[str]:
     off = [t.rid for t in ep.turns if t.lora_path != ep.bound_lora]
     if off:
         out.append(f"ep{ep.index}: turns {off} not on the bound {ep.bound_lora}")
+    attested = set(ep.token_versions) - {ep.bound_lora}
+    if attested:
+        out.append(f"ep{ep.index}: tokens attested as served by {sorted(map(str, attested))}")
     if len(ep.turns) != 2 and not ep.error:
         out.append(f"ep{ep.index}: {len(ep.turns)} turns")
     return out
@@ -94,7 +97,8 @@ def check_invariants(rec: RunRecord) -> list[Invariant]:
     bad = [p for ep in rec.episodes for p in _episode_problems(ep)]
     out.append(
         Invariant(
-            "every turn of every episode carried the version the episode bound at its first generation",
+            "every turn of every episode carried the version the episode bound at its first generation,"
+            " and the engine attested it ran that version for every token",
             not bad,
             bad[:5] or f"{len(rec.episodes)} episodes, {sum(len(e.turns) for e in rec.episodes)} turns",
         )

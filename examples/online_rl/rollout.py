@@ -20,6 +20,7 @@ from typing import Any
 from examples.online_rl.config import RunConfig
 from examples.online_rl.reward import episode_reward
 from examples.online_rl.task import Task, prompt_of, tool_latency
+from lora_contract.served_version import token_versions
 
 
 @dataclasses.dataclass
@@ -34,6 +35,8 @@ class Turn:
     cached_tokens: int
     t_start: float
     t_end: float
+    # per output token, the version the engine attested it ran (read from the step's batch)
+    served_by: list[str | None] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -83,6 +86,11 @@ class Episode:
     def engine_logprobs(self) -> list[float]:
         return [lp for turn in self.turns for lp in turn.engine_logprobs]
 
+    @property
+    def token_versions(self) -> list[str | None]:
+        """Per assistant token, in order, the version the engine attested it ran."""
+        return [v for turn in self.turns for v in turn.served_by]
+
 
 def _turn_logprobs(reply: dict[str, Any]) -> list[float]:
     """The sampled tokens' log-probabilities from ``meta_info.output_token_logprobs``
@@ -92,6 +100,15 @@ def _turn_logprobs(reply: dict[str, Any]) -> list[float]:
     if [int(e[1]) for e in entries] != ids:
         raise ValueError(f"output_token_logprobs do not match output_ids ({len(entries)} vs {len(ids)})")
     return [float(e[0]) for e in entries]
+
+
+def _served_by(reply: dict[str, Any]) -> list[str | None]:
+    """Per output token, what the engine attested it ran (the session layer already refused a
+    reply whose tokens were not all the binding's)."""
+    versions = token_versions(reply.get("meta_info") or {})
+    if versions is None or len(versions) != len(reply.get("output_ids") or []):
+        raise ValueError("the reply does not attest what served each of its tokens")
+    return versions
 
 
 async def run_episode(
@@ -129,6 +146,7 @@ async def run_episode(
                     int(reply.get("meta_info", {}).get("cached_tokens") or 0),
                     t0,
                     clock(),
+                    _served_by(reply),
                 )
             )
             history += out

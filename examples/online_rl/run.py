@@ -135,6 +135,13 @@ class OnlineRL:
                 if failed > self.batch_size:
                     raise RuntimeError(f"{failed} episodes failed while collecting a batch: {ep.error}")
                 continue
+            # the version the engine attested it ran for the episode's tokens (one: the session
+            # layer refused any turn served by another than the binding)
+            attested = set(ep.token_versions)
+            if attested != {ep.bound_lora}:
+                ep.error, ep.fate = f"attested {sorted(map(str, attested))}, bound {ep.bound_lora}", "failed"
+                failed += 1
+                continue
             ep.version = self.versions[ep.bound_lora or ""]
             ep.trainer_step = trainer_step
             ep.staleness = self.policy.staleness(trainer_step, ep.version)
@@ -146,6 +153,11 @@ class OnlineRL:
                 dropped.append(ep)
         return used, dropped
 
+    def token_staleness(self, ep: Episode) -> list[int]:
+        """Per assistant token, the staleness of the version the engine attested it ran."""
+        step = ep.trainer_step or 0
+        return [self.policy.staleness(step, self.versions[v or ""]) for v in ep.token_versions]
+
     def samples(self, episodes: Sequence[Episode]) -> list[Sample]:
         return [
             Sample(
@@ -155,6 +167,8 @@ class OnlineRL:
                 e.reward,
                 e.prompt_index,
                 e.staleness or 0,
+                # per token, the staleness of the version the engine attested it ran
+                tuple(self.token_staleness(e)),
             )
             for e in episodes
         ]

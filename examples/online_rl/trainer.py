@@ -46,6 +46,9 @@ class Sample:
     reward: float
     group: Hashable  # the prompt: the baseline's group
     staleness: int
+    # per assistant token, the staleness of the version the engine attested it ran (issue 39);
+    # empty: every token has the episode's
+    token_staleness: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,9 +173,11 @@ class Trainer:
             )
             loss = loss - advantages[i] * (w * lp).sum() / n_tokens
             diffs = (lp.detach() - behaviour).abs().tolist()
-            (fresh if s.staleness == 0 else stale).extend(diffs)
-            if s.staleness:
-                weights.extend(w.tolist())
+            per_token = s.token_staleness or (s.staleness,) * len(diffs)
+            for d, st, wt in zip(diffs, per_token, w.tolist(), strict=True):
+                (stale if st else fresh).append(d)
+                if st:
+                    weights.append(wt)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in self.params if p.grad is not None))

@@ -31,12 +31,14 @@ def completions(reports: Sequence[Report]) -> list[Mapping[str, Any]]:
 
 
 def turns_on_one_version(reports: Sequence[Report], turns: int = 2) -> Check:
-    """Every completion ran all its turns, each on the version its session bound, and released
-    its session's ref at close."""
+    """Every completion ran all its turns, each on the version its session bound (as sent, and as
+    the engine attested it ran), and released its session's ref at close."""
     bad = []
     for c in completions(reports):
         paths = {t["lora_path"] for t in c["turns"]}
-        if c["error"] or len(c["turns"]) != turns or paths != {c["bound_version"]} or not c["released"]:
+        served = {v for t in c["turns"] for v in t["served"]}
+        one = paths == served == {c["bound_version"]}
+        if c["error"] or len(c["turns"]) != turns or not one or not c["released"]:
             bad.append({k: c[k] for k in ("rank", "step", "index", "error", "bound_version", "released")})
     n = len(completions(reports))
     return Check(
@@ -46,7 +48,8 @@ def turns_on_one_version(reports: Sequence[Report], turns: int = 2) -> Check:
 
 def rewards_received_versions(reports: Sequence[Report]) -> Check:
     """On every rank, the reward functions got, for each completion in order, the exact version
-    its rollout bound (and the same completion tokens)."""
+    its rollout bound, that version alone as what the engines attested they ran, and the same
+    completion tokens."""
     bad = []
     for r in reports:
         rolled, rewarded = r["rollout_calls"], r["reward_calls"]
@@ -55,7 +58,8 @@ def rewards_received_versions(reports: Sequence[Report]) -> Check:
             continue
         for ro, rw in zip(rolled, rewarded, strict=True):
             same = (ro["bound_version"], ro["completion_ids"]) == (rw["bound_version"], rw["completion_ids"])
-            if not same or None in rw["bound_version"]:
+            attested = rw["served_versions"] == [[v] for v in rw["bound_version"]]
+            if not same or not attested or None in rw["bound_version"]:
                 bad.append({"rank": r["rank"], "step": ro["step"]})
     calls = sum(len(r["reward_calls"]) for r in reports)
     return Check(

@@ -94,6 +94,7 @@ class RewardCall:
     step: int
     bound_version: list[str | None]
     version_id: list[str | None]
+    served_versions: list[list[str | None]]  # what the engines attested they ran, per completion
     completion_ids: list[list[int]]
     rewards: list[float]
 
@@ -114,6 +115,7 @@ class RewardProbe:
                 int(state.global_step) if state is not None else -1,
                 list(kw["bound_version"]),
                 list(kw["version_id"]),
+                [list(v) for v in kw["served_versions"]],
                 [list(map(int, c)) for c in completion_ids],
                 [float(r) for r in rewards],
             )

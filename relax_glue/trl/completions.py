@@ -103,6 +103,9 @@ class TurnRecord:
     outcome: str
     tokens: int
     cached_tokens: int
+    # what the engine attested it ran for this turn's tokens (the session layer refused the turn
+    # had it been anything but the binding)
+    served: tuple[str | None, ...] = ()
 
 
 @dataclasses.dataclass
@@ -125,6 +128,15 @@ class CompletionRecord:
     t_close: float = 0.0
 
     @property
+    def served_versions(self) -> list[str | None]:
+        """The versions the engines attested for this completion's tokens, in order of first use
+        (one: the binding, for an episode whose every turn succeeded)."""
+        seen: list[str | None] = []
+        for t in self.turns:
+            seen.extend(v for v in t.served if v not in seen)
+        return seen
+
+    @property
     def assistant_ids(self) -> list[int]:
         return [t for s in self.segments if s.is_model for t in s.ids]
 
@@ -142,6 +154,7 @@ ROLLOUT_COLUMNS = (
     "env_mask",
     "bound_version",
     "version_id",
+    "served_versions",
     "assistant_ids",
     "rollout_error",
 )
@@ -163,6 +176,7 @@ def rollout_output(records: Sequence[CompletionRecord], fallback_id: int) -> dic
         out["env_mask"].append(mask)
         out["bound_version"].append(r.bound_version)
         out["version_id"].append(r.version_id)
+        out["served_versions"].append(r.served_versions)
         out["assistant_ids"].append(r.assistant_ids if r.error is None else [])
         out["rollout_error"].append(r.error)
     return out

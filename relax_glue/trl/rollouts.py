@@ -158,7 +158,9 @@ class Rollouts:
             sent = session.requests[-1]  # what the session layer sent: rid, lora_path, engine
             cached = int((reply.get("meta_info") or {}).get("cached_tokens") or 0)
             rec.turns.append(
-                TurnRecord(sent.rid, sent.lora_path, sent.engine_id, sent.outcome, len(out), cached)
+                TurnRecord(
+                    sent.rid, sent.lora_path, sent.engine_id, sent.outcome, len(out), cached, sent.served
+                )
             )
             history += out
 

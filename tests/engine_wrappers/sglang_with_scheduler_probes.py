@@ -7,6 +7,8 @@
 - ``scheduler_500_faults``: SGLang's own 500 paths, taken only for rids with a marker suffix;
 - ``prepared_load_probe``: a log line naming the thread of each part of a load and an unload, and
   a failed preparation for the one load a trigger file marks;
+- ``served_slot_swap``: while a trigger file names two versions, rows of the first are built with
+  the second's lora id (the attestation tests' planted defect, issue 39);
 
 and, in this (main) process where the plugin's native edge runs, ``removal_faults``: a failed
 exact-version probe and a failed physical unload, each for the one call a trigger file marks.
@@ -30,6 +32,7 @@ import fence_reader_probe
 import prepared_load_probe
 import removal_faults
 import scheduler_500_faults
+import served_slot_swap
 import step_fence_probe
 
 from lora_versions_dev.scheduler_wrapper import launch_http_server_with
@@ -42,6 +45,7 @@ def run_scheduler_process_with_probes(*args: Any, **kwargs: Any) -> Any:
     fence_reader_probe.install()
     scheduler_500_faults.install()
     prepared_load_probe.install()
+    served_slot_swap.install()
     return run_scheduler_process(*args, **kwargs)
 
 

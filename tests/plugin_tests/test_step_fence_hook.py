@@ -184,7 +184,7 @@ def test_a_fence_hook_that_was_not_applied_refuses_to_start(monkeypatch) -> None
 
 
 def test_the_scheduler_process_registers_the_start_check_and_the_fence(monkeypatch) -> None:
-    from sglang_ext import hooks, prepared_load, slot_zeroing, step_fence
+    from sglang_ext import hooks, prepared_load, served_version, slot_zeroing, step_fence
     from sglang_ext import lora_registry_patch as upstream
 
     registered: list[tuple[str, Any, str]] = []
@@ -199,5 +199,13 @@ def test_the_scheduler_process_registers_the_start_check_and_the_fence(monkeypat
         (upstream.POOL_INIT_BUFFERS, slot_zeroing.track_slots_from_a_zeroed_pool, "AFTER"),
         (upstream.POOL_LOAD_TO_BUFFER, slot_zeroing.record_the_rank_about_to_be_written, "BEFORE"),
         (upstream.POOL_CLEAR_SLOT, slot_zeroing.zero_only_what_was_written, "AROUND"),
+        (upstream.LORA_BACKEND_FACTORY, served_version.backend_that_reports_its_rows, "AFTER"),
+        (upstream.LORA_MANAGER_PREPARE_BATCH, served_version.read_the_rows_each_batch_runs, "AROUND"),
+        (upstream.SCHEDULER_RUN_BATCH, served_version.mark_each_request_with_what_ran, "AROUND"),
+        (
+            upstream.SCHEDULER_OUTPUT_STREAMER_CLASS,
+            served_version.streamer_class_that_attests_tokens,
+            "REPLACE",
+        ),
     ]
     assert tuple(t for t, _, _ in registered) == upstream.SCHEDULER_PROCESS_TARGETS

@@ -334,6 +334,9 @@ class Transcript:
     def add(self, s: Session, kind: str, prefix: Sequence[int], tokens: Sequence[int], n: int) -> list[int]:
         engine = s.requests[-1].engine_id if s.requests else "?"
         assert s.lora_path is not None
+        # what the engine attested it ran for the turn's tokens is the binding (issue 39; the
+        # session layer refuses any other, this says the record holds it)
+        assert not tokens or s.requests[-1].served == (s.lora_path,), s.requests[-1]
         self.turns.append(Turn(s.name, kind, engine, s.lora_path, list(prefix), list(tokens), n))
         return list(tokens)
 

@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 
 from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_contract.protocol import BaseIdentity, EngineVersionState, Routes
+from lora_contract.served_version import BASE_MODEL, SERVED_TOKENS_KEY, attach_served_versions
 from relax_glue.engine_client import AuditLog, ClientTimeouts, EngineClient
 from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
 from sglang_ext.engine_state import (
@@ -108,6 +109,10 @@ class FakeEngine:
         self._before: dict[str, Callable[[int], None]] = {}
         self._hold_generations: asyncio.Event | None = None
         self._running: dict[str, asyncio.Event] = {}  # rid -> abort signal
+        # What the "scheduler" runs for a request naming a version: itself, unless a test plants
+        # another (lora_path -> what its tokens are attested as served by; "" is the base model,
+        # None an engine that attests nothing, as one without the plugin)
+        self.serve_instead: dict[str, str | None] = {}
         self._boot()
 
     def _boot(self) -> None:
@@ -286,6 +291,21 @@ class FakeEngine:
             signal.set()
         return {}
 
+    def _attested(self, meta: dict[str, Any], lora: str | None, tokens: int) -> dict[str, Any]:
+        """``meta`` with what served its tokens, as the plugin's main process writes it (from
+        per-token entries, through the same function)."""
+        ran = self.serve_instead.get(lora or "", lora or BASE_MODEL)
+        if ran is None:
+            return meta
+
+        def digest_of(name: str) -> str | None:
+            v = self.table.get(name)
+            return v.digest if v is not None else None
+
+        out = {**meta, SERVED_TOKENS_KEY: [ran] * tokens}
+        attach_served_versions(out, digest_of)
+        return out
+
     async def _generate_route(self, request: Request) -> Any:
         from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -322,12 +342,16 @@ class FakeEngine:
             {
                 "text": f"out:{lora}",
                 "output_ids": [1, 2, 3],
-                "meta_info": {
-                    "id": rid if samples == 1 else f"{rid}_0-{uuid.uuid4().hex}",
-                    "finish_reason": {"type": finish},
-                    "lora_path": lora,
-                    "engine_id": self.engine_id,
-                },
+                "meta_info": self._attested(
+                    {
+                        "id": rid if samples == 1 else f"{rid}_0-{uuid.uuid4().hex}",
+                        "finish_reason": {"type": finish},
+                        "lora_path": lora,
+                        "engine_id": self.engine_id,
+                    },
+                    lora,
+                    3,
+                ),
             }
             for _ in range(samples)
         ]

@@ -23,6 +23,7 @@ from _in_process_world import InProcessWorld
 from _rg_helpers import EPOCH
 
 from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.served_version import SERVED_TOKENS_KEY, attach_served_versions
 from relax_glue.engine_client import EngineClient
 from relax_glue.registry_types import VersionKey
 
@@ -32,13 +33,20 @@ BODY = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
 HEX = "0123456789abcdef0123456789abcdef"
 
 
+def attested(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` saying its one token was served by the bound version, as the plugin says it."""
+    out = {**meta, SERVED_TOKENS_KEY: [NAME]}
+    attach_served_versions(out, {NAME: SNAP.digest}.get)
+    return out
+
+
 def chunk(rid: str, index: int, text: str, finish: str | None = None) -> dict[str, Any]:
     """One SSE chunk of sample ``index`` of request ``rid`` (SGLang's shape under the plugin's
     sample rids: ``{rid}_0-{uuid}``)."""
     meta: dict[str, Any] = {"id": f"{rid}_0-{HEX[:-1]}{index}", "finish_reason": None}
     if finish is not None:
         meta["finish_reason"] = {"type": finish}
-    return {"text": text, "output_ids": [index], "index": index, "meta_info": meta}
+    return {"text": text, "output_ids": [index], "index": index, "meta_info": attested(meta)}
 
 
 class ScriptedGenerate:
@@ -146,7 +154,8 @@ async def test_an_engine_answering_another_number_of_completions_is_a_typed_erro
 ) -> None:
     def reply(rid: str, n: int) -> Any:
         if answered == "one object":  # what SGLang answers for n = 1
-            return {**chunk(rid, 0, "x", "stop"), "meta_info": {"id": rid, "finish_reason": {"type": "stop"}}}
+            meta = attested({"id": rid, "finish_reason": {"type": "stop"}})
+            return {**chunk(rid, 0, "x", "stop"), "meta_info": meta}
         return [chunk(rid, i, "x", "stop") for i in range(answered)]
 
     world.script.reply = reply

@@ -319,9 +319,10 @@ async def test_a_broken_stream_is_an_unknown_turn(world: World) -> None:
     s = await world.mgr.open()
     await s.generate(BODY)
     engine = world.mgr.router.pick(s.key)
+    attested = world.fakes[engine]._attested
 
     async def broken(body: Any) -> Any:
-        yield {"text": "x", "output_ids": [1], "meta_info": {"id": body["rid"]}}
+        yield {"text": "x", "output_ids": [1], "meta_info": attested({"id": body["rid"]}, name_of("A"), 1)}
         raise OutcomeUnknown(engine, "generate_stream", "stream ended without [DONE]")
 
     world.mgr.engines[engine] = type(
@@ -346,6 +347,55 @@ async def test_bodies_that_would_escape_the_binding_are_refused_before_anything(
     out = await s.generate({**BODY, "lora_path": name_of("A")})  # the bound name itself is fine
     assert out["meta_info"]["lora_path"] == name_of("A")
     assert [b["lora_path"] for b in world.sent(s)] == [name_of("A")]
+
+
+# ------------------------------------------------------------- what served each reply (issue 39)
+
+
+async def test_the_attested_version_is_checked_and_recorded_on_every_reply(world: World) -> None:
+    await world.publish("A")
+    s = await world.mgr.open()
+    await s.generate(BODY)
+    [c async for c in s.generate_stream(BODY)]
+    await s.sample(BODY, 3)
+    assert [r.served for r in s.requests] == [(name_of("A"),)] * 3
+    assert s.served_mismatches == 0 and world.mgr.served_mismatches == 0
+
+
+@pytest.mark.parametrize(
+    ("instead", "said"),
+    [("B", "relax_policy_lora@"), ("", "by base"), (None, "no 'lora_versions'")],
+    ids=["another-version", "base-model", "nothing-attested"],
+)
+@pytest.mark.parametrize("path", ["generate", "stream", "sample"])
+async def test_a_reply_served_by_anything_but_the_binding_is_a_typed_error(
+    world: World, path: str, instead: str | None, said: str
+) -> None:
+    """The engine attests another version, the base model, or nothing: never handed on as the
+    binding's, counted, and the session (its binding, its ref) goes on unchanged."""
+    await world.publish("A")
+    s = await world.mgr.open()
+    await s.bind()
+    await world.publish("B")
+    engine = world.fakes[world.mgr.router.pick(s.key)]
+    engine.serve_instead[name_of("A")] = name_of("B") if instead == "B" else instead
+    turn = {
+        "generate": lambda: s.generate(BODY, rid="r1"),
+        "stream": lambda: _drain(s.generate_stream(BODY, rid="r1")),
+        "sample": lambda: s.sample(BODY, 2, rid="r1"),
+    }[path]
+    err = await expect(ErrorCode.SERVED_VERSION_MISMATCH, turn())
+    assert said in err.message and err.details["rid"] == "r1" and err.details["bound"] == name_of("A")
+    assert s.served_mismatches == 1 and world.mgr.served_mismatches == 1
+    assert s.requests[-1].outcome == "refused:SERVED_VERSION_MISMATCH"
+    engine.serve_instead.clear()  # the engine is fixed: the same session goes on, on A
+    await s.generate(BODY)
+    assert s.lora_path == name_of("A") and s.requests[-1].served == (name_of("A"),)
+    assert world.refs("A") == 1 and world.refs("B") == 0 and s.in_flight == ()
+
+
+async def _drain(chunks: Any) -> list[dict[str, Any]]:
+    return [c async for c in chunks]
 
 
 # ------------------------------------------------------------------- groups of completions

@@ -15,6 +15,8 @@ from relax_glue.trl.publication import StepPublication
 from relax_glue.trl.ranks import RankInfo
 from relax_glue.trl.rollouts import Rollouts
 
+NAME = "lora@e-step1-x"
+
 
 class FakeSession:
     """What ``Rollouts.episode`` uses of a Session: generate (each reply 2 tokens), requests, close."""
@@ -32,16 +34,14 @@ class FakeSession:
             await asyncio.Event().wait()  # an engine that never answers
         out = [10 + 2 * n, 11 + 2 * n]
         self.requests.append(
-            SimpleNamespace(rid=f"r{n}", lora_path="lora@e-step1-x", engine_id="E0", outcome="ok")
+            SimpleNamespace(rid=f"r{n}", lora_path=NAME, engine_id="E0", outcome="ok", served=(NAME,))
         )
         return {"output_ids": out, "meta_info": {"output_token_logprobs": [[-0.5, t, ""] for t in out]}}
 
     async def close(self) -> SimpleNamespace:
         self.closes += 1
         key = SimpleNamespace(version_id="step1")
-        return SimpleNamespace(
-            released=True, binding=SimpleNamespace(lora_name="lora@e-step1-x", version_key=key)
-        )
+        return SimpleNamespace(released=True, binding=SimpleNamespace(lora_name=NAME, version_key=key))
 
 
 class FakeSessions:
@@ -78,8 +78,8 @@ async def test_an_episode_is_assistant_tool_assistant_on_one_session_then_closed
     assert seen == [[[10, 11]]]  # the tool saw the first assistant turn
     assert [b["input_ids"] for b in s.bodies] == [[1, 2], [1, 2, 10, 11, 90, 91, 92]]
     assert all(b["return_logprob"] for b in s.bodies)
-    assert (rec.bound_version, rec.version_id, rec.released) == ("lora@e-step1-x", "step1", True)
-    assert [t.lora_path for t in rec.turns] == ["lora@e-step1-x"] * 2
+    assert (rec.bound_version, rec.version_id, rec.released) == (NAME, "step1", True)
+    assert [t.lora_path for t in rec.turns] == [NAME] * 2
     out = rollout_output([rec], fallback_id=3)
     assert out["completion_ids"] == [[10, 11, 90, 91, 92, 12, 13]]
     assert out["env_mask"] == [[1, 1, 0, 0, 0, 1, 1]]
