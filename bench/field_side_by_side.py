@@ -293,13 +293,17 @@ class TrlAsyncGrpo(StockDesign):
         return Update(k, lo, now(), ok, pauses=len(self.urls), detail={"errors": self.errors_since(lo)})
 
 
-class PrimeRlInPlace(StockDesign):
-    name = "prime-rl (one name, in place)"
+class OneName(StockDesign):
+    """The peers that serve every version under one adapter name (``policy``)."""
 
     async def start(self) -> None:
         for e, url in self.urls.items():
             assert await self.load(url, "policy", 0) == 200
             self.loaded[e] = 0
+
+
+class PrimeRlInPlace(OneName):
+    name = "prime-rl (one name, in place)"
 
     async def publish(self, k: int) -> Update:
         lo = now()
@@ -315,17 +319,12 @@ class PrimeRlInPlace(StockDesign):
         return Update(k, lo, now(), ok, detail={"errors": self.errors_since(lo)})
 
 
-class VerlFixedName(StockDesign):
+class VerlFixedName(OneName):
     name = "verl (one name, pause+flush)"
 
     def __init__(self, engines: Sequence[Any], fx: Any) -> None:
         super().__init__(engines, fx)
         self.client_waits_for_updates = True
-
-    async def start(self) -> None:
-        for e, url in self.urls.items():
-            assert await self.load(url, "policy", 0) == 200
-            self.loaded[e] = 0
 
     async def publish(self, k: int) -> Update:
         lo = now()

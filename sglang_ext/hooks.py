@@ -151,6 +151,11 @@ def register_all(role: str) -> None:
         (upstream.SERVE_GENERATE, th.precheck_generate, "AROUND"),
         (upstream.OPENAI_HANDLE_REQUEST, th.precheck_openai, "AROUND"),
         (upstream.METRICS_ROUTE, serve_version_series_on_metrics, "REPLACE"),
+        (
+            upstream.OPENAI_RESPONSE_METADATA,
+            served_version.name_the_served_versions_in_openai_metadata,
+            "AFTER",
+        ),
     ]
     assert [t for t, _, _ in hooks] == list(upstream.MAIN_PROCESS_TARGETS), "one list of targets"
     timed = hook_timing.enabled()  # a bench switch: off, the hooks are registered as they are

@@ -57,6 +57,10 @@ OPENAI_HANDLE_REQUEST = "sglang.srt.entrypoints.openai.serving_base.OpenAIServin
 # Called by http_server's lifespan (a module-global lookup, so the patched name is the one called)
 # when --enable-metrics; replaced by mount_metrics_route.
 METRICS_ROUTE = "sglang.srt.entrypoints.http_server.add_prometheus_middleware"
+# What a non-streamed OpenAI chat or completion response carries of its first choice's meta_info
+# (its "metadata": weight_version); imported by name into serving_chat and serving_completions
+# (the hook registry rebinds it there). The served versions are added to it.
+OPENAI_RESPONSE_METADATA = "sglang.srt.utils.weight_versions.build_endpoint_weight_version_metadata"
 
 # Scheduler process. Bound into the request dispatcher in Scheduler.__init__, which runs after
 # load_plugins() (run_scheduler_process), so the patched method is the one dispatched.
@@ -126,6 +130,7 @@ MAIN_PROCESS_TARGETS = (
     SERVE_GENERATE,
     OPENAI_HANDLE_REQUEST,
     METRICS_ROUTE,
+    OPENAI_RESPONSE_METADATA,
 )
 
 # ------------------------------------------------------------------------------ symbols

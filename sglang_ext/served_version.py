@@ -37,7 +37,7 @@ import threading
 import weakref
 from typing import Any
 
-from lora_contract.served_version import BASE_MODEL, attach_served_versions
+from lora_contract.served_version import BASE_MODEL, LAST_KEY, SPANS_KEY, attach_served_versions
 from sglang_ext import lora_registry_patch as upstream
 
 UNREADABLE = "unreadable"  # the backend was asked, but what it received could not be read
@@ -179,6 +179,17 @@ def streamer_class_that_attests_tokens(scheduler: Any, *args: Any, **kwargs: Any
 
 
 # ------------------------------------------------------------------------------ main process
+
+
+def name_the_served_versions_in_openai_metadata(
+    metadata: Any, meta_info: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AFTER weight_versions.build_endpoint_weight_version_metadata(meta_info): a non-streamed
+    OpenAI chat or completion response's ``metadata`` also carries the served versions (of its
+    first choice, the one upstream reads the weight version from)."""
+    if isinstance(metadata, dict) and isinstance(meta_info, dict) and SPANS_KEY in meta_info:
+        return {**metadata, SPANS_KEY: meta_info[SPANS_KEY], LAST_KEY: meta_info.get(LAST_KEY)}
+    return metadata
 
 
 def with_served_versions(out: Any, digest_of: Any) -> Any:

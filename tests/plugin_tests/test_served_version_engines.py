@@ -206,3 +206,14 @@ def test_a_planted_slot_swap_is_reported_from_the_batch_not_the_request(engine, 
     again = reply(generate(engine.url, PROMPT, a.name, max_new_tokens=TOKENS))
     assert again["output_ids"] == honest["output_ids"]
     assert served_by(again["meta_info"], a, TOKENS)
+
+
+def test_a_non_streamed_openai_response_names_them_in_its_metadata(engine, published):
+    """SGLang's OpenAI responses carry no meta_info; their ``metadata`` (the weight version, of the
+    first choice) also carries the served versions."""
+    a = published("A")
+    body = {"model": f"default:{a.name}", "prompt": "The quick", "max_tokens": TOKENS, "temperature": 0}
+    r = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120)
+    out = reply(r)
+    assert served_by(out["metadata"], a, out["usage"]["completion_tokens"]), out["metadata"]
+    assert out["metadata"][LAST_KEY] == a.name and "weight_version" in out["metadata"]
