@@ -89,10 +89,10 @@ def attach_served_versions(meta_info: dict[str, Any], digest_of: Callable[[str],
     meta_info[LAST_KEY] = spans[-1].version if spans else None
 
 
-def read_served_spans(meta_info: Mapping[str, Any]) -> list[ServedSpan] | None:
-    """The spans of a reply (trainer side); None when the reply carries none (an engine without
-    the plugin, or a reply that is not a generation)."""
-    raw = meta_info.get(SPANS_KEY)
+def read_served_spans(meta_info: Any) -> list[ServedSpan] | None:
+    """The spans of a reply's ``meta_info`` (trainer side); None when it carries none (an engine
+    without the plugin, a reply that is not a generation, no ``meta_info`` at all)."""
+    raw = meta_info.get(SPANS_KEY) if isinstance(meta_info, Mapping) else None
     if not isinstance(raw, list):
         return None
     spans = []
@@ -115,7 +115,13 @@ def served_version_problem(
     known (the spans must cover exactly them)."""
     if not isinstance(meta_info, Mapping):
         return "the reply carries no meta_info"
-    spans = read_served_spans(meta_info)
+    return spans_problem(read_served_spans(meta_info), lora_name, digest, output_tokens)
+
+
+def spans_problem(
+    spans: Sequence[ServedSpan] | None, lora_name: str, digest: str, output_tokens: int | None = None
+) -> str | None:
+    """:func:`served_version_problem` for spans already read (None: the reply carried none)."""
     if spans is None:
         return f"the reply carries no {SPANS_KEY!r} (is the engine's plugin on?)"
     covered = sum(max(0, s.end - s.start) for s in spans)
@@ -145,8 +151,4 @@ def token_versions(meta_info: Mapping[str, Any]) -> list[str | None] | None:
 
 def versions_of(spans: Iterable[ServedSpan]) -> tuple[str | None, ...]:
     """The distinct versions in order of first appearance (None for base or unattested)."""
-    seen: list[str | None] = []
-    for span in spans:
-        if span.version not in seen:
-            seen.append(span.version)
-    return tuple(seen)
+    return tuple(dict.fromkeys(span.version for span in spans))

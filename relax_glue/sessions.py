@@ -62,7 +62,7 @@ from types import MappingProxyType
 from typing import Any
 
 from lora_contract.errors import ErrorCode, LoraVersionError
-from lora_contract.served_version import read_served_spans, served_version_problem, versions_of
+from lora_contract.served_version import read_served_spans, spans_problem, versions_of
 from relax_glue.actor import AsyncRegistryClient, RegistryUnavailable
 from relax_glue.engine_client import (
     CallOutcome,
@@ -306,30 +306,31 @@ class Session:
         outcome: str,
         started: float,
         t0: float,
-        served: tuple[str | None, ...] = (),
+        served: list[str | None],
     ) -> None:
         flight.done.set()
         self._in_flight.pop(flight.rid, None)
         engine_id = self._m._served_by(flight.rid, flight.engine_id)
-        self.requests.append(
-            RequestRecord(flight.rid, engine_id, lora_path, outcome, started, time.monotonic() - t0, served)
-        )
+        duration, distinct = time.monotonic() - t0, tuple(dict.fromkeys(served))
+        record = RequestRecord(flight.rid, engine_id, lora_path, outcome, started, duration, distinct)
+        self.requests.append(record)
 
     def _check_served(
         self, reply: Any, rid: str, engine_id: str, served: list[str | None], *, chunk: bool
     ) -> None:
         """Every token of ``reply`` (a reply, a list of one per sample, or a streamed chunk)
         attested as served by the binding; else SERVED_VERSION_MISMATCH, counted. ``served``
-        collects the attested versions in order."""
+        collects the attested versions in order (repeats included: a cumulative stream names them
+        again in every chunk)."""
         binding = self._binding
         assert binding is not None  # every dispatch binds first
         for one in reply if isinstance(reply, list) else (reply,):
             meta = one.get("meta_info") if isinstance(one, Mapping) else None
             ids = one.get("output_ids") if isinstance(one, Mapping) and not chunk else None
             tokens = len(ids) if isinstance(ids, list) else None  # a chunk may cover a delta only
-            spans = read_served_spans(meta) if isinstance(meta, Mapping) else None
-            served.extend(v for v in versions_of(spans or ()) if v not in served)
-            problem = served_version_problem(meta, binding.lora_name, binding.digest, tokens)
+            spans = read_served_spans(meta)
+            served.extend(versions_of(spans or ()))
+            problem = spans_problem(spans, binding.lora_name, binding.digest, tokens)
             if problem is None:
                 continue
             self.served_mismatches += 1
@@ -395,7 +396,7 @@ class Session:
             outcome = outcome_label(exc)
             raise
         finally:
-            self._finish(flight, req["lora_path"], outcome, started, t0, tuple(served))
+            self._finish(flight, req["lora_path"], outcome, started, t0, served)
 
     async def generate_stream(
         self, body: Mapping[str, Any], *, rid: str | None = None
@@ -434,7 +435,7 @@ class Session:
             outcome = outcome_label(exc)
             raise
         finally:
-            self._finish(flight, req["lora_path"], outcome, started, t0, tuple(served))
+            self._finish(flight, req["lora_path"], outcome, started, t0, served)
 
     def _settled_by_caller(
         self, err: LoraVersionError | OutcomeUnknown, engine_id: str, req: dict[str, Any]

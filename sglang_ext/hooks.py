@@ -95,41 +95,32 @@ def register_all(role: str) -> None:
         # us); the first checks, before the scheduler reports ready, that the second was applied and
         # that the live scheduler has what it reads. The fence's log line at every unload is
         # asserted on every engine by the online run.
-        upstream.register_hook(upstream.SCHEDULER_INIT, check, "AFTER")
-        upstream.register_hook(upstream.SCHEDULER_UNLOAD_ADAPTER, fence, "AROUND")
-        # Issue 29: a managed load is read and re-shaped off the scheduler thread, which only
-        # installs it; an unloaded adapter's memory is released off it; and no device-wide cache
-        # flush on the scheduler thread around a load or an unload.
-        upstream.register_hook(upstream.SCHEDULER_LOAD_ADAPTER, prepared_load.prepare_then_install, "AROUND")
-        upstream.register_hook(
-            upstream.LORA_MANAGER_LOAD, prepared_load.load_installing_what_was_prepared, "REPLACE"
-        )
-        upstream.register_hook(
-            upstream.LORA_MANAGER_UNLOAD, prepared_load.unload_releasing_off_the_loop, "REPLACE"
-        )
-        # A freed slot's clear zeroes the ranks written into it, not the pool's max rank.
-        upstream.register_hook(
-            upstream.POOL_INIT_BUFFERS, slot_zeroing.track_slots_from_a_zeroed_pool, "AFTER"
-        )
-        upstream.register_hook(
-            upstream.POOL_LOAD_TO_BUFFER, slot_zeroing.record_the_rank_about_to_be_written, "BEFORE"
-        )
-        upstream.register_hook(upstream.POOL_CLEAR_SLOT, slot_zeroing.zero_only_what_was_written, "AROUND")
-        # Issue 39: every output token is attested with what its step ran, read from the batch.
-        upstream.register_hook(
-            upstream.LORA_BACKEND_FACTORY, served_version.backend_that_reports_its_rows, "AFTER"
-        )
-        upstream.register_hook(
-            upstream.LORA_MANAGER_PREPARE_BATCH, served_version.read_the_rows_each_batch_runs, "AROUND"
-        )
-        upstream.register_hook(
-            upstream.SCHEDULER_RUN_BATCH, served_version.mark_each_request_with_what_ran, "AROUND"
-        )
-        upstream.register_hook(
-            upstream.SCHEDULER_OUTPUT_STREAMER_CLASS,
-            served_version.streamer_class_that_attests_tokens,
-            "REPLACE",
-        )
+        scheduler_hooks: list[tuple[str, Any, str]] = [
+            (upstream.SCHEDULER_INIT, check, "AFTER"),
+            (upstream.SCHEDULER_UNLOAD_ADAPTER, fence, "AROUND"),
+            # Issue 29: a managed load is read and re-shaped off the scheduler thread, which only
+            # installs it; an unloaded adapter's memory is released off it; and no device-wide
+            # cache flush on the scheduler thread around a load or an unload.
+            (upstream.SCHEDULER_LOAD_ADAPTER, prepared_load.prepare_then_install, "AROUND"),
+            (upstream.LORA_MANAGER_LOAD, prepared_load.load_installing_what_was_prepared, "REPLACE"),
+            (upstream.LORA_MANAGER_UNLOAD, prepared_load.unload_releasing_off_the_loop, "REPLACE"),
+            # A freed slot's clear zeroes the ranks written into it, not the pool's max rank.
+            (upstream.POOL_INIT_BUFFERS, slot_zeroing.track_slots_from_a_zeroed_pool, "AFTER"),
+            (upstream.POOL_LOAD_TO_BUFFER, slot_zeroing.record_the_rank_about_to_be_written, "BEFORE"),
+            (upstream.POOL_CLEAR_SLOT, slot_zeroing.zero_only_what_was_written, "AROUND"),
+            # Issue 39: every output token is attested with what its step ran, read from the batch.
+            (upstream.LORA_BACKEND_FACTORY, served_version.backend_that_reports_its_rows, "AFTER"),
+            (upstream.LORA_MANAGER_PREPARE_BATCH, served_version.read_the_rows_each_batch_runs, "AROUND"),
+            (upstream.SCHEDULER_RUN_BATCH, served_version.mark_each_request_with_what_ran, "AROUND"),
+            (
+                upstream.SCHEDULER_OUTPUT_STREAMER_CLASS,
+                served_version.streamer_class_that_attests_tokens,
+                "REPLACE",
+            ),
+        ]
+        assert [t for t, _, _ in scheduler_hooks] == list(upstream.SCHEDULER_PROCESS_TARGETS), "one list"
+        for target, hook, kind in scheduler_hooks:
+            upstream.register_hook(target, hook, kind)
         return
     if role != "main":
         return

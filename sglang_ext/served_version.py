@@ -33,6 +33,7 @@ rows; rank 0's outputs are the ones streamed.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any
@@ -55,8 +56,6 @@ class _Step(threading.local):
 _STEP = _Step()
 # Per request (its Req object): what its last step ran. Weak: the entry goes with the request.
 _SERVED: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
-_REPORTING_BACKENDS: dict[type, type] = {}
-_ATTESTING_STREAMER: list[type] = []
 
 
 # ------------------------------------------------------------------------- scheduler process
@@ -74,19 +73,20 @@ def backend_that_reports_its_rows(backend_class: Any, *args: Any, **kwargs: Any)
     """AFTER lora.backend.lora_registry.get_backend_from_name (LoRAManager.__init__ builds its
     backend from the class returned): the same class, whose ``prepare_lora_batch`` first notes
     the rows it receives. Every behaviour, ``isinstance`` included, is the backend's own."""
-    reporting = _REPORTING_BACKENDS.get(backend_class)
-    if reporting is None:
+    return _reporting(backend_class)
 
-        def prepare_lora_batch(self: Any, *call_args: Any, **call_kwargs: Any) -> Any:
-            note_the_rows_received(call_args, call_kwargs)
-            return super(reporting, self).prepare_lora_batch(*call_args, **call_kwargs)
 
-        reporting = type(
-            backend_class.__name__,
-            (backend_class,),
-            {"prepare_lora_batch": prepare_lora_batch, "__module__": __name__},
-        )
-        _REPORTING_BACKENDS[backend_class] = reporting
+@functools.cache  # one subclass per backend class, however often the factory is asked
+def _reporting(backend_class: type) -> type:
+    def prepare_lora_batch(self: Any, *call_args: Any, **call_kwargs: Any) -> Any:
+        note_the_rows_received(call_args, call_kwargs)
+        return super(reporting, self).prepare_lora_batch(*call_args, **call_kwargs)
+
+    reporting = type(
+        backend_class.__name__,
+        (backend_class,),
+        {"prepare_lora_batch": prepare_lora_batch, "__module__": __name__},
+    )
     return reporting
 
 
@@ -164,18 +164,19 @@ def streamer_class_that_attests_tokens(scheduler: Any, *args: Any, **kwargs: Any
     """REPLACE Scheduler.get_output_streamer_class (its only caller builds the scheduler's output
     streamer): upstream's streamer, whose ``stream_output`` first attests every new token of the
     requests it streams."""
-    if not _ATTESTING_STREAMER:
-        base = upstream.symbol("SchedulerOutputStreamer")
+    return _attesting_streamer()
 
-        def stream_output(self: Any, reqs: Any, *call_args: Any, **call_kwargs: Any) -> Any:
-            for req in reqs:
-                attest_new_tokens(req)
-            return base.stream_output(self, reqs, *call_args, **call_kwargs)
 
-        _ATTESTING_STREAMER.append(
-            type(base.__name__, (base,), {"stream_output": stream_output, "__module__": __name__})
-        )
-    return _ATTESTING_STREAMER[0]
+@functools.cache  # built once per process
+def _attesting_streamer() -> type:
+    base = upstream.symbol("SchedulerOutputStreamer")
+
+    def stream_output(self: Any, reqs: Any, *call_args: Any, **call_kwargs: Any) -> Any:
+        for req in reqs:
+            attest_new_tokens(req)
+        return base.stream_output(self, reqs, *call_args, **call_kwargs)
+
+    return type(base.__name__, (base,), {"stream_output": stream_output, "__module__": __name__})
 
 
 # ------------------------------------------------------------------------------ main process

@@ -131,10 +131,7 @@ class CompletionRecord:
     def served_versions(self) -> list[str | None]:
         """The versions the engines attested for this completion's tokens, in order of first use
         (one: the binding, for an episode whose every turn succeeded)."""
-        seen: list[str | None] = []
-        for t in self.turns:
-            seen.extend(v for v in t.served if v not in seen)
-        return seen
+        return list(dict.fromkeys(v for t in self.turns for v in t.served))
 
     @property
     def assistant_ids(self) -> list[int]:
