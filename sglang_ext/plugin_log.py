@@ -11,8 +11,11 @@ from typing import NoReturn
 
 def log_line(message: str) -> None:
     """One line in the engine log. stderr rather than ``logging``: SGLang configures its logging
-    only after load_plugins, and stderr lands in the engine log in every process."""
-    print(f"[lora-versions] {message}", file=sys.stderr, flush=True)
+    only after load_plugins, and stderr lands in the engine log in every process. One write of
+    the whole line, newline included: ``print`` writes the newline apart, and a TP engine's ranks
+    (processes sharing that stderr) then glued two ranks' lines into one."""
+    sys.stderr.write(f"[lora-versions] {message}\n")
+    sys.stderr.flush()
 
 
 REFUSED_EXIT_CODE = 3
