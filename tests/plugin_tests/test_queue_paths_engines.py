@@ -117,7 +117,8 @@ def test_repeated_terminal_messages_release_nothing_more(queue_engine, fixtures)
     running = uuid.uuid4().hex
 
     def run() -> None:
-        results["r"] = generate(url, PROMPT, b.name, max_new_tokens=60, rid=running)
+        # long enough that both aborts land while it decodes (60 tokens once finished first in CI)
+        results["r"] = generate(url, PROMPT, b.name, max_new_tokens=1500, rid=running)
 
     t = threading.Thread(target=run)
     t.start()
