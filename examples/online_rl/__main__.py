@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from examples.online_rl.config import RunConfig
+from examples.online_rl.config import CORRECTIONS, ROLLOUTS, RunConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,9 +36,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", type=int, default=d.capacity, help=f"the epoch's K (default {d.capacity})")
     ap.add_argument(
         "--correction",
-        choices=("tis", "none"),
+        choices=CORRECTIONS,
         default=d.correction,
-        help="off-policy correction of stale episodes (default: truncated importance ratio)",
+        help="off-policy correction: truncated importance ratio (default), TRL's clipped surrogate, none",
+    )
+    ap.add_argument(
+        "--rollout",
+        choices=ROLLOUTS,
+        default=d.rollout,
+        help="pinned: an episode keeps the version of its first turn (default); per-turn: every turn "
+        "asks for the current default, as TRL AsyncGRPO does (only to compare: docs/why-pin.md)",
+    )
+    ap.add_argument(
+        "--assistant-turns",
+        type=int,
+        default=d.assistant_turns,
+        help=f"per episode (default {d.assistant_turns})",
     )
     ap.add_argument(
         "--no-group-routing", action="store_true", help="route each episode by its own key, not its prompt's"
@@ -61,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         max_staleness=args.max_staleness,
         capacity=args.capacity,
         correction=args.correction,
+        rollout=args.rollout,
+        assistant_turns=args.assistant_turns,
         group_routing=not args.no_group_routing,
     )
     from examples.online_rl.run import run_online_rl

@@ -73,32 +73,44 @@ class Invariant:
 # ---------------------------------------------------------------------------------- checks
 
 
-def _episode_problems(ep: Episode) -> list[str]:
+def _episode_problems(ep: Episode, rollout: str, turns: int) -> list[str]:
+    """Pinned: one session, bound once, every turn on its binding. Per-turn: one session per
+    turn, each bound once, its turn on its binding. Both: the engine attested, for every token,
+    the version its turn's session was bound to."""
     out = []
     if ep.error:
         out.append(f"ep{ep.index}: {ep.error}")
     if ep.bound_lora is None:
         out.append(f"ep{ep.index}: no binding")
-    if ep.bind_calls != 1:
-        out.append(f"ep{ep.index}: {ep.bind_calls} bind_first calls")
-    off = [t.rid for t in ep.turns if t.lora_path != ep.bound_lora]
+    sessions = 1 if rollout == "pinned" else len(ep.turns)
+    if ep.sessions != sessions or ep.bind_calls != sessions:
+        out.append(f"ep{ep.index}: {ep.bind_calls} bind_first calls over {ep.sessions} sessions")
+    if rollout == "pinned" and len({t.bound_lora for t in ep.turns}) > 1:
+        out.append(f"ep{ep.index}: one session, several bindings")
+    off = [t.rid for t in ep.turns if t.lora_path != t.bound_lora]
     if off:
-        out.append(f"ep{ep.index}: turns {off} not on the bound {ep.bound_lora}")
-    attested = set(ep.token_versions) - {ep.bound_lora}
+        out.append(f"ep{ep.index}: turns {off} not on their session's binding")
+    attested = [t.rid for t in ep.turns if set(t.served_by) != {t.bound_lora}]
     if attested:
-        out.append(f"ep{ep.index}: tokens attested as served by {sorted(map(str, attested))}")
-    if len(ep.turns) != 2 and not ep.error:
+        out.append(f"ep{ep.index}: turns {attested} attested as served by another version")
+    if len(ep.turns) != turns and not ep.error:
         out.append(f"ep{ep.index}: {len(ep.turns)} turns")
     return out
 
 
 def check_invariants(rec: RunRecord) -> list[Invariant]:
     out = [Invariant("the run finished", rec.error is None, rec.error or "")]
-    bad = [p for ep in rec.episodes for p in _episode_problems(ep)]
+    rollout = rec.config.get("rollout", "pinned")
+    turns = int(rec.config.get("assistant_turns", 2))
+    bad = [p for ep in rec.episodes for p in _episode_problems(ep, rollout, turns)]
     out.append(
         Invariant(
-            "every turn of every episode carried the version the episode bound at its first generation,"
-            " and the engine attested it ran that version for every token",
+            (
+                "every turn of every episode carried the version the episode bound at its first generation,"
+                if rollout == "pinned"
+                else "every turn carried the version its own session bound (per-turn rollout),"
+            )
+            + " and the engine attested it ran that version for every token",
             not bad,
             bad[:5] or f"{len(rec.episodes)} episodes, {sum(len(e.turns) for e in rec.episodes)} turns",
         )
@@ -194,6 +206,7 @@ def reward_by_version(episodes: Sequence[Episode]) -> dict[int, dict[str, float]
 
 
 REWARD_WINDOW = 3  # reward_first / reward_last, and the target-reward stop, average this many updates
+TARGET_REWARD = 0.5  # updates_to_target without --until-reward
 
 
 def target_reached(batch_rewards: list[float], target: float | None) -> bool:
@@ -204,6 +217,21 @@ def target_reached(batch_rewards: list[float], target: float | None) -> bool:
     return statistics.fmean(batch_rewards[-REWARD_WINDOW:]) >= target
 
 
+def updates_to_target(
+    batch_rewards: Sequence[float], target: float, window: int = REWARD_WINDOW
+) -> int | None:
+    """The first update whose last ``window`` updates' mean batch reward reaches ``target``."""
+    for n in range(window, len(batch_rewards) + 1):
+        if statistics.fmean(batch_rewards[n - window : n]) >= target:
+            return n
+    return None
+
+
+def spans_a_publication(ep: Episode, pubs: Sequence[PublicationRecord]) -> bool:
+    """Whether a publication committed while the episode ran (its turns could change version)."""
+    return any(p.outcome == PUBLISHED and ep.t_start < p.t_end < ep.t_end for p in pubs)
+
+
 def summarize(rec: RunRecord, window: int = REWARD_WINDOW) -> dict[str, Any]:
     """The headline figures. ``reward_base``: mean reward of the episodes the base model (W_0,
     the zero LoRA) generated; ``reward_first`` / ``reward_last``: mean batch reward of the first /
@@ -212,6 +240,7 @@ def summarize(rec: RunRecord, window: int = REWARD_WINDOW) -> dict[str, Any]:
     by_version = reward_by_version(rec.episodes)
     used = [e for e in rec.episodes if e.fate == "used"]
     fates = collections.Counter(e.fate for e in rec.episodes)
+    done = [e for e in rec.episodes if not e.error and e.turns]
     pubs = [p for p in rec.publications if p.step > 0]
     fresh_max = [s.fresh_abs_diff_max for s in steps if s.fresh_abs_diff_max is not None]
     fresh_mean = [s.fresh_abs_diff_mean for s in steps if s.fresh_abs_diff_mean is not None]
@@ -251,12 +280,33 @@ def summarize(rec: RunRecord, window: int = REWARD_WINDOW) -> dict[str, Any]:
         ),
         # first turns: the prompt's tokens the engine found in its KV cache (a group's later
         # episodes on the engine that already prefilled that prompt)
+        # issue 40: what per-turn switching does to the episodes and to the estimator
+        "rollout": rec.config.get("rollout", "pinned"),
+        "batch_rewards": [round(s.reward_mean, 4) for s in steps],
+        "updates_to_target": updates_to_target(
+            [s.reward_mean for s in steps], rec.config.get("until_reward") or TARGET_REWARD, window
+        ),
+        "multi_version_share": _share(sum(len(e.versions) > 1 for e in done), len(done)),
+        "spanning_publication_share": _share(
+            sum(spans_a_publication(e, rec.publications) for e in done), len(done)
+        ),
+        "ratio_var": _mean([s.ratio_var for s in steps if s.ratio_var is not None]),
+        "cut_share": _mean([s.cut_share for s in steps if s.cut_share is not None]),
+        # not rounded: pinned, the gap is the serving mismatch (about 1e-6)
+        "assumed_gap_mean": _fmean([s.assumed_gap_mean for s in steps if s.assumed_gap_mean is not None]),
+        "switched_tokens": sum(s.switched_tokens for s in steps),
+        "switched_gap_mean": _fmean([s.switched_gap_mean for s in steps if s.switched_gap_mean is not None]),
+        "update_s": _mean([r.t_end - r.t_start for r in rec.steps]),
         "first_turn_cache_share": _share(
             sum(e.turns[0].cached_tokens for e in rec.episodes if e.turns),
             sum(e.turns[0].input_len for e in rec.episodes if e.turns),
         ),
         "run_s": rec.run_s,
     }
+
+
+def _fmean(xs: Sequence[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
 
 
 def _share(part: int, whole: int) -> float | None:
@@ -272,6 +322,7 @@ def to_json(rec: RunRecord, invariants: Sequence[Invariant]) -> dict[str, Any]:
             "version": e.version,
             "bound_lora": e.bound_lora,
             "turn_lora_paths": [t.lora_path for t in e.turns],
+            "versions": e.versions,
             "engines": [t.engine_id for t in e.turns],
             "reward": round(e.reward, 4),
             "fate": e.fate,

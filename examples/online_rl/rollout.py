@@ -2,7 +2,9 @@
 
 One episode is one session: it binds the registry's default at its first generation (the session
 layer's one shared bind), and every later turn carries that exact ``lora_path``, whatever the
-trainer publishes meanwhile. Each turn asks the engine for the log-probabilities of the tokens
+trainer publishes meanwhile. The ``per-turn`` rollout mode (issue 40, only to be compared) opens
+one session per turn instead, so each turn runs on the default of its moment, as TRL AsyncGRPO's
+turns do. Each turn asks the engine for the log-probabilities of the tokens
 it sampled (``return_logprob``), which the trainer compares with its own. The session is closed
 (its ref released exactly once) before the episode is handed to the trainer, and every close
 pings the reclaimer: the version the episode held may now be free.
@@ -37,6 +39,7 @@ class Turn:
     t_end: float
     # per output token, the version the engine attested it ran (read from the step's batch)
     served_by: list[str | None] = dataclasses.field(default_factory=list)
+    bound_lora: str | None = None  # the binding of the session this turn ran in (at its close)
 
 
 @dataclasses.dataclass
@@ -50,9 +53,12 @@ class Episode:
     prompt_ids: list[int] = dataclasses.field(default_factory=list)
     tool_ids: list[int] = dataclasses.field(default_factory=list)
     turns: list[Turn] = dataclasses.field(default_factory=list)
-    bound_lora: str | None = None  # the registry's binding of the session (at close)
-    bind_calls: int = 0
-    released: bool = False  # the registry released the session's ref
+    # The version the trainer takes the episode for: the session's binding (pinned), or the
+    # first turn's (per-turn: TRL's group model_version, read when the episode starts).
+    bound_lora: str | None = None
+    bind_calls: int = 0  # bind_first calls over the episode's sessions (one per session)
+    released: bool = False  # the registry released every session's ref
+    sessions: int = 0  # sessions the episode opened: 1 pinned, one per turn per-turn
     t_end: float = 0.0
     reward: float = 0.0
     error: str | None = None
@@ -91,6 +97,11 @@ class Episode:
         """Per assistant token, in order, the version the engine attested it ran."""
         return [v for turn in self.turns for v in turn.served_by]
 
+    @property
+    def versions(self) -> list[str | None]:
+        """The distinct versions attested for its tokens, in order of first use."""
+        return list(dict.fromkeys(self.token_versions))
+
 
 def _turn_logprobs(reply: dict[str, Any]) -> list[float]:
     """The sampled tokens' log-probabilities from ``meta_info.output_token_logprobs``
@@ -112,59 +123,96 @@ def _served_by(reply: dict[str, Any]) -> list[str | None]:
 
 
 async def run_episode(
-    sessions: Any, task: Task, cfg: RunConfig, index: int, worker: int, clock: Callable[[], float]
+    sessions: Any,
+    task: Task,
+    cfg: RunConfig,
+    index: int,
+    worker: int,
+    clock: Callable[[], float],
+    key_prefix: str = "",
 ) -> Episode:
-    """One episode: assistant turn, the scripted tool (its latency, then its reply), assistant
-    turn. Never raises: a failure is recorded in ``error`` (the run's invariants count it)."""
+    """One episode: ``cfg.assistant_turns`` assistant turns with the scripted tool (its latency,
+    then its reply) between two of them. Pinned: one session, bound at the first generation.
+    Per-turn: one session per turn, so each turn binds the default of its moment. Never raises:
+    a failure is recorded in ``error`` (the run's invariants count it)."""
     p = prompt_of(index, len(task.prompts))
     # a prompt's episodes are one GRPO group: routed together, they share its prefix on one engine
-    session = await sessions.open(f"ep{index}", group=f"prompt{p}" if cfg.group_routing else None)
-    ep = Episode(index, worker, p, str(session.key), tool_latency(cfg, index), clock())
+    group = f"prompt{p}" if cfg.group_routing else None
+    key = f"{key_prefix}ep{index}"
+    ep = Episode(index, worker, p, key, tool_latency(cfg, index), clock())
     ep.prompt_ids, ep.tool_ids = list(task.prompts[p]), list(task.tool_replies[p])
     params = task.sampling_params(cfg.temperature)
+    pinned = cfg.rollout == "pinned"
+    ep.released = True
+    episode_session = None
     try:
+        if pinned:
+            episode_session = await _open(sessions, key, group, ep)
         history = list(ep.prompt_ids)
-        for turn_no in range(2):
+        for turn_no in range(cfg.assistant_turns):
             if turn_no:
-                await asyncio.sleep(ep.tool_latency_s)  # the tool runs; the session stays bound
+                await asyncio.sleep(ep.tool_latency_s)  # the tool runs; a pinned session stays bound
                 history += ep.tool_ids
-            t0 = clock()
-            reply = await session.generate(
-                {"input_ids": history, "sampling_params": params, "return_logprob": True}
-            )
-            sent = session.requests[-1]  # what the session layer sent: rid, lora_path, engine
-            out = [int(t) for t in reply["output_ids"]]
-            ep.turns.append(
-                Turn(
-                    sent.rid,
-                    sent.lora_path,
-                    sent.engine_id,
-                    sent.outcome,
-                    len(history),
-                    out,
-                    _turn_logprobs(reply),
-                    int(reply.get("meta_info", {}).get("cached_tokens") or 0),
-                    t0,
-                    clock(),
-                    _served_by(reply),
-                )
-            )
-            history += out
+            session = episode_session or await _open(sessions, f"{key}.t{turn_no}", group, ep)
+            try:
+                turn = await _turn(session, history, params, clock)
+            finally:
+                bound = None if pinned else await _close(session, ep)
+            turn.bound_lora = bound
+            ep.turns.append(turn)
+            history += turn.output_ids
         ep.reward = episode_reward([t.output_ids for t in ep.turns], task.targets)
     except Exception as exc:  # a typed refusal or an unknown outcome: recorded, never hidden
-        ep.error = f"{type(exc).__name__}: {exc}"
+        ep.error = (ep.error or "") + f"{type(exc).__name__}: {exc}"
         ep.fate = "failed"
     finally:
-        ep.bind_calls = session.bind_calls
-        try:
-            view = await session.close()
-            ep.released = bool(view.released)
-            ep.bound_lora = view.binding.lora_name if view.binding is not None else None
-        except Exception as exc:
-            ep.error = (ep.error or "") + f" close: {type(exc).__name__}: {exc}"
-            ep.fate = "failed"
+        if episode_session is not None:
+            bound = await _close(episode_session, ep)
+            for t in ep.turns:
+                t.bound_lora = bound
+        ep.bound_lora = ep.turns[0].bound_lora if ep.turns else None
         ep.t_end = clock()
     return ep
+
+
+async def _open(sessions: Any, key: str, group: str | None, ep: Episode) -> Any:
+    ep.sessions += 1
+    return await sessions.open(key, group=group)
+
+
+async def _turn(
+    session: Any, history: list[int], params: dict[str, object], clock: Callable[[], float]
+) -> Turn:
+    t0 = clock()
+    reply = await session.generate({"input_ids": history, "sampling_params": params, "return_logprob": True})
+    sent = session.requests[-1]  # what the session layer sent: rid, lora_path, engine
+    return Turn(
+        sent.rid,
+        sent.lora_path,
+        sent.engine_id,
+        sent.outcome,
+        len(history),
+        [int(t) for t in reply["output_ids"]],
+        _turn_logprobs(reply),
+        int(reply.get("meta_info", {}).get("cached_tokens") or 0),
+        t0,
+        clock(),
+        _served_by(reply),
+    )
+
+
+async def _close(session: Any, ep: Episode) -> str | None:
+    """Close the session (its ref released exactly once); its binding, None if it never bound."""
+    ep.bind_calls += session.bind_calls
+    try:
+        view = await session.close()
+    except Exception as exc:
+        ep.error = (ep.error or "") + f" close: {type(exc).__name__}: {exc}"
+        ep.fate = "failed"
+        ep.released = False
+        return None
+    ep.released = ep.released and bool(view.released)
+    return view.binding.lora_name if view.binding is not None else None
 
 
 class RolloutPool:
@@ -181,6 +229,7 @@ class RolloutPool:
         *,
         queue_size: int,
         on_closed: Callable[[Episode], None],
+        key_prefix: str = "",
     ) -> None:
         self.sessions = sessions
         self.task = task
@@ -188,6 +237,7 @@ class RolloutPool:
         self.clock = clock
         self.queue: asyncio.Queue[Episode] = asyncio.Queue(maxsize=queue_size)
         self.on_closed = on_closed
+        self.key_prefix = key_prefix  # session keys unique across the runs of one registry
         self.stop = asyncio.Event()
         self.episodes: list[Episode] = []  # every episode, in start order
         self._index = itertools.count()
@@ -201,7 +251,9 @@ class RolloutPool:
     async def _worker(self, worker: int) -> None:
         while not self.stop.is_set():
             index = next(self._index)
-            ep = await run_episode(self.sessions, self.task, self.cfg, index, worker, self.clock)
+            ep = await run_episode(
+                self.sessions, self.task, self.cfg, index, worker, self.clock, self.key_prefix
+            )
             self.episodes.append(ep)
             self.on_closed(ep)
             await self.queue.put(ep)

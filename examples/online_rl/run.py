@@ -43,31 +43,66 @@ EPOCH = "onlinerl"
 COLLECT_TIMEOUT_S = 300.0  # no episode for this long: the rollouts are stuck, stop the run
 
 
-def version_id(step: int) -> str:
-    return f"step{step}"
+def version_id(step: int, tag: str = "") -> str:
+    return f"{tag}step{step}"
 
 
-class OnlineRL:
-    def __init__(
-        self, cfg: RunConfig, engines: Sequence[Any], gateway_url: str, admin_key: str, model_dir: Path
-    ) -> None:
+@dataclasses.dataclass
+class Stack:
+    """The trainer-side stack over one cohort: one registry epoch, its publisher, the session
+    layer through the gateway, the engine clients. One run owns one; the runs of a study
+    (bench/why_pin.py) share one, each naming its versions and sessions with its own tag."""
+
+    engines: dict[str, Any]
+    cohort: list[str]
+    reg: Any
+    clients: dict[str, Any]
+    pub: Any
+    gw: Any
+    sm: Any
+
+    @classmethod
+    def open(
+        cls, engines: Sequence[Any], gateway_url: str, admin_key: str, capacity: int, epoch: str = EPOCH
+    ) -> Stack:
         from relax_glue.cohort import open_publisher
         from relax_glue.engine_client import EngineClient
         from relax_glue.gateway import GatewayClient
         from relax_glue.registry import LoRAVersionRegistry
         from relax_glue.sessions import SessionManager
 
-        self.cfg = cfg
-        self.engines = {e.name: e for e in engines}
-        self.cohort = [e.name for e in engines]
-        self.policy = StalenessPolicy(cfg.max_staleness, cfg.reclaim_wait_s, cfg.forced_wait_s)
-        self.reg = LoRAVersionRegistry(EPOCH, tuple(self.cohort), capacity=cfg.capacity)
-        self.clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
-        self.pub = open_publisher(self.reg, self.clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
+        cohort = [e.name for e in engines]
+        reg = LoRAVersionRegistry(epoch, tuple(cohort), capacity=capacity)
+        clients = {e.name: EngineClient(e.name, e.url, admin_key=admin_key) for e in engines}
+        pub = open_publisher(reg, clients, reclaim_wait_s=1.0, reclaim_poll_s=0.05)
         # Generation goes through the gateway (routing key = session key); control calls go to
         # each engine directly.
-        self.gw = GatewayClient(gateway_url, self.clients)
-        self.sm = SessionManager(self.reg, self.clients, gateway=self.gw, drain_timeout_s=10.0)
+        gw = GatewayClient(gateway_url, clients)
+        sm = SessionManager(reg, clients, gateway=gw, drain_timeout_s=10.0)
+        return cls({e.name: e for e in engines}, cohort, reg, clients, pub, gw, sm)
+
+    @property
+    def audit_logs(self) -> list[Any]:
+        return [c.audit for c in self.clients.values()] + [self.gw.client.audit]
+
+    async def aclose(self) -> None:
+        await self.sm.aclose()
+        for c in self.clients.values():
+            await c.aclose()
+        await self.gw.aclose()
+
+
+class OnlineRL:
+    def __init__(self, cfg: RunConfig, stack: Stack, model_dir: Path, tag: str = "") -> None:
+        self.cfg = cfg
+        self.tag = tag  # prefix of this run's version ids and session keys
+        self.stack = stack
+        self.engines, self.cohort = stack.engines, stack.cohort
+        self.reg, self.clients, self.pub = stack.reg, stack.clients, stack.pub
+        self.gw, self.sm = stack.gw, stack.sm
+        self.policy = StalenessPolicy(cfg.max_staleness, cfg.reclaim_wait_s, cfg.forced_wait_s)
+        # what the shared audit logs held before this run: its checks read only its own calls
+        self.audit_from = [max((e.seq for e in lg.entries()), default=0) for lg in stack.audit_logs]
         self.task: Task = build_task(model_dir, cfg.tokens_per_turn)
         self.trainer = Trainer(model_dir, rank=cfg.rank, lr=cfg.lr, seed=cfg.seed)
         self.batch_size = cfg.group_size * len(self.task.prompts)
@@ -82,6 +117,7 @@ class OnlineRL:
             self.clock,
             queue_size=self.batch_size,
             on_closed=lambda _: self.publishing.episode_closed(),
+            key_prefix=tag,
         )
         self.versions = self.publishing.versions  # lora_name -> step, for every published version
         self.slots: list[rp.SlotSample] = []
@@ -96,9 +132,10 @@ class OnlineRL:
     async def publish(self, step: int) -> PublicationRecord:
         """Publish W_step as version step{step}, following the policy on CAPACITY_ERROR."""
         snapshot = self.trainer.snapshot()  # frozen now: the next update cannot change it
-        pub = await self.publishing.publish_step(snapshot, step, version_id(step), required=step == 0)
+        vid = version_id(step, self.tag)
+        pub = await self.publishing.publish_step(snapshot, step, vid, required=step == 0)
         if pub.outcome == FAILED:
-            raise RuntimeError(f"{version_id(step)}: no slot freed within {self.cfg.forced_wait_s}s")
+            raise RuntimeError(f"{vid}: no slot freed within {self.cfg.forced_wait_s}s")
         return pub
 
     # -------------------------------------------------------------------- sampling
@@ -135,13 +172,15 @@ class OnlineRL:
                 if failed > self.batch_size:
                     raise RuntimeError(f"{failed} episodes failed while collecting a batch: {ep.error}")
                 continue
-            # the version the engine attested it ran for the episode's tokens (one: the session
-            # layer refused any turn served by another than the binding)
-            attested = set(ep.token_versions)
-            if attested != {ep.bound_lora}:
-                ep.error, ep.fate = f"attested {sorted(map(str, attested))}, bound {ep.bound_lora}", "failed"
+            # each turn's tokens attested as served by that turn's binding (the session layer
+            # refused anything else): pinned, one version per episode; per-turn, one per turn
+            off = [t.rid for t in ep.turns if set(t.served_by) != {t.bound_lora}]
+            if off or ep.bound_lora not in self.versions:
+                ep.error, ep.fate = f"turns {off} attested another version than bound", "failed"
                 failed += 1
                 continue
+            # the episode's version: pinned, its binding; per-turn, its first turn's, as TRL
+            # dates a group by the version current when it started (and admits it by that)
             ep.version = self.versions[ep.bound_lora or ""]
             ep.trainer_step = trainer_step
             ep.staleness = self.policy.staleness(trainer_step, ep.version)
@@ -169,6 +208,7 @@ class OnlineRL:
                 e.staleness or 0,
                 # per token, the staleness of the version the engine attested it ran
                 tuple(self.token_staleness(e)),
+                e.version,
             )
             for e in episodes
         ]
@@ -195,7 +235,11 @@ class OnlineRL:
         t_start = self.clock()
         used, dropped = await self.collect(self.trainer.step)
         stats = await asyncio.to_thread(
-            self.trainer.train_step, self.samples(used), self.cfg.correction, self.cfg.tis_cap
+            self.trainer.train_step,
+            self.samples(used),
+            self.cfg.correction,
+            self.cfg.tis_cap,
+            self.cfg.trl_epsilon,
         )
         pub = await self.publish(t)
         rec = rp.StepRecord(
@@ -212,37 +256,30 @@ class OnlineRL:
         print(rp.step_line(rp.step_row(rec, pub)), flush=True)
 
     async def run(self) -> rp.RunRecord:
-        from relax_glue.engine_client import forbidden_calls
-
         error = None
-        background: list[asyncio.Task[None]] = []
+        await self.sample()
+        self.publishing.start()  # reclaims as episodes close
+        background = [asyncio.create_task(self.sample_forever(), name="slot-sampler")]
         try:
-            await self.sample()
-            self.publishing.start()  # reclaims as episodes close
-            background = [asyncio.create_task(self.sample_forever(), name="slot-sampler")]
-            try:
-                await self.train()
-            except Exception as exc:  # report it; still stop everything cleanly and check what ran
-                error = f"{type(exc).__name__}: {exc}"
-            finally:
-                self.stopping.set()
-                await asyncio.gather(*background)
-            # every session is closed now: the last reclaim takes every retired version
-            await self.publishing.close()
-            await self.sample()
-            final = {v.lora_name: v.state.value for v in self.reg.status().versions}
-            unloads = await self.count_unloads(final)
-            logs = [c.audit for c in self.clients.values()] + [self.gw.client.audit]
-            # Every call that did not succeed, generation and control alike (a reclaim that
-            # answered DRAINING succeeded: it is a typed progress reply, recorded as ok).
-            failed = [dataclasses.asdict(e) for lg in logs for e in lg.entries() if e.outcome != "ok"]
-            forbidden = [dataclasses.asdict(e) for e in forbidden_calls(logs)]
-            sessions_left = len(self.sm.sessions)
+            await self.train()
+        except Exception as exc:  # report it; still stop everything cleanly and check what ran
+            error = f"{type(exc).__name__}: {exc}"
         finally:
-            await self.sm.aclose()
-            for c in self.clients.values():
-                await c.aclose()
-            await self.gw.aclose()
+            self.stopping.set()
+            await asyncio.gather(*background)
+        # every session is closed now: the last reclaim takes every retired version
+        await self.publishing.close()
+        await self.sample()
+        final = {v.lora_name: v.state.value for v in self.reg.status().versions}
+        unloads = await self.count_unloads(final)
+        # this run's calls only (a study's runs share the logs); a log shared by clients once
+        logs = {id(lg): (lg, n) for lg, n in zip(self.stack.audit_logs, self.audit_from, strict=True)}
+        mine = [e for lg, n in logs.values() for e in lg.entries() if e.seq > n]
+        # Every call that did not succeed, generation and control alike (a reclaim that
+        # answered DRAINING succeeded: it is a typed progress reply, recorded as ok).
+        failed = [dataclasses.asdict(e) for e in mine if e.outcome != "ok"]
+        forbidden = [dataclasses.asdict(e) for lg, n in logs.values() for e in lg.forbidden() if e.seq > n]
+        sessions_left = len(self.sm.sessions)
         return rp.RunRecord(
             config=dataclasses.asdict(self.cfg),
             capacity=self.reg.status().capacity,
@@ -311,8 +348,11 @@ def _main(cfg: RunConfig, out_dir: Path) -> int:
 async def _run(
     cfg: RunConfig, engines: Sequence[Any], gateway_url: str, admin_key: str, model_dir: Path
 ) -> rp.RunRecord:
-    rl = OnlineRL(cfg, engines, gateway_url, admin_key, model_dir)
-    return await rl.run()
+    stack = Stack.open(engines, gateway_url, admin_key, cfg.capacity)
+    try:
+        return await OnlineRL(cfg, stack, model_dir).run()
+    finally:
+        await stack.aclose()
 
 
 def _e(x: float | None) -> str:

@@ -49,6 +49,9 @@ class Sample:
     # per assistant token, the staleness of the version the engine attested it ran (issue 39);
     # empty: every token has the episode's
     token_staleness: tuple[int, ...] = ()
+    # the version (step) the trainer takes the episode for: its binding, or, per-turn, its first
+    # turn's; the trainer measures how far that version's log-probabilities are from what served
+    assumed_step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +72,15 @@ class StepStats:
     # the truncated importance weights of stale tokens (correction "tis"; None without stale ones)
     stale_weight_mean: float | None = None
     stale_weight_truncated: float | None = None  # share of stale tokens whose ratio hit the cap
+    # Over every token (issue 40): the variance of the raw ratio pi_trainer / pi_served, and the
+    # share the correction cut (tis: the ratio hit the cap; trl: the clipped region, as TRL counts)
+    ratio_var: float | None = None
+    cut_share: float | None = None
+    # |log pi_assumed(y) - log pi_served(y)|: what a trainer that believes the episode's version
+    # served it is off by, over every token and over the tokens another version served
+    assumed_gap_mean: float | None = None
+    switched_tokens: int = 0
+    switched_gap_mean: float | None = None
 
 
 def group_advantages(rewards: Sequence[float], groups: Sequence[Hashable], eps: float = 1e-6) -> list[float]:
@@ -94,6 +106,24 @@ def truncated_ratio(logp: Any, behaviour_logp: Any, cap: float) -> Any:
     import torch
 
     return torch.clamp(torch.exp(logp - behaviour_logp), max=cap)
+
+
+def trl_clipped_loss(logp: Any, behaviour_logp: Any, advantage: float, epsilon: float) -> tuple[Any, Any]:
+    """TRL 1.16.0 AsyncGRPO's per-token loss (``async_grpo_trainer.py`` ``compute_loss``):
+    ``-min(r A, clip(r, 1 - eps, 1 + eps) A)`` with ``r = exp(logp - old_logp)`` against the
+    rollout's recorded log-probabilities; and the mask of tokens in the clipped region, as its
+    ``clip_ratio/region_mean`` counts them."""
+    import torch
+
+    r = torch.exp(logp - behaviour_logp)
+    per_token = -torch.min(r * advantage, torch.clamp(r, 1 - epsilon, 1 + epsilon) * advantage)
+    clipped = ((r < 1 - epsilon) & (advantage < 0)) | ((r > 1 + epsilon) & (advantage > 0))
+    return per_token, clipped
+
+
+def _picked(logp_row: Any, ids_row: Any, pos: Any) -> Any:
+    """The log-probability of each token at ``pos`` (position j - 1 predicts token j)."""
+    return logp_row[pos - 1].gather(-1, ids_row[pos].unsqueeze(-1)).squeeze(-1)
 
 
 def _mean_max(xs: list[float]) -> tuple[float | None, float | None]:
@@ -133,6 +163,29 @@ class Trainer:
         self.opt = torch.optim.Adam(self.params, lr=lr)
         self.pad_id = pad_id
         self.step = 0  # optimizer steps done: the trainer holds W_step
+        # the LoRA weights of the last few steps, to measure what an episode's assumed version
+        # gives its tokens (the published snapshot of step v is exactly these weights)
+        self.weights_at: dict[int, list[Any]] = {0: [p.detach().clone() for p in self.params]}
+
+    def _keep_weights(self, keep: int = 8) -> None:
+        self.weights_at[self.step] = [p.detach().clone() for p in self.params]
+        for old in [s for s in self.weights_at if s <= self.step - keep]:
+            del self.weights_at[old]
+
+    def _logprobs_at(self, step: int, ids: Any, attn: Any) -> Any:
+        """Log-probabilities of every next token under the weights of ``step`` (no gradient)."""
+        import torch
+
+        current = [p.data for p in self.params]
+        try:
+            for p, w in zip(self.params, self.weights_at[step], strict=True):
+                p.data = w
+            with torch.no_grad():
+                logits = self.model(input_ids=ids, attention_mask=attn).logits.float()
+            return torch.log_softmax(logits[:, :-1], dim=-1)
+        finally:
+            for p, w in zip(self.params, current, strict=True):
+                p.data = w
 
     def snapshot(self) -> Any:
         from relax_glue.snapshot import Snapshot
@@ -140,10 +193,19 @@ class Trainer:
         return Snapshot.from_peft_model(self.model)
 
     def train_step(
-        self, samples: Sequence[Sample], correction: str = "none", tis_cap: float = 2.0
+        self,
+        samples: Sequence[Sample],
+        correction: str = "none",
+        tis_cap: float = 2.0,
+        trl_epsilon: float = 0.2,
     ) -> StepStats:
         """One update on ``samples`` (blocking; run it in a thread so rollouts go on);
-        ``correction``: "tis" weights each token by its truncated importance ratio, "none" not."""
+        ``correction``: "tis" weights each token by its truncated importance ratio over the
+        engine's log-probability, "tis-label" over the log-probability of the version the sample
+        is taken for (``assumed_step``, recomputed here), "trl" takes TRL's clipped surrogate,
+        "none" neither."""
+        if correction == "tis-label" and any(s.assumed_step not in self.weights_at for s in samples):
+            raise ValueError("tis-label needs the weights of every sample's assumed_step")
         import torch
 
         t0 = time.monotonic()
@@ -154,6 +216,11 @@ class Trainer:
             ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
             attn[i, : len(s.tokens)] = 1
         # Right padding: the real tokens keep positions 0..n-1, exactly as the engine saw them.
+        assumed = {
+            step: self._logprobs_at(step, ids, attn)
+            for step in {s.assumed_step for s in samples}
+            if step is not None and step in self.weights_at
+        }
         logits = self.model(input_ids=ids, attention_mask=attn).logits.float()
         logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # position j-1 predicts token j
         advantages = group_advantages([s.reward for s in samples], [s.group for s in samples])
@@ -162,31 +229,56 @@ class Trainer:
         fresh: list[float] = []
         stale: list[float] = []
         weights: list[float] = []
+        ratios: list[float] = []
+        cut: list[bool] = []
+        gaps: list[float] = []
+        switched: list[float] = []
         for i, s in enumerate(samples):
             pos = torch.tensor([j for b, e in s.spans for j in range(b, e)])
-            lp = logp_all[i, pos - 1].gather(-1, ids[i, pos].unsqueeze(-1)).squeeze(-1)
+            lp = _picked(logp_all[i], ids[i], pos)
             behaviour = torch.tensor(s.engine_logprobs)
-            w = (
-                truncated_ratio(lp.detach(), behaviour, tis_cap)
-                if correction == "tis"
-                else torch.ones_like(lp)
-            )
-            loss = loss - advantages[i] * (w * lp).sum() / n_tokens
+            ratio = torch.exp(lp.detach() - behaviour)
+            if correction == "trl":
+                per_token, clipped = trl_clipped_loss(lp, behaviour, advantages[i], trl_epsilon)
+                loss = loss + per_token.sum() / n_tokens
+                w = ratio
+                cut += clipped.tolist()
+            elif correction in ("tis", "tis-label"):
+                # tis-label: the behaviour probabilities the trainer recomputes from the weights
+                # of the version it takes the episode for, instead of the engine's own
+                label = (
+                    _picked(assumed[s.assumed_step][i], ids[i], pos) if correction == "tis-label" else None
+                )
+                w = truncated_ratio(lp.detach(), behaviour if label is None else label, tis_cap)
+                loss = loss - advantages[i] * (w * lp).sum() / n_tokens
+                cut += (w >= tis_cap).tolist()
+            else:
+                w = torch.ones_like(lp)
+                loss = loss - advantages[i] * lp.sum() / n_tokens
+            ratios += ratio.tolist()
             diffs = (lp.detach() - behaviour).abs().tolist()
             per_token = s.token_staleness or (s.staleness,) * len(diffs)
             for d, st, wt in zip(diffs, per_token, w.tolist(), strict=True):
                 (stale if st else fresh).append(d)
                 if st:
                     weights.append(wt)
+            if s.assumed_step in assumed:
+                gap = (_picked(assumed[s.assumed_step][i], ids[i], pos) - behaviour).abs().tolist()
+                gaps += gap
+                # a token another version served: its staleness is not the episode's
+                switched += [g for g, st in zip(gap, per_token, strict=True) if st != s.staleness]
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in self.params if p.grad is not None))
         self.opt.step()
         self.step += 1
+        self._keep_weights()
         fm, fx = _mean_max(fresh)
         sm, sx = _mean_max(stale)
         truncated = (
-            sum(x >= tis_cap for x in weights) / len(weights) if weights and correction == "tis" else None
+            sum(x >= tis_cap for x in weights) / len(weights)
+            if weights and correction in ("tis", "tis-label")
+            else None
         )
         return StepStats(
             step=self.step,
@@ -204,4 +296,9 @@ class Trainer:
             seconds=time.monotonic() - t0,
             stale_weight_mean=statistics.fmean(weights) if weights else None,
             stale_weight_truncated=truncated,
+            ratio_var=statistics.pvariance(ratios) if ratios else None,
+            cut_share=sum(cut) / len(cut) if cut else (0.0 if correction == "none" else None),
+            assumed_gap_mean=statistics.fmean(gaps) if gaps else None,
+            switched_tokens=len(switched),
+            switched_gap_mean=statistics.fmean(switched) if switched else None,
         )

@@ -99,8 +99,10 @@ def _episode(
 ) -> Episode:
     ep = Episode(index, 0, 0, f"s{index}", 0.05, 0.0, [1, 2], [3])
     for i, path in enumerate(paths or (lora, lora)):
-        ep.turns.append(Turn(f"r{index}.{i}", path, "E0", "ok", 2, [5, 6], [-1.0, -1.0], 0, 0.0, 0.1))
+        turn = Turn(f"r{index}.{i}", path, "E0", "ok", 2, [5, 6], [-1.0, -1.0], 0, 0.0, 0.1, [lora, lora])
+        ep.turns.append(dataclasses.replace(turn, bound_lora=lora))
     ep.bound_lora, ep.bind_calls, ep.released, ep.version = lora, 1, True, version
+    ep.sessions = 1
     ep.fate, ep.trainer_step, ep.staleness = "used", version + staleness, staleness
     return ep
 
