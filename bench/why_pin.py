@@ -20,18 +20,20 @@ pair of CPU engines and one smg serve every run (their start is the costliest pa
 here); the runs share one registry epoch, each naming its versions and sessions with its own
 tag, and each is checked with the showcase's invariants (per-turn: each turn on its own
 session's binding, attested by the engine). The episodes are longer than the showcase's (4
-assistant turns, 0.2-0.6 s tool calls, no stragglers) and there are as many workers as a batch has episodes,
-so publications land inside episodes often; the summary says how often.
+assistant turns, 0.2-0.6 s tool calls, no stragglers) and there are as many workers as a batch
+has episodes, so publications land inside episodes often; the summary says how often.
 
 Per cell (mean and spread over the seeds): the reward curve, updates to reach the target reward,
 the share of episodes whose tokens came from more than one version (attested) and of episodes a
-publication landed in, the variance of the ratio pi_trainer / pi_served and the share the
-correction cut, the log-probability gap between the version the trainer takes an episode for and
-what served its tokens, and wall time per update. Writes ``why_pin.json`` and ``why_pin.png``.
+publication landed in, how many updates old the served version of a used token was, the
+variance of the ratio pi_trainer / pi_served and the share the correction cut, the log-probability
+gap between the version the trainer takes an episode for and what served its tokens, and wall
+time per update. Writes ``why_pin.json`` and ``why_pin.png``.
 
-    .venv/bin/python bench/why_pin.py                       # every cell, 5 seeds (about 90 min here)
+    .venv/bin/python bench/why_pin.py                       # 8 cells x 12 seeds (about 50 min here)
     .venv/bin/python bench/why_pin.py --cells per-turn/trl  # one cell
     .venv/bin/python bench/why_pin.py --short               # the CI form: every cell, 1 seed, 2 updates
+    .venv/bin/python bench/why_pin.py --from-runs DIR...    # summarize runs already made
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import random
 import signal
 import statistics
 import sys
@@ -107,11 +110,11 @@ async def run_cells(cells: list[str], seeds: list[int], steps: int, lc: Any, out
                 print(f"[why-pin] {cell} seed {seed}: {steps} updates", flush=True)
                 record = await OnlineRL(cfg, stack, lc.fixtures.model_dir, tag_of(cell, seed)).run()
                 invariants = rp.check_invariants(record)
-                summary = rp.summarize(record)
+                doc = rp.to_json(record, invariants)
+                summary = doc["summary"] | {"token_staleness_mean": token_staleness_mean(doc)}
                 bad = [i.name for i in invariants if not i.ok]
                 results.append(RunResult(cell, seed, not bad, bad, summary))
                 (out / "runs").mkdir(parents=True, exist_ok=True)
-                doc = rp.to_json(record, invariants)
                 (out / "runs" / f"{tag_of(cell, seed)}json").write_text(json.dumps(doc, default=str))
                 print(
                     f"[why-pin] {cell} seed {seed}: rewards {summary['batch_rewards']}, multi-version "
@@ -124,6 +127,22 @@ async def run_cells(cells: list[str], seeds: list[int], steps: int, lc: Any, out
     return results
 
 
+def token_staleness_mean(doc: dict[str, Any]) -> float | None:
+    """Over the tokens the updates used: how many updates behind the trainer the version that
+    served each token was (a turn's tokens all ran on its session's binding, attested)."""
+    versions = doc.get("versions") or {}
+    ages = [
+        (e["trainer_step"] - versions[path]) * len(out)
+        for e in doc.get("episodes", [])
+        if e.get("fate") == "used"
+        for path, out in zip(e["turn_lora_paths"], e["output_ids"], strict=True)
+    ]
+    tokens = sum(
+        len(out) for e in doc.get("episodes", []) if e.get("fate") == "used" for out in e["output_ids"]
+    )
+    return sum(ages) / tokens if tokens else None
+
+
 def load_runs(run_dirs: list[Path], cells: list[str]) -> list[RunResult]:
     """The results of runs already made, from each run's report (``<run dir>/runs/*.json``)."""
     results = []
@@ -134,7 +153,8 @@ def load_runs(run_dirs: list[Path], cells: list[str]) -> list[RunResult]:
             cell = f"{cfg['rollout']}/{cfg['correction']}"
             if cell in cells:
                 bad = [i["name"] for i in doc["invariants"] if not i["ok"]]
-                results.append(RunResult(cell, int(cfg["seed"]), not bad, bad, doc["summary"]))
+                summary = doc["summary"] | {"token_staleness_mean": token_staleness_mean(doc)}
+                results.append(RunResult(cell, int(cfg["seed"]), not bad, bad, summary))
     order = {c: i for i, c in enumerate(CELLS)}
     return sorted(results, key=lambda r: (order[r.cell], r.seed))
 
@@ -160,6 +180,7 @@ FIGURES = (
     "assumed_gap_mean",
     "switched_gap_mean",
     "update_s",
+    "token_staleness_mean",
     "policy_lag_stale_mean",
     "skipped",
 )
@@ -177,8 +198,45 @@ def aggregate(results: list[RunResult], steps: int) -> dict[str, Any]:
             "invariants_held": sum(r.ok for r in runs),
             "reached_target": sum(r.summary["updates_to_target"] is not None for r in runs),
             "reward_curve": curve,
+            "reward_auc": _stats([reward_auc(r) for r in runs]),
             **{f: _stats([r.summary.get(f) for r in runs]) for f in FIGURES},
         }
+    return out
+
+
+def reward_auc(r: RunResult) -> float | None:
+    """The mean batch reward over every update of the run: how early and how far it learned."""
+    rewards = r.summary["batch_rewards"]
+    return statistics.fmean(rewards) if rewards else None
+
+
+def contrasts(results: list[RunResult], resamples: int = 4000) -> dict[str, dict[str, Any]]:
+    """Per correction, per-turn minus pinned: the difference of the seeds' means of the reward
+    over the last 3 updates and over every update, with a 95% bootstrap interval (each cell's
+    seeds resampled apart; a fixed RNG, so the same runs give the same interval)."""
+    rng = random.Random(0)
+    figures = {"reward_last": lambda r: r.summary.get("reward_last"), "reward_auc": reward_auc}
+    out: dict[str, dict[str, Any]] = {}
+    for correction in CORRECTIONS:
+        cell = {rollout: [r for r in results if r.cell == f"{rollout}/{correction}"] for rollout in ROLLOUTS}
+        if not all(cell.values()):
+            continue
+        out[correction] = {}
+        for name, figure in figures.items():
+            pinned = [x for r in cell["pinned"] if (x := figure(r)) is not None]
+            per_turn = [x for r in cell["per-turn"] if (x := figure(r)) is not None]
+            if not pinned or not per_turn:
+                continue
+            diffs = sorted(
+                statistics.fmean(rng.choices(per_turn, k=len(per_turn)))
+                - statistics.fmean(rng.choices(pinned, k=len(pinned)))
+                for _ in range(resamples)
+            )
+            out[correction][name] = {
+                "diff": statistics.fmean(per_turn) - statistics.fmean(pinned),
+                "ci95": (diffs[int(0.025 * resamples)], diffs[int(0.975 * resamples) - 1]),
+                "seeds": (len(pinned), len(per_turn)),
+            }
     return out
 
 
@@ -197,9 +255,11 @@ def summary_rows(agg: dict[str, Any]) -> list[list[Any]]:
                 cell,
                 f"{a['invariants_held']}/{len(a['seeds'])}",
                 _fmt(a["reward_last"], 2),
+                _fmt(a["reward_auc"], 2),
                 _fmt(a["updates_to_target"], 1) + f" ({a['reached_target']}/{len(a['seeds'])})",
                 _fmt(a["multi_version_share"], 2),
                 _fmt(a["spanning_publication_share"], 2),
+                _fmt(a["token_staleness_mean"], 2),
                 _fmt(a["ratio_var"], 3),
                 _fmt(a["cut_share"], 3),
                 _fmt(a["assumed_gap_mean"], sci=True),
@@ -210,13 +270,36 @@ def summary_rows(agg: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
+def contrast_rows(con: dict[str, dict[str, Any]]) -> list[list[Any]]:
+    def cell(c: dict[str, Any] | None) -> str:
+        if c is None:
+            return "-"
+        lo, hi = c["ci95"]
+        return f"{c['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+    return [[corr, cell(c.get("reward_last")), cell(c.get("reward_auc"))] for corr, c in con.items()]
+
+
+def markdown(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = [headers, ["---"] * len(headers), *rows]
+    return "".join("| " + " | ".join(str(c) for c in line) + " |\n" for line in lines)
+
+
+CONTRAST_HEADERS = [
+    "correction",
+    "per-turn - pinned: reward, last 3 updates [95% CI]",
+    "per-turn - pinned: reward over every update [95% CI]",
+]
+
 HEADERS = [
     "cell (rollout/correction)",
     "invariants",
     "reward, last 3",
+    "reward, every update",
     f"updates to {TARGET} (reached)",
     "multi-version episodes",
     "episodes a publication landed in",
+    "served version's age (updates)",
     "ratio variance",
     "cut share",
     "gap assumed vs served",
@@ -232,8 +315,10 @@ def plot(agg: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     corrections = list(dict.fromkeys(c.split("/")[1] for c in agg))
-    fig, axes = plt.subplots(1, len(corrections), figsize=(5.5 * len(corrections), 4.2), squeeze=False)
-    for ax, corr in zip(axes[0], corrections, strict=True):
+    cols = 2 if len(corrections) > 3 else len(corrections)
+    rows = -(-len(corrections) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
+    for ax, corr in zip(axes.flat, corrections, strict=False):
         for rollout, color in (("pinned", "tab:blue"), ("per-turn", "tab:red")):
             a = agg.get(f"{rollout}/{corr}")
             if a is None:
@@ -246,16 +331,16 @@ def plot(agg: dict[str, Any], path: Path) -> None:
             x = [p[0] for p in pts]
             m = [p[1] for p in pts]
             ax.plot(x, m, "o-", color=color, label=f"{rollout} ({len(a['seeds'])} seeds)")
-            ax.fill_between(
-                x, [p[1] - p[2] for p in pts], [p[1] + p[2] for p in pts], color=color, alpha=0.18
-            )
+            lo = [max(p[1] - p[2], 0.0) for p in pts]
+            ax.fill_between(x, lo, [min(p[1] + p[2], 1.0) for p in pts], color=color, alpha=0.18)
         ax.axhline(TARGET, color="grey", lw=0.8, ls=":")
         ax.set_title(f"correction: {corr}")
         ax.set_xlabel("update")
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left")
-    axes[0][0].set_ylabel("batch reward (mean ± sd over seeds)")
+    for row in axes:
+        row[0].set_ylabel("batch reward (mean ± sd over seeds)")
     fig.suptitle("Pinned episodes vs per-turn switching: reward per update")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -264,8 +349,9 @@ def plot(agg: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per cell (default 5)")
-    ap.add_argument("--steps", type=int, default=12, help="updates per run (default 12)")
+    ap.add_argument("--seeds", type=int, default=12, help="seeds per cell (default 12)")
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds F..F+N-1 (default 0)")
+    ap.add_argument("--steps", type=int, default=16, help="updates per run (default 16)")
     ap.add_argument("--cells", default=",".join(CELLS), help=f"comma separated, of {', '.join(CELLS)}")
     ap.add_argument("--short", action="store_true", help="the CI form: 1 seed, 2 updates")
     ap.add_argument(
@@ -287,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     cells = [c for c in args.cells.split(",") if c]
     if unknown := set(cells) - set(CELLS):
         ap.error(f"unknown cells {sorted(unknown)}")
-    seeds, steps = ([0], 2) if args.short else (list(range(args.seeds)), args.steps)
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    seeds, steps = ([0], 2) if args.short else (seeds, args.steps)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -312,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             "target_reward": TARGET,
         },
         "cells": agg,
+        "contrasts": contrasts(results),
         "runs": [dataclasses.asdict(r) for r in results],
         "wall_s": round(time.monotonic() - t0, 1),
         "run_dir": [str(d) for d in args.from_runs] if args.from_runs else str(args.run_dir),
@@ -319,6 +407,13 @@ def main(argv: list[str] | None = None) -> int:
     (out / "why_pin.json").write_text(json.dumps(doc, indent=2, default=str))
     plot(agg, out / "why_pin.png")
     print(table(HEADERS, summary_rows(agg)))
+    print(table(CONTRAST_HEADERS, contrast_rows(doc["contrasts"])))
+    # the same two tables in Markdown, as docs/why-pin.md shows them
+    (out / "why_pin.md").write_text(
+        markdown(HEADERS, summary_rows(agg))
+        + "\n"
+        + markdown(CONTRAST_HEADERS, contrast_rows(doc["contrasts"]))
+    )
     print(
         f"[why-pin] {'every run held its invariants' if doc['ok'] else 'SOME RUNS FAILED INVARIANTS'}; "
         f"{out / 'why_pin.json'}, {out / 'why_pin.png'} ({doc['wall_s']}s)"

@@ -166,7 +166,10 @@ class OnlineRL:
         dropped: list[Episode] = []
         failed = 0
         while len(used) < self.batch_size:
-            ep = await asyncio.wait_for(self.pool.get(), COLLECT_TIMEOUT_S)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+            # (Ctrl-C) that arrives as the queue hands an episode over, and the run went on
+            async with asyncio.timeout(COLLECT_TIMEOUT_S):
+                ep = await self.pool.get()
             if ep.error:
                 failed += 1  # counted by the invariants; a run of failures means the stack is down
                 if failed > self.batch_size:

@@ -121,6 +121,25 @@ def test_the_study_aggregates_each_cell_over_its_seeds() -> None:
     assert len(wp.summary_rows(agg)) == 2
 
 
+def test_the_contrast_is_per_turn_minus_pinned_with_an_interval_that_holds_the_difference() -> None:
+    wp = _why_pin()
+
+    def run(cell: str, seed: int, last: float) -> object:
+        return wp.RunResult(cell, seed, True, [], {"reward_last": last, "batch_rewards": [last, last]})
+
+    runs = [run("pinned/tis", s, x) for s, x in enumerate((0.2, 0.4, 0.3))]
+    runs += [run("per-turn/tis", s, x) for s, x in enumerate((0.6, 0.8, 0.7))]
+    runs += [run("pinned/trl", 0, 0.5)]  # no per-turn/trl: no contrast for trl
+    con = wp.contrasts(runs, resamples=500)
+    assert set(con) == {"tis"}
+    last = con["tis"]["reward_last"]
+    assert last["diff"] == pytest.approx(0.4) and last["seeds"] == (3, 3)
+    lo, hi = last["ci95"]
+    assert 0.2 <= lo <= 0.4 <= hi <= 0.6
+    assert con == wp.contrasts(runs, resamples=500)  # a fixed RNG: the same runs, the same interval
+    assert wp.markdown(["a", "b"], [[1, 2]]) == "| a | b |\n| --- | --- |\n| 1 | 2 |\n"
+
+
 def test_the_study_summarizes_runs_already_made_from_their_reports(tmp_path: Path) -> None:
     import json
 
