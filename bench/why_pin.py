@@ -386,8 +386,12 @@ def main(argv: list[str] | None = None) -> int:
         # SIGTERM (a test's timeout, a CI cancel) unwinds like Ctrl-C: the engines and the
         # gateway this study started are stopped on the way out
         signal.signal(signal.SIGTERM, signal.default_int_handler)
-        with local_cohort(args.run_dir, STUDY.engines, "why-pin") as lc:
-            results = asyncio.run(run_cells(cells, seeds, steps, lc, args.run_dir))
+        try:
+            with local_cohort(args.run_dir, STUDY.engines, "why-pin") as lc:
+                results = asyncio.run(run_cells(cells, seeds, steps, lc, args.run_dir))
+        except KeyboardInterrupt:
+            print("[why-pin] interrupted; the engines and the gateway were stopped", file=sys.stderr)
+            return 130
     agg = aggregate(results, steps)
     doc = {
         "ok": all(r.ok for r in results),

@@ -167,7 +167,7 @@ class OnlineRL:
         failed = 0
         while len(used) < self.batch_size:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
-            # (Ctrl-C) that arrives as the queue hands an episode over, and the run went on
+            # (Ctrl-C) that arrives just as the queue hands an episode over
             async with asyncio.timeout(COLLECT_TIMEOUT_S):
                 ep = await self.pool.get()
             if ep.error:
