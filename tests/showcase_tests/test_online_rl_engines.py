@@ -5,15 +5,14 @@ reward must rise above the base model's by a margin, and every invariant must ho
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _example_process import run_to_the_end
 
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 780  # inside pytest's own 900 s, so the example gets to stop its engines itself
 STEPS = 20
 # The reward is the share of digit tokens: about 0.04 for the base model. Measured at 10 updates
@@ -28,7 +27,7 @@ UNTIL_REWARD = 0.5
 
 
 def test_online_rl_short_form_learns_and_holds_its_invariants(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
+    p = run_to_the_end(
         [
             sys.executable,
             "-m",
@@ -41,18 +40,8 @@ def test_online_rl_short_form_learns_and_holds_its_invariants(tmp_path: Path) ->
             "--out",
             str(tmp_path),
         ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        TIMEOUT_S,
     )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # SIGTERM: the example stops its engines and gateway on the way out
-        out, err = proc.communicate(timeout=120)
-        pytest.fail(f"the short form ran over {TIMEOUT_S}s:\n{err[-3000:]}")
-    p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert p.stdout.strip(), p.stderr[-3000:]
     report = json.loads(p.stdout)
     failed = [i for i in report["invariants"] if not i["ok"]]

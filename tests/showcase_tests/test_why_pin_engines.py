@@ -8,15 +8,14 @@ every run holds the showcase's invariants, the plot is written."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _example_process import run_to_the_end
 
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600
 CELLS = {f"{r}/{c}" for r in ("pinned", "per-turn") for c in ("tis", "trl", "none", "tis-label")}
 
@@ -33,14 +32,9 @@ def test_the_why_pin_short_form_runs_every_cell_and_only_per_turn_episodes_span_
         "--run-dir",
         str(tmp_path / "run"),
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # SIGTERM: the study stops its engines and gateway on the way out
-        out, _ = proc.communicate(timeout=120)
-        pytest.fail(f"the short form ran over {TIMEOUT_S}s:\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-4000:]
+    p = run_to_the_end(cmd, TIMEOUT_S, merge_stderr=True)
+    out = p.stdout
+    assert p.returncode == 0, out[-4000:]
     doc = json.loads((tmp_path / "why_pin.json").read_text())
     assert doc["ok"] and set(doc["cells"]) == CELLS, out[-3000:]
     assert (tmp_path / "why_pin.png").stat().st_size > 10_000

@@ -1,0 +1,31 @@
+"""Run an example or a bench the way a user does (a process from the repository root), and on a
+timeout stop it as a CI cancel would: SIGTERM, which both unwind like Ctrl-C, stopping the
+engines and the gateway they started."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_to_the_end(
+    cmd: list[str], timeout_s: float, *, merge_stderr: bool = False
+) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=120)
+        pytest.fail(f"{' '.join(cmd[1:3])} ran over {timeout_s}s:\n{(err or out)[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err or "")
