@@ -71,6 +71,11 @@ class ErrorCode(StrEnum):
     # binding (or did not attest them at all): the reply is not handed on as the binding's. Not a
     # refusal: the engine did run the request, so it is not a 4xx (issue 39).
     SERVED_VERSION_MISMATCH = "SERVED_VERSION_MISMATCH"
+    # A rollout worker cut off from the registry: its lease could not be renewed within its TTL,
+    # so the registry may have ended it and released its sessions' refs. The worker refuses to
+    # dispatch a turn (nothing was sent) until the link returns, instead of leaving the engine
+    # as the only guard (issue 42). Not a 4xx: whether the lease still lives is unknown.
+    WORKER_FENCED = "WORKER_FENCED"
     # guards
     MANAGED_ADAPTER = "MANAGED_ADAPTER"
     FORBIDDEN_FIELD = "FORBIDDEN_FIELD"
@@ -113,6 +118,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SESSION_EXPIRED: 409,
     ErrorCode.REGISTRY_STATE_LOST: 503,
     ErrorCode.SERVED_VERSION_MISMATCH: 502,
+    ErrorCode.WORKER_FENCED: 503,
     ErrorCode.MANAGED_ADAPTER: 409,
     ErrorCode.FORBIDDEN_FIELD: 400,
     ErrorCode.INVALID_REQUEST: 400,

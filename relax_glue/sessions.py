@@ -642,6 +642,7 @@ class SessionManager:
         self._lease_sent_at = -math.inf  # monotonic send time of the last accepted keep-alive
         self._heartbeat: asyncio.Task[None] | None = None
         self.renewals = 0
+        self.fenced_turns = 0  # turns refused because the lease could not be renewed in time
         # Replies of this worker's sessions whose attested version was not their binding (issue 39)
         self.served_mismatches = 0
         self._epoch: str | None = None
@@ -715,9 +716,33 @@ class SessionManager:
 
     async def _check_lease(self) -> None:
         """Before a dispatch: nothing while the lease is fresh; otherwise one keep-alive, which
-        marks this worker's sessions EXPIRED if the registry ended the lease meanwhile."""
-        if self.lease_id is not None and not self._lease_fresh():
-            await self._keep_alive()
+        marks this worker's sessions EXPIRED if the registry ended the lease meanwhile.
+
+        If that keep-alive does not renew the lease (the registry unreachable, or no answer
+        within a heartbeat), the worker **fences itself**: the registry may already have ended
+        the lease and released its sessions' refs, so a turn dispatched now could run on a
+        version being reclaimed, with the engine as the only guard. The turn is refused with
+        WORKER_FENCED (nothing sent, the session unchanged) until a keep-alive gets through: then
+        the session is either still valid (the lease renewed) or EXPIRED, never half."""
+        lease_id = self.lease_id
+        if lease_id is None or self._lease_fresh():
+            return
+        # bounded: a registry that does not answer must not hold the turn (a lost keep-alive
+        # changes nothing: renewals are soft state, and the next one asks again)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.heartbeat_s or self.lease_ttl_s):
+                await self._keep_alive()
+        if self.lease_id == lease_id and not self._lease_fresh():
+            self.fenced_turns += 1
+            since = time.monotonic() - self._lease_sent_at
+            ttl = self.lease_ttl_s
+            logger.warning("worker fenced: lease %s not renewed for %.1fs (TTL %ss)", lease_id, since, ttl)
+            raise LoraVersionError(
+                ErrorCode.WORKER_FENCED,
+                f"lease {lease_id} was not renewed within its TTL of {ttl}s (the registry did not "
+                "answer): this worker dispatches no turn until it is",
+                lease_id=lease_id,
+            )
 
     async def _keep_alive(self) -> None:
         """Renew this worker's lease (one call for all its sessions). SESSION_EXPIRED: the

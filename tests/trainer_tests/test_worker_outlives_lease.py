@@ -22,7 +22,7 @@ from _in_process_world import InProcessWorld
 from _rg_helpers import vk
 
 from lora_contract.errors import ErrorCode, LoraVersionError
-from relax_glue.actor import AsyncRegistryClient
+from relax_glue.actor import AsyncRegistryClient, RegistryUnavailable
 from relax_glue.registry_types import SessionState
 from relax_glue.sessions import SessionPhase
 
@@ -34,22 +34,39 @@ TURN = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
 
 class StalledKeepAlives:
     """The real client's transport, wrapped: while stalled, every ``keep_alive`` hangs until
-    :meth:`heal`, then goes out as it was (late); every other call passes through."""
+    :meth:`heal`, then goes out as it was (late); while refused, every ``keep_alive`` fails at
+    once as an unreachable registry does; every other call passes through. ``hold_reaper``: the
+    registry's lease reaper hangs too (a registry that has not ended the lease yet)."""
 
     def __init__(self, client: AsyncRegistryClient) -> None:
         self._real = client._acall
         self._healed = asyncio.Event()
         self._healed.set()
+        self._reaper_free = asyncio.Event()
+        self._reaper_free.set()
+        self.refusing = False
         self.hung = 0
         client._acall = self._call
 
     def stall(self) -> None:
         self._healed.clear()
 
+    def refuse(self) -> None:
+        self.refusing = True
+
+    def hold_reaper(self) -> None:
+        self._reaper_free.clear()
+
     def heal(self) -> None:
+        self.refusing = False
         self._healed.set()
+        self._reaper_free.set()
 
     async def _call(self, op: str, kwargs: dict[str, Any]) -> Any:
+        if op == "expire_leases":
+            await self._reaper_free.wait()
+        if op == "keep_alive" and self.refusing:
+            raise RegistryUnavailable(op, ConnectionRefusedError("the registry's node is cut off"))
         if op == "keep_alive" and not self._healed.is_set():
             self.hung += 1
             await self._healed.wait()
@@ -196,4 +213,71 @@ async def test_an_unbound_sessions_first_turn_after_its_lease_ended_marks_the_wo
     w.faults.heal()
     await _kept_alive(w, nxt, nxt.lease_id)
     await nxt.close()
+    assert w.reg.version(vk("A")).session_refs == 0
+
+
+# --------------------------------------------------------------------- a worker cut off (issue 42)
+
+
+def _cut(w: World, how: str) -> None:
+    w.faults.refuse() if how == "refused" else w.faults.stall()
+
+
+async def _fenced(w: World, session: Any) -> None:
+    """The turn is refused WORKER_FENCED within a heartbeat, nothing reaches an engine, and the
+    session is left as it was (nothing decided on a guess)."""
+    sent, fenced = w.sent(), w.mgr.fenced_turns
+    with pytest.raises(LoraVersionError) as e:
+        # bounded: before the fence, a hung keep-alive held the turn for as long as the cut lasted
+        await asyncio.wait_for(session.generate(TURN), timeout=10 * HEARTBEAT_S)
+    assert e.value.code is ErrorCode.WORKER_FENCED, e.value
+    assert w.sent() == sent and w.mgr.fenced_turns == fenced + 1
+    assert session.phase is SessionPhase.OPEN and session.binding is not None
+
+
+@pytest.mark.parametrize("how", ["refused", "hung"])
+async def test_a_worker_cut_off_from_the_registry_fences_itself_and_its_session_ends_closed(
+    world: World, how: str
+) -> None:
+    """Its keep-alives cannot get through (refused at once, or never answered) while the worker
+    lives, and the registry ends the lease it no longer hears of: the refs are released, so the
+    version may be reclaimed. The worker must not dispatch on that lease (before the fence, a
+    refused keep-alive let the turn go out, the engine the only guard). When the link returns,
+    the session is EXPIRED: refused, nothing sent, its ref released once."""
+    w = world
+    s = await w.mgr.open("cut")
+    await s.generate(TURN)
+    lease = w.mgr.lease_id
+    _cut(w, how)
+    await w.until("the registry ends the lease it no longer hears of", lambda: not w.reg.lease(lease).live)
+    await _fenced(w, s)
+    await _fenced(w, s)  # and again, for as long as the cut lasts
+    w.faults.heal()
+    sent = w.sent()
+    with pytest.raises(LoraVersionError) as e:
+        await s.generate(TURN)
+    assert e.value.code is ErrorCode.SESSION_EXPIRED and s.phase is SessionPhase.EXPIRED
+    assert w.sent() == sent and w.reg.version(vk("A")).session_refs == 0
+
+
+async def test_a_fenced_worker_whose_lease_outlived_the_cut_goes_on_with_the_same_binding(
+    world: World,
+) -> None:
+    """The cut outlasts the worker's own view of its TTL, but the registry has not ended the lease
+    yet (its reaper late): the worker fences itself all the same (it cannot know), and when the
+    link returns the keep-alive renews the lease and the session goes on, on its binding."""
+    w = world
+    s = await w.mgr.open("cut")
+    await s.generate(TURN)
+    lease = w.mgr.lease_id
+    w.faults.hold_reaper()
+    w.faults.refuse()
+    await asyncio.sleep(TTL_S + 2 * HEARTBEAT_S)  # stale by the worker's clock
+    await _fenced(w, s)
+    assert w.reg.lease(lease).live and w.reg.version(vk("A")).session_refs == 1
+    w.faults.heal()
+    out = await s.generate(TURN)
+    assert out["meta_info"]["lora_path"] == s.lora_path and w.mgr.lease_id == lease
+    assert s.phase is SessionPhase.OPEN and w.reg.lease(lease).live
+    await s.close()
     assert w.reg.version(vk("A")).session_refs == 0
