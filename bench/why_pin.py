@@ -109,16 +109,15 @@ async def run_cells(cells: list[str], seeds: list[int], steps: int, lc: Any, out
                 cfg = cell_config(cell, seed, steps)
                 print(f"[why-pin] {cell} seed {seed}: {steps} updates", flush=True)
                 record = await OnlineRL(cfg, stack, lc.fixtures.model_dir, tag_of(cell, seed)).run()
-                invariants = rp.check_invariants(record)
-                doc = rp.to_json(record, invariants)
-                summary = doc["summary"] | {"token_staleness_mean": token_staleness_mean(doc)}
-                bad = [i.name for i in invariants if not i.ok]
-                results.append(RunResult(cell, seed, not bad, bad, summary))
+                doc = rp.to_json(record, rp.check_invariants(record))
+                result = result_of(cell, seed, doc)
+                results.append(result)
                 (out / "runs").mkdir(parents=True, exist_ok=True)
                 (out / "runs" / f"{tag_of(cell, seed)}json").write_text(json.dumps(doc, default=str))
+                s = result.summary
                 print(
-                    f"[why-pin] {cell} seed {seed}: rewards {summary['batch_rewards']}, multi-version "
-                    f"{summary['multi_version_share']}, invariants {bad or 'held'} "
+                    f"[why-pin] {cell} seed {seed}: rewards {s['batch_rewards']}, multi-version "
+                    f"{s['multi_version_share']}, invariants {result.failed_invariants or 'held'} "
                     f"({time.monotonic() - t0:.0f}s)",
                     flush=True,
                 )
@@ -131,16 +130,21 @@ def token_staleness_mean(doc: dict[str, Any]) -> float | None:
     """Over the tokens the updates used: how many updates behind the trainer the version that
     served each token was (a turn's tokens all ran on its session's binding, attested)."""
     versions = doc.get("versions") or {}
-    ages = [
-        (e["trainer_step"] - versions[path]) * len(out)
+    turns = [
+        (e["trainer_step"] - versions[path], len(out))
         for e in doc.get("episodes", [])
         if e.get("fate") == "used"
         for path, out in zip(e["turn_lora_paths"], e["output_ids"], strict=True)
     ]
-    tokens = sum(
-        len(out) for e in doc.get("episodes", []) if e.get("fate") == "used" for out in e["output_ids"]
-    )
-    return sum(ages) / tokens if tokens else None
+    tokens = sum(n for _, n in turns)
+    return sum(age * n for age, n in turns) / tokens if tokens else None
+
+
+def result_of(cell: str, seed: int, doc: dict[str, Any]) -> RunResult:
+    """One run's result from its report (as run, or read back from its file)."""
+    bad = [i["name"] for i in doc["invariants"] if not i["ok"]]
+    summary = doc["summary"] | {"token_staleness_mean": token_staleness_mean(doc)}
+    return RunResult(cell, seed, not bad, bad, summary)
 
 
 def load_runs(run_dirs: list[Path], cells: list[str]) -> list[RunResult]:
@@ -152,9 +156,7 @@ def load_runs(run_dirs: list[Path], cells: list[str]) -> list[RunResult]:
             cfg = doc["config"]
             cell = f"{cfg['rollout']}/{cfg['correction']}"
             if cell in cells:
-                bad = [i["name"] for i in doc["invariants"] if not i["ok"]]
-                summary = doc["summary"] | {"token_staleness_mean": token_staleness_mean(doc)}
-                results.append(RunResult(cell, int(cfg["seed"]), not bad, bad, summary))
+                results.append(result_of(cell, int(cfg["seed"]), doc))
     order = {c: i for i, c in enumerate(CELLS)}
     return sorted(results, key=lambda r: (order[r.cell], r.seed))
 

@@ -217,14 +217,11 @@ def target_reached(batch_rewards: list[float], target: float | None) -> bool:
     return statistics.fmean(batch_rewards[-REWARD_WINDOW:]) >= target
 
 
-def updates_to_target(
-    batch_rewards: Sequence[float], target: float, window: int = REWARD_WINDOW
-) -> int | None:
-    """The first update whose last ``window`` updates' mean batch reward reaches ``target``."""
-    for n in range(window, len(batch_rewards) + 1):
-        if statistics.fmean(batch_rewards[n - window : n]) >= target:
-            return n
-    return None
+def updates_to_target(batch_rewards: Sequence[float], target: float) -> int | None:
+    """The first update at which :func:`target_reached` held (where a run with
+    ``--until-reward target`` would have stopped)."""
+    rewards = list(batch_rewards)
+    return next((n for n in range(1, len(rewards) + 1) if target_reached(rewards[:n], target)), None)
 
 
 def spans_a_publication(ep: Episode, pubs: Sequence[PublicationRecord]) -> bool:
@@ -278,13 +275,11 @@ def summarize(rec: RunRecord, window: int = REWARD_WINDOW) -> dict[str, Any]:
         "stale_weight_truncated": _mean(
             [s.stale_weight_truncated for s in steps if s.stale_weight_truncated is not None]
         ),
-        # first turns: the prompt's tokens the engine found in its KV cache (a group's later
-        # episodes on the engine that already prefilled that prompt)
         # issue 40: what per-turn switching does to the episodes and to the estimator
         "rollout": rec.config.get("rollout", "pinned"),
         "batch_rewards": [round(s.reward_mean, 4) for s in steps],
         "updates_to_target": updates_to_target(
-            [s.reward_mean for s in steps], rec.config.get("until_reward") or TARGET_REWARD, window
+            [s.reward_mean for s in steps], rec.config.get("until_reward") or TARGET_REWARD
         ),
         "multi_version_share": _share(sum(len(e.versions) > 1 for e in done), len(done)),
         "spanning_publication_share": _share(
@@ -297,6 +292,8 @@ def summarize(rec: RunRecord, window: int = REWARD_WINDOW) -> dict[str, Any]:
         "switched_tokens": sum(s.switched_tokens for s in steps),
         "switched_gap_mean": _fmean([s.switched_gap_mean for s in steps if s.switched_gap_mean is not None]),
         "update_s": _mean([r.t_end - r.t_start for r in rec.steps]),
+        # first turns: the prompt's tokens the engine found in its KV cache (a group's later
+        # episodes on the engine that already prefilled that prompt)
         "first_turn_cache_share": _share(
             sum(e.turns[0].cached_tokens for e in rec.episodes if e.turns),
             sum(e.turns[0].input_len for e in rec.episodes if e.turns),

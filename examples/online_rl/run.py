@@ -102,7 +102,7 @@ class OnlineRL:
         self.gw, self.sm = stack.gw, stack.sm
         self.policy = StalenessPolicy(cfg.max_staleness, cfg.reclaim_wait_s, cfg.forced_wait_s)
         # what the shared audit logs held before this run: its checks read only its own calls
-        self.audit_from = [max((e.seq for e in lg.entries()), default=0) for lg in stack.audit_logs]
+        self.audit_from = [lg.total for lg in stack.audit_logs]  # the last seq each log gave out
         self.task: Task = build_task(model_dir, cfg.tokens_per_turn)
         self.trainer = Trainer(model_dir, rank=cfg.rank, lr=cfg.lr, seed=cfg.seed)
         self.batch_size = cfg.group_size * len(self.task.prompts)

@@ -238,18 +238,19 @@ class Trainer:
             lp = _picked(logp_all[i], ids[i], pos)
             behaviour = torch.tensor(s.engine_logprobs)
             ratio = torch.exp(lp.detach() - behaviour)
+            # the log-probabilities of the version the trainer takes the episode for
+            lp_label = _picked(assumed[s.assumed_step][i], ids[i], pos) if s.assumed_step in assumed else None
             if correction == "trl":
-                per_token, clipped = trl_clipped_loss(lp, behaviour, advantages[i], trl_epsilon)
-                loss = loss + per_token.sum() / n_tokens
+                token_loss, clipped = trl_clipped_loss(lp, behaviour, advantages[i], trl_epsilon)
+                loss = loss + token_loss.sum() / n_tokens
                 w = ratio
                 cut += clipped.tolist()
             elif correction in ("tis", "tis-label"):
                 # tis-label: the behaviour probabilities the trainer recomputes from the weights
                 # of the version it takes the episode for, instead of the engine's own
-                label = (
-                    _picked(assumed[s.assumed_step][i], ids[i], pos) if correction == "tis-label" else None
+                w = truncated_ratio(
+                    lp.detach(), lp_label if correction == "tis-label" else behaviour, tis_cap
                 )
-                w = truncated_ratio(lp.detach(), behaviour if label is None else label, tis_cap)
                 loss = loss - advantages[i] * (w * lp).sum() / n_tokens
                 cut += (w >= tis_cap).tolist()
             else:
@@ -262,8 +263,8 @@ class Trainer:
                 (stale if st else fresh).append(d)
                 if st:
                     weights.append(wt)
-            if s.assumed_step in assumed:
-                gap = (_picked(assumed[s.assumed_step][i], ids[i], pos) - behaviour).abs().tolist()
+            if lp_label is not None:
+                gap = (lp_label - behaviour).abs().tolist()
                 gaps += gap
                 # a token another version served: its staleness is not the episode's
                 switched += [g for g, st in zip(gap, per_token, strict=True) if st != s.staleness]

@@ -220,7 +220,10 @@ async def test_an_unbound_sessions_first_turn_after_its_lease_ended_marks_the_wo
 
 
 def _cut(w: World, how: str) -> None:
-    w.faults.refuse() if how == "refused" else w.faults.stall()
+    if how == "refused":
+        w.faults.refuse()
+    else:
+        w.faults.stall()
 
 
 async def _fenced(w: World, session: Any) -> None:
