@@ -67,6 +67,10 @@ class ErrorCode(StrEnum):
     # a restarted registry found no database (missing or empty) where its state must be: it
     # refuses every call rather than serve an empty registry under the epoch's name
     REGISTRY_STATE_LOST = "REGISTRY_STATE_LOST"
+    # The registry could not be reached (after the client's retries): its node is lost, its
+    # actor not running, or no answer came. The call's outcome is unknown, so nothing is decided
+    # on it; every registry op is idempotent, so asking again is safe (issue 42).
+    REGISTRY_UNAVAILABLE = "REGISTRY_UNAVAILABLE"
     # The engine attested that a reply's tokens were served by another version than the session's
     # binding (or did not attest them at all): the reply is not handed on as the binding's. Not a
     # refusal: the engine did run the request, so it is not a 4xx (issue 39).
@@ -117,6 +121,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SESSION_CLOSED: 409,
     ErrorCode.SESSION_EXPIRED: 409,
     ErrorCode.REGISTRY_STATE_LOST: 503,
+    ErrorCode.REGISTRY_UNAVAILABLE: 503,
     ErrorCode.SERVED_VERSION_MISMATCH: 502,
     ErrorCode.WORKER_FENCED: 503,
     ErrorCode.MANAGED_ADAPTER: 409,

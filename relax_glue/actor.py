@@ -480,7 +480,13 @@ class RegistryClient(_Describe, RegistryOps):
 
 class RegistryUnavailable(Exception):
     """The registry could not be reached for ``op`` (after the client's retries). Its outcome
-    is unknown to the caller; every registry op is idempotent, so asking again is safe."""
+    is unknown to the caller; every registry op is idempotent, so asking again is safe.
+
+    Not a :class:`LoraVersionError` (no registry decided anything, so no ``except
+    LoraVersionError`` may take it for a refusal), but typed all the same: ``code`` is
+    REGISTRY_UNAVAILABLE."""
+
+    code = ErrorCode.REGISTRY_UNAVAILABLE
 
     def __init__(self, op: str, cause: BaseException) -> None:
         super().__init__(f"registry {op}: {type(cause).__name__}: {cause}")
@@ -526,6 +532,32 @@ class _Coalescer:
             for (*_, future), envelope in zip(batch, envelopes, strict=True):
                 if not future.done():
                     future.set_result(envelope)
+
+
+class _ActorByName:
+    """The handle of a named actor, looked up at first use and again after the actor it named
+    died for good (Ray's actor errors: a restart in place keeps the handle working)."""
+
+    def __init__(self, name: str, namespace: str, handle: Any = None) -> None:
+        self.name, self.namespace = name, namespace
+        self._handle: Any = handle
+
+    def _current(self) -> Any:
+        if self._handle is None:
+            try:
+                self._handle = _ray().get_actor(self.name, namespace=self.namespace)
+            except ValueError as exc:  # no actor of that name runs (yet, or any more): transient
+                raise ConnectionError(f"no registry actor {self.name!r} runs: {exc}") from exc
+        return self._handle
+
+    async def send(self, remote: Callable[[Any], Any]) -> Any:
+        handle = self._current()
+        try:
+            return await remote(handle)
+        except (_ray().exceptions.RayActorError, _ray().exceptions.ActorUnschedulableError):
+            if self._handle is handle:
+                self._handle = None  # the next call looks the name up again
+            raise
 
 
 class AsyncRegistryClient(_Describe, AsyncRegistryOps):
@@ -625,6 +657,42 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
 
         async def describe() -> dict[str, Any]:
             return raise_if_refused(await handle.describe.remote())
+
+        return cls(call, describe, publisher_token=publisher_token, **retry)
+
+    @classmethod
+    def for_named_actor(
+        cls,
+        epoch: str | int,
+        *,
+        name: str | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        handle: Any = None,
+        batch: bool = True,
+        publisher_token: str | None = None,
+        **retry: Any,
+    ) -> AsyncRegistryClient:
+        """A client of the epoch's actor found **by name**, looked up again once the actor it
+        holds is gone for good. A durable actor is pinned to its database's node: when that node
+        is lost, Ray does not start it elsewhere (its calls fail: REGISTRY_UNAVAILABLE), and
+        when the database's node is back the trainer starts it there again
+        (:func:`start_registry_actor`, same name). A handle cannot follow that (it names the
+        dead actor); this client's next call finds the new one. It never finds another
+        registry: the name is the epoch's, and a restarted actor serves its database's journal
+        or refuses every call (REGISTRY_STATE_LOST). ``handle``: the actor's, when the caller
+        started it (held until the actor is gone: an actor not detached lives while a handle
+        does)."""
+        actor = _ActorByName(name or actor_name(epoch), namespace, handle)
+        if batch:
+            coalescer = _Coalescer(lambda calls: actor.send(lambda h: h.call_many.remote(calls)))
+            call = coalescer.call
+        else:
+
+            async def call(op: str, kwargs: dict[str, Any]) -> Envelope:
+                return await actor.send(lambda h: h.call.remote(op, kwargs))
+
+        async def describe() -> dict[str, Any]:
+            return raise_if_refused(await actor.send(lambda h: h.describe.remote()))
 
         return cls(call, describe, publisher_token=publisher_token, **retry)
 
