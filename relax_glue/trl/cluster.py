@@ -1,13 +1,16 @@
 """Where the registry of a TRL run lives. One process: in-process. Several (``accelerate
-launch``): the epoch's Ray actor, started by rank 0 on a local Ray cluster of its own (its address
-reaches the others in one broadcast) and joined by the other ranks; at the end the ranks that
-joined leave first and the one that started the cluster stops it last. Only rank 0's client
-carries the publisher token. ``ray`` is imported only with several processes."""
+launch``): the epoch's Ray actor, started by rank 0 and joined by the other ranks, on the Ray
+cluster the configuration names (``ray_address`` and ``ray_auth_token``, given to every rank:
+ranks on several hosts) or else on a local Ray cluster rank 0 starts (its address and a token
+drawn for it reach the others in one broadcast over the ranks' own process group). No rank reads
+a token from its home directory. At the end the ranks that joined leave first and the one that
+started the cluster stops it last. Only rank 0's client carries the publisher token. ``ray`` is
+imported only with several processes."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import secrets
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -20,12 +23,9 @@ if TYPE_CHECKING:
 
     Registry = LoRAVersionRegistry | AsyncRegistryClient
 
-RAY_AUTH = "RAY_AUTH_MODE"  # how a process joins the Ray cluster rank 0 started
-
-
 @dataclasses.dataclass(frozen=True)
 class RayRole:
-    started: bool = False  # this process started the local Ray cluster: it stops it, last
+    started: bool = False  # this process started Ray here (a local cluster, or its connection): leaves last
     joined: bool = False  # this process connected to it: it disconnects, first
     used: bool = False  # several processes share the Ray registry (every rank leaves together)
 
@@ -48,7 +48,7 @@ def join_registry(
     if "error" in answer:
         raise RuntimeError(f"rank 0 could not start the registry actor: {answer['error']}")
     if not rank.is_main:
-        handle, joined = _join_ray_registry(epoch, answer)
+        handle, joined = _join_ray_registry(epoch, answer, config)
     from relax_glue.actor import AsyncRegistryClient  # lazy: it imports ray
 
     # only rank 0 publishes: its client alone carries the publisher token (never broadcast)
@@ -61,29 +61,38 @@ def _start_ray_registry(
     import ray
 
     from relax_glue.actor import new_publisher_token, start_registry_actor
+    from relax_glue.placement import join_cluster, use_ray_auth
 
-    started = not ray.is_initialized()
-    if started:
+    # started: Ray was started here (a local cluster, or this process's connection to the
+    # user's cluster), so this process leaves it last
+    started, cluster_token = not ray.is_initialized(), ""
+    if config.ray_address is not None:  # the user's cluster: every rank has its address and token
+        join_cluster(config.ray_address, config.ray_auth_token)
+    elif started:
+        # a local Ray of the run's own, with token auth on a token drawn here (never a file's);
+        # the other ranks get it in the broadcast, over the process group they already trust
+        cluster_token = secrets.token_hex(32)
+        use_ray_auth(cluster_token)
         ray.init(num_cpus=config.ray_num_cpus, include_dashboard=False, log_to_driver=False)
     # the handle is kept (by the client): a non-detached actor dies with its last handle
     token = new_publisher_token()
     handle = start_registry_actor(epoch, cohort, config.capacity, publisher_token=token)
-    # Ray turns token auth on for a new local cluster (RAY_AUTH_MODE in this process only): the
-    # other ranks must join in the same mode (the token itself: ~/.ray/auth_token, one host)
-    answer = {"address": ray.get_runtime_context().gcs_address, "auth": os.environ.get(RAY_AUTH, "")}
+    answer = {"address": ray.get_runtime_context().gcs_address, "token": cluster_token}
     return handle, started, answer, token
 
 
-def _join_ray_registry(epoch: str, answer: Mapping[str, str]) -> tuple[Any, bool]:
-    # Ray reads its auth mode when it is imported: set it first
-    if answer["auth"]:
-        os.environ.setdefault(RAY_AUTH, answer["auth"])
+def _join_ray_registry(epoch: str, answer: Mapping[str, str], config: VersionsConfig) -> tuple[Any, bool]:
     import ray
 
     from relax_glue.actor import get_registry_actor
+    from relax_glue.placement import join_cluster
 
     joined = not ray.is_initialized()
-    if joined:
+    if config.ray_address is not None:
+        join_cluster(config.ray_address, config.ray_auth_token)
+    elif answer["token"]:
+        join_cluster(answer["address"], answer["token"])
+    elif joined:  # rank 0 used a Ray its user started: join it as this process's settings say
         ray.init(address=answer["address"], log_to_driver=False)
     return get_registry_actor(epoch), joined
 

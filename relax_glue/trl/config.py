@@ -23,3 +23,7 @@ class VersionsConfig:
     lease_ttl_s: float = 60.0  # a dead process's sessions close when their lease runs out
     version_prefix: str = "step"
     ray_num_cpus: int = 1  # the local Ray cluster rank 0 starts for the registry actor (world > 1)
+    # Ranks on several hosts: the Ray cluster every rank joins, its GCS address and auth token
+    # given to each process (docs/placement.md). None: rank 0 starts a local Ray of its own.
+    ray_address: str | None = None
+    ray_auth_token: str | None = dataclasses.field(default=None, repr=False)
