@@ -40,6 +40,10 @@ class TrainSpec:
     # (CHECKSUM_MISMATCH): the publication fails cleanly on one engine.
     fail_version: str | None = None
     fail_engine: str | None = None
+    # Ranks on several Ray nodes: the cluster every rank joins for the registry actor (its address
+    # and token, given to each rank); None: rank 0 starts a local Ray of the run's own.
+    ray_address: str | None = None
+    ray_auth_token: str | None = None
 
     @classmethod
     def load(cls, path: Path) -> TrainSpec:
@@ -101,7 +105,11 @@ def train_process(spec: TrainSpec) -> dict[str, Any]:
         ddp_timeout=300,  # a rank that died fails the others' next collective within this
     )
     config = VersionsConfig(
-        capacity=spec.capacity, background=spec.background, max_failures=spec.max_failures
+        capacity=spec.capacity,
+        background=spec.background,
+        max_failures=spec.max_failures,
+        ray_address=spec.ray_address,
+        ray_auth_token=spec.ray_auth_token,
     )
     versions = GRPOVersions.connect(
         spec.engines,
