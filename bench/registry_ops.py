@@ -18,8 +18,19 @@ window) and once without; it reports the database size (file + WAL) as it grows 
 and the throughput per tenth of the run (compactions included). Writes
 ``bench/results/registry_long.json``.
 
+``--hold N`` is the held-sessions run instead (issue 42, docs/scale.md): N sessions opened and
+bound under ``--leases`` worker leases and held, in memory and durable (FULL); with them held,
+ops/s of a session's whole lifecycle (open, bind, close), a turn (a replayed bind of a held
+session: the idempotent answer a worker that lost its binding gets; the session layer itself
+calls nothing per turn), a lease keep-alive, the status read every publication makes and the
+host's lease-reaper tick, each beside the same op with no session held; the registry state's
+own bytes per held session (tracemalloc, a pass of its own), the process RSS, the journal's
+size, a checkpoint (the full dump a compaction writes) and a reopen (replay). Writes
+``bench/results/registry_hold.json``. Through the Ray actor: ``registry_rollout.py --hold``.
+
     python bench/registry_ops.py [--seconds 1.0] [--no-ray]
     python bench/registry_ops.py --pairs 1000000 [--synchronous NORMAL]
+    python bench/registry_ops.py --hold 10000 [--leases 64]
 """
 
 from __future__ import annotations
@@ -29,16 +40,20 @@ import hashlib
 import json
 import os
 import platform
+import random
 import sqlite3
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
 
 from relax_glue.registry import LoRAVersionRegistry  # noqa: E402
 from relax_glue.registry_types import (  # noqa: E402
@@ -289,6 +304,202 @@ def main_long(pairs: int, synchronous: str, out: Path) -> None:
     print(f"wrote {out}")
 
 
+# ------------------------------------------------------------------------- held sessions
+
+
+class Holder:
+    """Sessions opened and bound on ``leases`` worker leases (one per rollout worker, as the
+    session layer holds them) and held, and the ops a rollout makes meanwhile. One session is
+    held from the start (a turn replays a held session's bind)."""
+
+    TTL_S = 3600.0  # nobody renews every lease of this bench: none may run out during it
+
+    def __init__(self, reg: Any, leases: int, prefix: str = "held", seed: int = 0) -> None:
+        self.reg, self.prefix = reg, prefix
+        self.leases = [f"{prefix}.worker{i}" for i in range(leases)]
+        self.held: list[SessionKey] = []
+        self.fresh = 0
+        self.rng = random.Random(seed)
+        for lease in self.leases:
+            reg.grant_lease(lease, self.TTL_S, time.time())
+        self.hold(1)
+
+    def hold(self, n: int) -> None:
+        for _ in range(n):
+            key = SessionKey(EPOCH, f"{self.prefix}{len(self.held)}")
+            self.reg.open_session(key, lease_id=self.leases[len(self.held) % len(self.leases)])
+            self.reg.bind_first(key)
+            self.held.append(key)
+
+    def lifecycle(self) -> None:
+        """A fresh session's open, bind and idle close: three transitions."""
+        key = SessionKey(EPOCH, f"{self.prefix}.fresh{self.fresh}")
+        self.fresh += 1
+        self.reg.open_session(key, lease_id=self.rng.choice(self.leases))
+        self.reg.bind_first(key)
+        self.reg.close_and_release(key)
+
+    def turn(self) -> None:
+        """A replayed bind of a held session: the binding it has, no transition."""
+        self.reg.bind_first(self.rng.choice(self.held))
+
+    def keep_alive(self) -> None:
+        self.reg.keep_alive(self.rng.choice(self.leases), time.time())
+
+    def status(self) -> None:
+        self.reg.status()
+
+    def reap(self) -> None:
+        """The host's reaper tick: end the leases that ran out (none here)."""
+        self.reg.expire_leases(time.time())
+
+    def close_all(self) -> int:
+        for key in self.held:
+            self.reg.close_and_release(key)
+        closed, self.held = len(self.held), []
+        return closed
+
+
+# In this order: a lifecycle leaves a CLOSED record behind (kept until a compaction prunes it),
+# and status() counts every record, so the lifecycles come last and their records are pruned
+# before the next round.
+HOLD_OPS: tuple[tuple[str, int], ...] = (
+    ("status", 0),  # every publication reads it (a scan of every session record)
+    ("reap", 0),  # the host's tick, every second
+    ("keep_alive", 0),  # soft state: no transition
+    ("turn", 0),  # a replayed bind: no transition
+    ("lifecycle", 3),  # open_session + bind_first + close_and_release
+)
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def _state_bytes(hold: int, leases: int) -> dict[str, Any]:
+    """What the registry's own state holds per held session: tracemalloc's count of the Python
+    allocations made while ``hold`` sessions were opened and bound (one pass of its own: tracing
+    slows every op)."""
+    import gc
+
+    gc.collect()
+    tracemalloc.start()
+    reg = LoRAVersionRegistry(EPOCH, ENGINES, 2)
+    Workload(reg)
+    holder = Holder(reg, leases)
+    before = tracemalloc.get_traced_memory()[0]
+    holder.hold(hold - 1)
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {
+        "traced_bytes": after - before,
+        "traced_bytes_per_session": round((after - before) / (hold - 1), 1),
+    }
+
+
+def bench_hold(name: str, reg: Any, hold: int, leases: int, seconds: float) -> dict[str, Any]:
+    """Each op's rate with one session held, then with ``hold`` held; the hold's own rate, the
+    RSS it adds, and the close of every held session."""
+    Workload(reg)
+    holder = Holder(reg, leases)
+    rows: list[dict[str, Any]] = []
+
+    def measure() -> None:
+        for op, transitions in HOLD_OPS:
+            row = _row(name, op, *_timed(getattr(holder, op), seconds), max(transitions, 1))
+            row["held"] = len(holder.held)
+            row["transitions"] = transitions
+            rows.append(row)
+        reg.prune_sessions(1)  # the lifecycles' CLOSED records (a compaction's prune)
+
+    measure()
+    rss0, t0 = _rss(), time.perf_counter()
+    holder.hold(hold - len(holder.held))
+    hold_s = time.perf_counter() - t0
+    rss1 = _rss()
+    measure()
+    t0 = time.perf_counter()
+    closed = holder.close_all()
+    close_s = time.perf_counter() - t0
+    return {
+        "backend": name,
+        "held": hold,
+        "leases": leases,
+        "hold_ops_per_second": round(2 * (hold - 1) / hold_s, 1),  # open_session + bind_first each
+        "hold_seconds": round(hold_s, 2),
+        "rss_added_bytes": rss1 - rss0,
+        "rss_added_bytes_per_session": round((rss1 - rss0) / (hold - 1), 1),
+        "close_ops_per_second": round(closed / close_s, 1),
+        "rows": rows,
+    }
+
+
+def main_hold(hold: int, leases: int, seconds: float, out: Path) -> None:
+    report: dict[str, Any] = {
+        "meta": {
+            "python": platform.python_version(),
+            "sqlite": sqlite3.sqlite_version,
+            "cpus": os.cpu_count(),
+            "loadavg": os.getloadavg(),
+            "seconds_per_measurement": seconds,
+        },
+        "state": _state_bytes(hold, leases),
+        "runs": [],
+    }
+    report["runs"].append(bench_hold("memory", LoRAVersionRegistry(EPOCH, ENGINES, 2), hold, leases, seconds))
+    with tempfile.TemporaryDirectory(prefix="registry-hold-", dir=ROOT / "bench") as tmp_name:
+        normal = Path(tmp_name) / "hold-normal.db"
+        with DurableRegistry.open(normal, EPOCH, ENGINES, 2, synchronous="NORMAL") as store:
+            report["runs"].append(bench_hold("durable (NORMAL)", store, hold, leases, seconds))
+        path = Path(tmp_name) / "hold.db"
+        with DurableRegistry.open(path, EPOCH, ENGINES, 2, synchronous="FULL") as store:
+            run = bench_hold("durable (FULL)", store, hold, leases, seconds)
+            # the held state again (the first ones are closed now), for what the journal, a
+            # checkpoint (the full dump a compaction writes) and a reopen cost with it
+            Holder(store, leases, prefix="again").hold(hold - 1)
+            run["db_bytes_with_held"] = _db_bytes(path)
+            t0 = time.perf_counter()
+            store.checkpoint()
+            run["checkpoint_ms_with_held"] = round(1e3 * (time.perf_counter() - t0), 1)
+            run["dump_bytes_with_held"] = len(store.dump())
+        t0 = time.perf_counter()
+        with DurableRegistry.open(path, EPOCH, ENGINES, 2, debug_checks=False) as store:
+            run["reopen_s_with_held"] = round(time.perf_counter() - t0, 2)
+            run["sessions_after_reopen"] = store.status().sessions
+        report["runs"].append(run)
+    _print_hold(report)
+    out = out.with_name("registry_hold.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+
+
+def _print_hold(report: dict[str, Any]) -> None:
+    st = report["state"]
+    print(f"registry state: {st['traced_bytes_per_session']:.0f} bytes per held session (tracemalloc)")
+    header = f"{'backend':<16} {'op':<12} {'held':>7} {'ops/s':>10} {'us/op':>9}"
+    print(header)
+    print("-" * len(header))
+    for run in report["runs"]:
+        for r in run["rows"]:
+            print(
+                f"{run['backend']:<16} {r['op']:<12} {r['held']:>7} {r['per_second']:>10.0f} "
+                f"{r['us_per_iteration']:>9.1f}"
+            )
+        print(
+            f"{run['backend']}: hold {run['held']} sessions on {run['leases']} leases at "
+            f"{run['hold_ops_per_second']:.0f} ops/s; RSS +{run['rss_added_bytes_per_session']:.0f} "
+            f"B/session; close {run['close_ops_per_second']:.0f} ops/s"
+        )
+        if "db_bytes_with_held" in run:
+            print(
+                f"  journal {run['db_bytes_with_held'] / 2**20:.1f} MiB, checkpoint "
+                f"{run['checkpoint_ms_with_held']} ms ({run['dump_bytes_with_held'] / 2**20:.1f} MiB dump), "
+                f"reopen {run['reopen_s_with_held']} s"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -298,9 +509,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--pairs", type=int, default=0, help="the long bounded-growth run instead")
     parser.add_argument("--synchronous", default="NORMAL", help="sqlite synchronous mode of the long run")
+    parser.add_argument("--hold", type=int, default=0, help="the held-sessions run instead (N sessions)")
+    parser.add_argument("--leases", type=int, default=64, help="worker leases the held sessions hang on")
     args = parser.parse_args()
     if args.pairs:
         main_long(args.pairs, args.synchronous, args.out)
+        return
+    if args.hold:
+        main_hold(args.hold, args.leases, args.seconds, args.out)
         return
 
     notes: list[str] = []

@@ -11,10 +11,19 @@ seen beside what the calls wait).
 ``--profile`` also records the actor process with py-spy for the run (``--profile-out``, a
 speedscope/flame file and the top frames' share) to say where its time goes.
 
+``--hold N`` (issue 42, docs/scale.md): before the timed run the workers open and bind N sessions
+between them (N / workers each, on their one lease) and hold them through it; each turn of the
+churning sessions is then one replayed bind of a random held session (a registry call the
+session layer itself does not make per turn: the worst case), and the held sessions are closed
+after it. Reported besides: the hold's and the close's ops/s, the actor's RSS before the hold,
+with the sessions held and after their close (from its /proc entry), and the latency of the
+status read each publication makes, with them held.
+
 Prints a table and writes ``bench/results/registry_rollout.json``.
 
     python bench/registry_rollout.py [--workers 4] [--sessions 16] [--turns 4] [--seconds 10]
     python bench/registry_rollout.py --profile
+    python bench/registry_rollout.py --hold 10000 --workers 4 --sessions 16
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import random
 import subprocess
 import sys
 import tempfile
@@ -52,8 +62,21 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+HOLD_CONCURRENCY = 256  # a worker's hold and close calls in flight at once
+
+
 async def _worker_main(
-    gcs: str, n_sessions: int, turns: int, seconds: float, tag: str, batch: bool, once: bool, turn_ms: float
+    gcs: str,
+    n_sessions: int,
+    turns: int,
+    seconds: float,
+    tag: str,
+    batch: bool,
+    once: bool,
+    turn_ms: float,
+    hold: int = 0,
+    ready: Any = None,
+    go: Any = None,
 ) -> dict[str, Any]:
     import ray
 
@@ -68,10 +91,10 @@ async def _worker_main(
     turn_calls = 0  # registry calls made on a turn after the bind (the session layer makes none)
     deadline = time.monotonic() + seconds
 
-    async def call(op: str, **kw: Any) -> Any:
+    async def call(op: str, label: str | None = None, **kw: Any) -> Any:
         t0 = time.perf_counter()
         out = await getattr(client, op)(**kw)
-        lat[op].append((time.perf_counter() - t0) * 1e3)
+        lat[label or op].append((time.perf_counter() - t0) * 1e3)
         return out
 
     # the session layer's shape: one lease per worker, renewed by a heartbeat, never per turn
@@ -83,13 +106,19 @@ async def _worker_main(
             await asyncio.sleep(HEARTBEAT_S)
             await call("keep_alive", lease_id=lease_id)
 
+    held: list[Any] = []
+    rng = random.Random(tag)
+
     async def session_loop(i: int) -> None:
-        nonlocal lifecycles
+        nonlocal lifecycles, turn_calls
         while time.monotonic() < deadline:
             key = SessionKey(EPOCH, f"{tag}.{i}.{uuid.uuid4().hex[:8]}")
             await call("open_session", session_key=key, lease_id=lease_id)
             await call("bind_first", session_key=key)
             for _ in range(turns):  # a turn: generation and tools, no registry call
+                if held:  # --hold: the worst case, a replayed bind of a held session per turn
+                    await call("bind_first", "turn (replayed bind)", session_key=rng.choice(held))
+                    turn_calls += 1
                 await asyncio.sleep(turn_ms / 1e3)
             # an idle session's close (its last turn done) is one call (Session._close_once)
             await call("close_and_release", session_key=key)
@@ -97,10 +126,37 @@ async def _worker_main(
             if once:
                 return
 
+    async def bounded(jobs: list[Any]) -> float:
+        gate = asyncio.Semaphore(HOLD_CONCURRENCY)
+
+        async def one(job: Any) -> None:
+            async with gate:
+                await job
+
+        t = time.monotonic()
+        await asyncio.gather(*(one(j) for j in jobs))
+        return time.monotonic() - t
+
+    async def open_held(key: Any) -> None:
+        await call("open_session", "open_session (hold)", session_key=key, lease_id=lease_id)
+        await call("bind_first", "bind_first (hold)", session_key=key)
+        held.append(key)
+
     beat = asyncio.ensure_future(heartbeat())
+    hold_s = close_s = 0.0
+    if hold:
+        keys = [SessionKey(EPOCH, f"{tag}.held.{j}") for j in range(hold)]
+        hold_s = await bounded([open_held(k) for k in keys])
+        ready.put(tag)
+        await asyncio.to_thread(go.wait)  # every worker holds its share: the run starts together
+        deadline = time.monotonic() + seconds
     t0 = time.monotonic()
     await asyncio.gather(*(session_loop(i) for i in range(n_sessions)))
     elapsed = time.monotonic() - t0
+    if hold:
+        closing = [call("close_and_release", "close_and_release (hold)", session_key=k) for k in held]
+        held = []
+        close_s = await bounded(closing)
     beat.cancel()
     sends = getattr(getattr(client._acall, "__self__", None), "sends", None)
     ray.shutdown()
@@ -110,6 +166,8 @@ async def _worker_main(
         "elapsed_s": elapsed,
         "turn_calls": turn_calls,
         "actor_calls": sends,
+        "hold_s": hold_s,
+        "close_s": close_s,
     }
 
 
@@ -163,6 +221,63 @@ class _Publisher:
                 self.workload.n_versions -= 1  # CAPACITY_ERROR: the retired one still has sessions
 
 
+def _start_profile(args: Any, actor_pid: int) -> subprocess.Popen[str] | None:
+    """py-spy on the actor for the run (``--profile``), started just before it."""
+    if not args.profile:
+        return None
+    args.profile_out.parent.mkdir(parents=True, exist_ok=True)
+    spy = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("py-spy")),
+            "record",
+            "--pid",
+            str(actor_pid),
+            "--format",
+            "raw",
+            "--output",
+            f"{args.profile_out}.txt",
+            "--duration",
+            str(int(args.seconds) + 2),
+            "--rate",
+            "200",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)
+    return spy
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def _held_figures(reg: Any, actor_pid: int, rss_before: int, t0: float, held: int) -> dict[str, Any]:
+    """With every worker's share held: how long the hold took, the actor's RSS, and what the
+    status read each publication makes costs (through the actor, five times)."""
+    hold_s = time.monotonic() - t0
+    rss = _rss_bytes(actor_pid)
+    status_ms = []
+    for _ in range(5):
+        s0 = time.perf_counter()
+        status = reg.status()
+        status_ms.append((time.perf_counter() - s0) * 1e3)
+    return {
+        "sessions": held,
+        "sessions_open_in_registry": status.sessions.get("OPEN"),
+        "hold_s": round(hold_s, 2),
+        "hold_ops_per_s": round(2 * held / hold_s, 1),  # open_session + bind_first each
+        "rss_before_bytes": rss_before,
+        "rss_held_bytes": rss,
+        "rss_per_held_session_bytes": round((rss - rss_before) / held, 1),
+        "status_ms_p50": round(sorted(status_ms)[len(status_ms) // 2], 2),
+    }
+
+
 def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -179,6 +294,7 @@ def main() -> None:
     parser.add_argument("--once", action="store_true", help="each session runs one lifecycle (a cohort run)")
     parser.add_argument("--turn-ms", type=float, default=0.0, help="simulated generation time per turn")
     parser.add_argument("--publish-every-s", type=float, default=1.0, help="publisher cadence (0: none)")
+    parser.add_argument("--hold", type=int, default=0, help="sessions held by the workers through the run")
     parser.add_argument("--profile", action="store_true", help="py-spy record the actor process")
     parser.add_argument("--profile-out", type=Path, default=ROOT / "bench" / "results" / "registry_actor")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -190,6 +306,7 @@ def main() -> None:
 
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
+        address="local",  # a Ray instance of its own, also when another one runs on this host
         num_cpus=1,
         include_dashboard=False,
         log_to_driver=False,
@@ -216,32 +333,12 @@ def main() -> None:
     assert OPS_EPOCH == EPOCH
     workload = Workload(RegistryClient.for_actor(handle, publisher_token=token))
 
-    spy = None
-    if args.profile:
-        args.profile_out.parent.mkdir(parents=True, exist_ok=True)
-        spy = subprocess.Popen(
-            [
-                str(Path(sys.executable).with_name("py-spy")),
-                "record",
-                "--pid",
-                str(actor_pid),
-                "--format",
-                "raw",
-                "--output",
-                f"{args.profile_out}.txt",
-                "--duration",
-                str(int(args.seconds) + 2),
-                "--rate",
-                "200",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        time.sleep(1.0)
-
+    spy = None if args.hold else _start_profile(args, actor_pid)  # with --hold: once they are held
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    # --hold: the workers report their share held on ``ready`` and start the run on ``go``
+    ready, go = (ctx.Queue(), ctx.Event()) if args.hold else (None, None)
+    rss_before = _rss_bytes(actor_pid)
     cpu0, t0 = _cpu_s(actor_pid), time.monotonic()
     procs = [
         ctx.Process(
@@ -256,6 +353,9 @@ def main() -> None:
                 not args.no_batch,
                 args.once,
                 args.turn_ms,
+                args.hold // args.workers,
+                ready,
+                go,
             ),
         )
         for i in range(args.workers)
@@ -263,6 +363,16 @@ def main() -> None:
     commits0 = ray.get(handle.describe.remote())["commits"]
     for p in procs:
         p.start()
+    held: dict[str, Any] = {}
+    if args.hold:
+        for _ in procs:
+            ready.get(timeout=1200)
+        total = args.hold // args.workers * args.workers
+        held = _held_figures(workload.reg, actor_pid, rss_before, t0, total)
+        cpu0, t0 = _cpu_s(actor_pid), time.monotonic()
+        commits0 = ray.get(handle.describe.remote())["commits"]
+        spy = _start_profile(args, actor_pid)  # the run with the sessions held, not their hold
+        go.set()
     publisher = _Publisher(workload, args.publish_every_s)
     publisher.start()
     results = [out.get(timeout=args.seconds + 600) for _ in procs]
@@ -280,12 +390,20 @@ def main() -> None:
     for r in results:
         for op, v in r["lat"].items():
             lat[op].extend(v)
+    if args.hold:
+        held["rss_after_close_bytes"] = _rss_bytes(actor_pid)
+        held["close_ops_per_s"] = round(
+            len(lat.get("close_and_release (hold)", [])) / max(r["close_s"] for r in results), 1
+        )
+    # the run's own ops (the hold's opens and binds, and their closes, are reported apart)
+    window = {op: v for op, v in lat.items() if not op.endswith("(hold)")}
     elapsed = max(r["elapsed_s"] for r in results)
-    ops = sum(len(v) for v in lat.values())
+    ops = sum(len(v) for v in window.values())
     lifecycles = sum(r["lifecycles"] for r in results)
-    every = [x for v in lat.values() for x in v]
+    every = [x for v in window.values() for x in v]
     renewals = len(lat.get("keep_alive", []))
-    writes = ops - renewals  # every other op of a lifecycle journals one row
+    # every other op of a lifecycle journals one row (a renewal and a replayed bind none)
+    writes = ops - renewals - len(lat.get("turn (replayed bind)", []))
     report = {
         "workers": args.workers,
         "sessions_per_worker": args.sessions,
@@ -314,6 +432,8 @@ def main() -> None:
         },
         "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
     }
+    if args.hold:
+        report["held"] = held
     if spy is not None:
         report["profile"] = _profile_summary(Path(f"{args.profile_out}.txt"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -379,9 +499,18 @@ def _print(r: dict[str, Any]) -> None:
         f"renewals {r['renewals']} (0 fsync each)  registry calls on turns {r['registry_calls_on_turns']}  "
         f"actor calls {r['actor_calls']}  publications {r['publications']}  reclaims {r['reclaims']}"
     )
-    print(f"\n{'op':<20} {'n':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    if "held" in r:
+        h = r["held"]
+        print(
+            f"held {h['sessions']} sessions (registry: {h['sessions_open_in_registry']} OPEN): hold "
+            f"{h['hold_ops_per_s']} ops/s, close {h['close_ops_per_s']} ops/s; actor RSS "
+            f"{h['rss_before_bytes'] / 2**20:.1f} -> {h['rss_held_bytes'] / 2**20:.1f} MiB held "
+            f"({h['rss_per_held_session_bytes']:.0f} B/session) -> {h['rss_after_close_bytes'] / 2**20:.1f} "
+            f"MiB closed; status p50 {h['status_ms_p50']} ms"
+        )
+    print(f"\n{'op':<28} {'n':>8} {'p50 ms':>8} {'p99 ms':>8}")
     for op, v in r["per_op"].items():
-        print(f"{op:<20} {v['n']:>8} {v['p50_ms']:>8} {v['p99_ms']:>8}")
+        print(f"{op:<28} {v['n']:>8} {v['p50_ms']:>8} {v['p99_ms']:>8}")
     if "profile" in r and "layers" in r["profile"]:
         print("\nactor samples by layer:")
         for layer, share in r["profile"]["layers"].items():
