@@ -49,7 +49,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import gc
-import hashlib
 import json
 import math
 import os
@@ -77,10 +76,10 @@ for _path in (ROOT, ROOT / "tests"):  # tests/ holds the fake native edge (tests
 
 import h11  # noqa: E402
 import httpx  # noqa: E402
-from _fake_native import FakeNative  # noqa: E402
+from _fake_native import FakeNative, fake_base  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 
-from lora_contract.protocol import COLLECTIVE_TRANSPORT, BaseIdentity, Routes  # noqa: E402
+from lora_contract.protocol import COLLECTIVE_TRANSPORT, Routes  # noqa: E402
 from relax_glue.bucket_transport import CollectiveTransport  # noqa: E402
 from relax_glue.cohort import Cohort  # noqa: E402
 from relax_glue.collective_sender import CollectiveSender  # noqa: E402
@@ -324,21 +323,6 @@ def _process_cpu(pid: int) -> float:
 # ------------------------------------------------------------------------------ engine shells
 
 
-def shell_base(label: str = "base") -> BaseIdentity:
-    """The base model identity every shell reports (one label: one base, as a cohort needs)."""
-
-    def part(name: str) -> str:
-        return hashlib.sha256(f"{label}/{name}".encode()).hexdigest()
-
-    return BaseIdentity(
-        fingerprint=part("fingerprint"),
-        config=part("config"),
-        tokenizer=part("tokenizer"),
-        weights=part("weights"),
-        serving=part("serving"),
-    )
-
-
 class LeanNative(FakeNative):
     """The fake native edge, keeping no tensors after a load: N shells of K versions each would
     otherwise hold N x K adapters in this one process. The load still reads the staged files."""
@@ -361,7 +345,7 @@ class Shell:
             max_version_bytes=ENGINE_VERSION_CAP_BYTES,
             max_bucket_bytes=ENGINE_BUCKET_CAP_BYTES,
         )
-        state = EngineState(incarnation=f"{engine_id}-{uuid.uuid4().hex[:12]}", base=shell_base())
+        state = EngineState(incarnation=f"{engine_id}-{uuid.uuid4().hex[:12]}", base=fake_base("base"))
         self.native = LeanNative()
         self.table = VersionTable(state.incarnation, limits, base_fingerprint=state.base.fingerprint)
         self.staging = StagingArea(staging_base)

@@ -60,7 +60,7 @@ def _environment(values: Mapping[str, str | None]) -> Iterator[None]:
 class LocalRayCluster:
     """A head node (the trainer's) and one node per entry of ``roles`` (a custom resource name
     each, e.g. ``("lora_registry", "lora_rollout", "lora_rollout")``), started by :meth:`start`,
-    joined by this process with :meth:`connect`, stopped by :meth:`stop`.
+    joined by this process with :meth:`connect`, stopped by :meth:`stop` (``with`` does all three).
 
     ``python_path``: directories every Ray worker imports from (the repository, and the test
     helpers whose functions rollout workers run)."""
@@ -167,7 +167,14 @@ class LocalRayCluster:
         shutil.rmtree(self.home, ignore_errors=True)
 
     def __enter__(self) -> LocalRayCluster:
-        return self.start()
+        """Started, and joined by this process; stopped at the end of the block."""
+        try:
+            self.start()
+            self.connect()
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

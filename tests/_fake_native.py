@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import hashlib
 import json
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_contract.errors import ErrorCode, LoraVersionError
+from lora_contract.protocol import BaseIdentity
 from sglang_ext.staging import StagingArea
 
 
@@ -130,3 +132,18 @@ def fake_staging() -> StagingArea:
         _STAGING_BASE = Path(tempfile.mkdtemp(prefix="lora-versions-test-staging-"))
         atexit.register(shutil.rmtree, _STAGING_BASE, True)
     return StagingArea(_STAGING_BASE)
+
+
+def fake_base(label: str) -> BaseIdentity:
+    """The base model identity a fake engine reports: engines with one label run the same base."""
+
+    def part(name: str) -> str:
+        return hashlib.sha256(f"{label}/{name}".encode()).hexdigest()
+
+    return BaseIdentity(
+        fingerprint=part("fingerprint"),
+        config=part("config"),
+        tokenizer=part("tokenizer"),
+        weights=part("weights"),
+        serving=part("serving"),
+    )

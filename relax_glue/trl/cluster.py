@@ -10,18 +10,22 @@ imported only with several processes."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from relax_glue.trl.config import VersionsConfig
-from relax_glue.trl.ranks import RankInfo, barrier, broadcast_from_main
+from relax_glue.trl.ranks import RankInfo, barrier, broadcast_from_main, leave_group
 
 if TYPE_CHECKING:
     from relax_glue.actor import AsyncRegistryClient
     from relax_glue.registry import LoRAVersionRegistry
 
     Registry = LoRAVersionRegistry | AsyncRegistryClient
+
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class RayRole:
@@ -106,6 +110,13 @@ def leave_ray(rank: RankInfo, ray_role: RayRole) -> None:
 
     if ray_role.joined:
         ray.shutdown()
-    barrier(rank)
+    try:
+        barrier(rank)
+    except RuntimeError as exc:
+        # a rank is gone (gloo: its connection closed): the error of the collective that met the
+        # loss first is the one to surface, not this one; and no other survivor may be left
+        # waiting on this rank, so it leaves the process group (its connections close)
+        logger.warning("a rank is gone: leaving Ray and the process group without it: %s", exc)
+        leave_group()
     if ray_role.started:
         ray.shutdown()

@@ -56,6 +56,17 @@ def agree(outcome: PublicationOutcome | None, rank: RankInfo) -> PublicationOutc
     return PublicationOutcome.from_wire(wire)
 
 
+def leave_group() -> None:
+    """Leave the process group for good, after a collective met a rank that is gone: this rank's
+    connections close, so the collective any other survivor still waits in (on this rank) fails
+    at once instead of waiting for it. A process that exits does this by itself; one that lives
+    on after the training raised (a Ray actor, a notebook) must."""
+    import torch.distributed as dist  # lazy: see RankInfo.current
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def barrier(rank: RankInfo, timeout_s: float = 60.0) -> None:
     """Every rank waits for the others; bounded on gloo (a rank that died fails it, not hangs it)."""
     import datetime

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import hashlib
 import json
 import uuid
 from collections.abc import Callable
@@ -28,11 +27,11 @@ from typing import Any
 from urllib.parse import unquote
 
 import httpx
-from _fake_native import FakeNative, fake_staging
+from _fake_native import FakeNative, fake_base, fake_staging
 from fastapi import FastAPI, Request
 
 from lora_contract.errors import ErrorCode, LoraVersionError
-from lora_contract.protocol import BaseIdentity, EngineVersionState, Routes
+from lora_contract.protocol import EngineVersionState, Routes
 from lora_contract.served_version import BASE_MODEL, SERVED_TOKENS_KEY, attach_served_versions
 from relax_glue.engine_client import AuditLog, ClientTimeouts, EngineClient
 from sglang_ext.adapter_compat import EngineLoraShape, ModelGeometry
@@ -66,21 +65,6 @@ class Gate:
 
     def release(self) -> None:
         self.opened.set()
-
-
-def fake_base(label: str) -> BaseIdentity:
-    """A base model identity for a fake engine: engines with one label run the same base."""
-
-    def part(name: str) -> str:
-        return hashlib.sha256(f"{label}/{name}".encode()).hexdigest()
-
-    return BaseIdentity(
-        fingerprint=part("fingerprint"),
-        config=part("config"),
-        tokenizer=part("tokenizer"),
-        weights=part("weights"),
-        serving=part("serving"),
-    )
 
 
 class FakeEngine:

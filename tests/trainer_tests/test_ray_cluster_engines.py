@@ -69,13 +69,9 @@ COHORT = ("E0", "E1")
 @pytest.fixture(scope="module")
 def cluster():
     optional_module("ray", "ray", "ray")
-    c = LocalRayCluster((REGISTRY_RESOURCE, ROLLOUT_RESOURCE, ROLLOUT_RESOURCE), python_path=(ROOT, HERE))
-    try:
-        c.start()
-        c.connect()
+    roles = (REGISTRY_RESOURCE, ROLLOUT_RESOURCE, ROLLOUT_RESOURCE)
+    with LocalRayCluster(roles, python_path=(ROOT, HERE)) as c:
         yield c
-    finally:
-        c.stop()
 
 
 class Run:
