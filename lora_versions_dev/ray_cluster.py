@@ -37,24 +37,25 @@ FAST_FAILURE_DETECTION = {
 }
 
 
+def _set_environment(values: Mapping[str, str | None]) -> None:
+    """Set ``values`` in ``os.environ`` (None: unset)."""
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @contextlib.contextmanager
 def _environment(values: Mapping[str, str | None]) -> Iterator[None]:
-    """``os.environ`` with ``values`` set (None: unset) for the block: what the processes that
-    Ray spawns meanwhile inherit."""
+    """``os.environ`` with ``values`` set for the block: what the processes that Ray spawns
+    meanwhile inherit."""
     saved = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environment(values)
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environment(saved)
 
 
 class LocalRayCluster:
@@ -157,11 +158,7 @@ class LocalRayCluster:
             self._cluster.shutdown()
             self._cluster = None
         if self._saved_env:
-            for k, v in self._saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            _set_environment(self._saved_env)
             self._saved_env = {}
             reload_ray_auth()
         shutil.rmtree(self.home, ignore_errors=True)
