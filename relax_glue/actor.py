@@ -534,25 +534,55 @@ class _Coalescer:
                     future.set_result(envelope)
 
 
+def _registry_identity(desc: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes an actor's registry the same registry: its database, epoch, cohort, capacity
+    and publisher."""
+    return (desc["db_path"], desc["epoch"], tuple(desc["engines"]), desc["capacity"], desc["publisher"])
+
+
 class _ActorByName:
-    """The handle of a named actor, looked up at first use and again after the actor it named
-    died for good (Ray's actor errors: a restart in place keeps the handle working)."""
+    """The handle of a named registry actor, looked up at first use and again after the actor it
+    named died for good (Ray's actor errors: a restart in place keeps the handle working).
+
+    A name can be taken by another actor than the one this client served. So the first actor's
+    identity is read once, and an actor found by a later lookup is used only if it is the same
+    durable registry restarted from its database: anything else (another database, epoch or
+    publisher, or a registry in memory, which is empty after any restart) is REGISTRY_STATE_LOST,
+    never served as this one."""
 
     def __init__(self, name: str, namespace: str, handle: Any = None) -> None:
         self.name, self.namespace = name, namespace
         self._handle: Any = handle
+        self._identity: tuple[Any, ...] | None = None
 
-    def _current(self) -> Any:
+    async def _current(self) -> Any:
         if self._handle is None:
             try:
-                self._handle = _ray().get_actor(self.name, namespace=self.namespace)
+                handle = _ray().get_actor(self.name, namespace=self.namespace)
             except ValueError as exc:  # no actor of that name runs (yet, or any more): transient
                 raise ConnectionError(f"no registry actor {self.name!r} runs: {exc}") from exc
+            if self._identity is not None:
+                self._check_same(raise_if_refused(await handle.describe.remote()))
+            self._handle = handle
+        if self._identity is None:
+            self._identity = _registry_identity(raise_if_refused(await self._handle.describe.remote()))
         return self._handle
 
+    def _check_same(self, desc: dict[str, Any]) -> None:
+        found = _registry_identity(desc)
+        if found != self._identity or desc["db_path"] is None:
+            raise LoraVersionError(
+                ErrorCode.REGISTRY_STATE_LOST,
+                f"the actor now named {self.name!r} is not the registry this client served (its "
+                "database, epoch, cohort, capacity or publisher differ, or it keeps no database): "
+                "the registry's state is not there",
+                name=self.name,
+            )
+
     async def send(self, remote: Callable[[Any], Any]) -> Any:
-        handle = self._current()
+        handle = self._handle
         try:
+            handle = await self._current()
             return await remote(handle)
         except (_ray().exceptions.RayActorError, _ray().exceptions.ActorUnschedulableError):
             if self._handle is handle:

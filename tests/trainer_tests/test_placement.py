@@ -9,7 +9,7 @@ import os
 import pytest
 from _optional import optional_module
 
-from lora_contract.errors import HTTP_STATUS, ErrorCode
+from lora_contract.errors import HTTP_STATUS, ErrorCode, LoraVersionError
 from relax_glue import placement
 from relax_glue.actor import AsyncRegistryClient, RegistryUnavailable
 from relax_glue.placement import REGISTRY_RESOURCE, ROLLOUT_RESOURCE, RunLayout, layout_of
@@ -78,50 +78,81 @@ class _Ref:
         return self.outcome
 
 
-class _CallMany:
-    """A stand-in for an actor handle's ``call_many`` method object."""
+# what a durable registry actor's describe() says of itself (the fields of its identity)
+DURABLE = {"db_path": "/data/r.db", "epoch": "e1", "engines": ["E0", "E1"], "capacity": 2, "publisher": "fp"}
 
-    def __init__(self, handle: _Handle) -> None:
-        self.handle = handle
 
-    def remote(self, calls: list) -> _Ref:
+class _Method:
+    """A stand-in for an actor handle's method object: ``.remote(...)`` gives a ``_Ref``."""
+
+    def __init__(self, handle: _Handle, answer) -> None:
+        self.handle, self.answer = handle, answer
+
+    def remote(self, *args) -> _Ref:
         h = self.handle
         h.calls += 1
-        return _Ref(h.failure if h.failure is not None else [("ok", {"answered_by": h.name})] * len(calls))
+        return _Ref(h.failure if h.failure is not None else self.answer(*args))
 
 
 class _Handle:
-    def __init__(self, name: str, failure: BaseException | None = None) -> None:
-        self.name, self.failure, self.calls = name, failure, 0
-        self.call_many = _CallMany(self)
+    def __init__(self, name: str, **desc) -> None:
+        self.name, self.failure, self.calls = name, None, 0
+        self.call_many = _Method(self, lambda calls: [("ok", {"answered_by": name})] * len(calls))
+        self.describe = _Method(self, lambda: {**DURABLE, **desc, "node_id": name})
 
 
-async def test_the_named_client_looks_the_actor_up_again_once_it_is_gone(monkeypatch):
+def _actors(monkeypatch, *found):
+    """``ray.get_actor`` answering each lookup with the next of ``found`` (None: no such actor)."""
     ray = optional_module("ray", "ray", "ray")
-    from ray.exceptions import ActorUnschedulableError
-
-    lost = _Handle("old", ActorUnschedulableError("the node is gone"))
-    back = _Handle("new")
     lookups: list[str] = []
-    actors = iter([lost, None, back])
+    actors = iter(found)
 
     def get_actor(name, namespace=None):
         lookups.append(name)
-        found = next(actors)
-        if found is None:
+        actor = next(actors)
+        if actor is None:
             raise ValueError(f"Failed to look up actor with name {name!r}")
-        return found
+        return actor
 
     monkeypatch.setattr(ray, "get_actor", get_actor)
+    return lookups
+
+
+async def test_the_named_client_looks_the_actor_up_again_once_it_is_gone(monkeypatch):
+    from ray.exceptions import ActorUnschedulableError
+
+    old, back = _Handle("old"), _Handle("new")
+    lookups = _actors(monkeypatch, old, None, back)
     client = AsyncRegistryClient.for_named_actor("e1", retries=0)
     send = client._acall
+    assert await send("status", {}) == ("ok", {"answered_by": "old"})
+    old.failure = ActorUnschedulableError("the node is gone")
     for expected in (ActorUnschedulableError, ConnectionError):  # the node lost, then nothing runs
         with pytest.raises(expected):
             await send("status", {})
-    assert await send("status", {}) == ("ok", {"answered_by": "new"})
+    assert await send("status", {}) == ("ok", {"answered_by": "new"})  # its database's registry
     assert await send("status", {}) == ("ok", {"answered_by": "new"})  # kept while it answers
-    assert lookups == ["lora_version_registry@e1"] * 3 and (lost.calls, back.calls) == (1, 2)
+    assert lookups == ["lora_version_registry@e1"] * 3
     with pytest.raises(RegistryUnavailable) as err:  # through the typed surface, after retries
-        monkeypatch.setattr(back, "failure", ConnectionError("cut"))
+        back.failure = ConnectionError("cut")
         await client.status()
     assert err.value.code is ErrorCode.REGISTRY_UNAVAILABLE
+
+
+@pytest.mark.parametrize(
+    "other",
+    [{"db_path": "/elsewhere/registry.db"}, {"db_path": None}, {"publisher": "another"}, {"capacity": 3}],
+)
+async def test_another_actor_under_the_name_is_never_served_as_the_registry(monkeypatch, other):
+    from ray.exceptions import ActorDiedError
+
+    old, impostor = _Handle("old"), _Handle("impostor", **other)
+    _actors(monkeypatch, old, impostor)
+    client = AsyncRegistryClient.for_named_actor("e1", retries=0)
+    assert await client._acall("status", {}) == ("ok", {"answered_by": "old"})
+    old.failure = ActorDiedError()
+    with pytest.raises(ActorDiedError):
+        await client._acall("status", {})
+    with pytest.raises(LoraVersionError) as err:
+        await client.status()
+    assert err.value.code is ErrorCode.REGISTRY_STATE_LOST and impostor.calls == 1  # its describe only
