@@ -56,6 +56,11 @@ def test_an_unreachable_registry_is_typed_but_no_refusal():
 def test_the_token_is_the_one_given_never_a_file(monkeypatch):
     reloads = []
     monkeypatch.setattr(placement, "reload_ray_auth", lambda: reloads.append(dict(os.environ)))
+    # what use_ray_auth sets is this process's for every later test: put back at teardown (in CI
+    # a RAY_AUTH_MODE=disabled left here broke the later tests' local Ray: actors never started)
+    # (setenv, not delenv: monkeypatch restores only what it recorded, and it records no absent name)
+    monkeypatch.setenv("RAY_AUTH_MODE", "restored-at-teardown")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "restored-at-teardown")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/home/someone/.ray/auth_token")
     placement.use_ray_auth("t" * 64)
     assert (os.environ["RAY_AUTH_MODE"], os.environ["RAY_AUTH_TOKEN"]) == ("token", "t" * 64)
