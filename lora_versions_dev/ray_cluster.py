@@ -116,10 +116,10 @@ class LocalRayCluster:
 
     def add(self, role: str) -> str:
         """A new node offering ``role`` (a new node id, as a host that came back has); its id."""
-        # registry and rollout nodes take no CPU slot: their actors ask for none
-        cpus = self.node_cpus if role == HEAD_ROLE else 0
+        # no CPU slot: the actors placed on a role's node (the registry, rollout workers, training
+        # ranks) ask for none
         with _environment(self._node_env()):
-            node = self._cluster.add_node(num_cpus=cpus, resources={role: 1})
+            node = self._cluster.add_node(num_cpus=0, resources={role: 1})
         return self._remember(node, role)
 
     def remove(self, node_id: str) -> None:

@@ -225,6 +225,27 @@ async def engine_state(client: EngineAPI, lora_name: str) -> protocol.EngineVers
     return {n: v.state for n, v in (await engine_versions(client)).items()}.get(lora_name)
 
 
+async def versions_on(engines: Sequence[Any], marker: str, *, remove: bool = False) -> dict[str, list[str]]:
+    """Per farm engine (``name``, ``url``): the managed versions named with ``marker`` that still
+    hold something; with ``remove``, what is left after removing them (for tests that hold no
+    engine client of their own, e.g. around training processes)."""
+    clients = make_clients(engines, ADMIN_KEY)
+    try:
+        return await (purge(clients, marker) if remove else live_versions(clients, marker))
+    finally:
+        await aclose_all(clients.values())
+
+
+async def version_states(engines: Sequence[Any], marker: str) -> dict[str, dict[str, str]]:
+    """Per farm engine: the state of every managed version named with ``marker``."""
+    clients = make_clients(engines, ADMIN_KEY)
+    try:
+        versions = {e: await engine_versions(c, marker) for e, c in clients.items()}
+        return {e: {n: v.state.value for n, v in vs.items()} for e, vs in versions.items()}
+    finally:
+        await aclose_all(clients.values())
+
+
 # ------------------------------------------------------------------------------ audit checks
 
 

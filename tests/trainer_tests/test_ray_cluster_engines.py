@@ -34,6 +34,7 @@ from _e2e_helpers import (
     Gate,
     Interceptor,
     aclose_all,
+    engine_state,
     make_clients,
     new_epoch,
     purge,
@@ -101,11 +102,7 @@ class Run:
         return (await self.client.version(version_key=VersionKey(self.epoch, vid))).session_refs
 
     async def engine_states(self, lora_name: str) -> dict[str, protocol.EngineVersionState | None]:
-        out = {}
-        for n, c in self.clients.items():
-            states = {v.lora_name: v.state for v in (await c.status()).versions}
-            out[n] = states.get(lora_name)
-        return out
+        return {n: await engine_state(c, lora_name) for n, c in self.clients.items()}
 
     async def reclaimed(self, vid: str) -> bool:
         results = [r for r in await self.pub.reclaim_ready() if r.version_key.version_id == vid]

@@ -34,12 +34,12 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # examples/ is run from the repository root, not installed
     sys.path.insert(0, str(REPO))
 
+from _e2e_helpers import versions_on  # noqa: E402
+
 from examples.trl_grpo import checks as ck  # noqa: E402
 from examples.trl_grpo.train import TrainSpec, launch  # noqa: E402
 from lora_versions_dev.farm import ADMIN_KEY  # noqa: E402
 from lora_versions_dev.gateway_process import running_gateway  # noqa: E402
-from lora_versions_dev.teardown import live_versions, purge  # noqa: E402
-from relax_glue.engine_client import EngineClient  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -56,21 +56,10 @@ def gateway(engines, run_dir):
         yield gw
 
 
-async def _live(engines: tuple, marker: str, remove: bool = False) -> dict[str, list[str]]:
-    clients = {e.name: EngineClient(e.name, e.url, admin_key=ADMIN_KEY) for e in engines}
-    try:
-        if remove:
-            return await purge(clients, marker)
-        return await live_versions(clients, marker)
-    finally:
-        for c in clients.values():
-            await c.aclose()
-
-
 def run_trl(engines: tuple, gateway: Any, fixtures: Any, out: Path, processes: int, **spec: Any) -> dict:
     """Run the training processes; return their reports, the unload counts and what the engines
     still hold of the run's epoch; then remove the epoch from the shared engines."""
-    assert not any(asyncio.run(_live(engines, "")).values()), "the farm engines must start clean"
+    assert not any(asyncio.run(versions_on(engines, "")).values()), "the farm engines must start clean"
     epoch = f"trl{uuid.uuid4().hex[:6]}"
     train = TrainSpec(
         engines={e.name: e.url for e in engines},
@@ -86,9 +75,9 @@ def run_trl(engines: tuple, gateway: Any, fixtures: Any, out: Path, processes: i
         code, reports = launch(train, processes, TIMEOUT_S)
         assert code == 0 and len(reports) == processes, (code, (out / "train.log").read_text()[-4000:])
         unloads = ck.count_unloads(reports, {e.name: e.log_path for e in engines})
-        live = asyncio.run(_live(engines, f"@{epoch}-"))
+        live = asyncio.run(versions_on(engines, f"@{epoch}-"))
     finally:
-        left = asyncio.run(_live(engines, f"@{epoch}-", remove=True))
+        left = asyncio.run(versions_on(engines, f"@{epoch}-", remove=True))
     assert not any(left.values()), left
     return {"reports": reports, "unloads": unloads, "live": live}
 
@@ -208,7 +197,7 @@ def readme_block() -> str:
 
 
 def test_the_readme_section_runs_as_written(engines, gateway, fixtures, tmp_path) -> None:
-    assert not any(asyncio.run(_live(engines, "")).values()), "the farm engines must start clean"
+    assert not any(asyncio.run(versions_on(engines, "")).values()), "the farm engines must start clean"
     where = [{e.name: e.url for e in engines}, gateway.url, ADMIN_KEY, str(fixtures.model_dir), str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     code = README_PRELUDE + readme_block() + README_EPILOGUE
@@ -224,7 +213,7 @@ def test_the_readme_section_runs_as_written(engines, gateway, fixtures, tmp_path
         assert p.returncode == 0, p.stderr[-4000:]
         done = json.loads(p.stdout.strip().splitlines()[-1])
         assert done["outcomes"] == ["PUBLISHED", "PUBLISHED"], done  # step0, then step1
-        live = asyncio.run(_live(engines, f"@{done['epoch']}-"))
+        live = asyncio.run(versions_on(engines, f"@{done['epoch']}-"))
         assert all(len(names) == 1 and "-step1-" in names[0] for names in live.values()), live
     finally:
-        asyncio.run(_live(engines, "@trl", remove=True))  # the block's epoch: trl<hex> (the default)
+        asyncio.run(versions_on(engines, "@trl", remove=True))  # the block's epoch: trl<hex> (the default)

@@ -27,15 +27,15 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # examples/ is run from the repository root, not installed
     sys.path.insert(0, str(REPO))
 
+from _e2e_helpers import version_states, versions_on  # noqa: E402
+
 from examples.trl_grpo import checks as ck  # noqa: E402
 from examples.trl_grpo.ray_ranks import launch_on_nodes  # noqa: E402
 from examples.trl_grpo.train import TrainSpec  # noqa: E402
 from lora_versions_dev.farm import ADMIN_KEY  # noqa: E402
 from lora_versions_dev.gateway_process import running_gateway  # noqa: E402
 from lora_versions_dev.ray_cluster import LocalRayCluster  # noqa: E402
-from lora_versions_dev.teardown import live_versions, purge  # noqa: E402
 from relax_glue.actor import RegistryUnavailable  # noqa: E402
-from relax_glue.engine_client import EngineClient  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -75,15 +75,6 @@ def ray_run(engines, gateway, fixtures, cluster, out: Path, steps: int) -> Train
     )
 
 
-async def _live(engines: tuple, marker: str, remove: bool = False) -> dict[str, list[str]]:
-    clients = {e.name: EngineClient(e.name, e.url, admin_key=ADMIN_KEY) for e in engines}
-    try:
-        return await (purge(clients, marker) if remove else live_versions(clients, marker))
-    finally:
-        for c in clients.values():
-            await c.aclose()
-
-
 def test_two_training_ranks_on_two_ray_nodes_agree_on_every_outcome(
     engines, gateway, fixtures, cluster, tmp_path
 ):
@@ -96,9 +87,9 @@ def test_two_training_ranks_on_two_ray_nodes_agree_on_every_outcome(
         run = launch_on_nodes(spec, nodes)
         reports = ray.get(run.reports, timeout=TIMEOUT_S)
         unloads = ck.count_unloads(reports, {e.name: e.log_path for e in engines})
-        live = asyncio.run(_live(engines, f"@{epoch}-"))
+        live = asyncio.run(versions_on(engines, f"@{epoch}-"))
     finally:
-        left = asyncio.run(_live(engines, f"@{epoch}-", remove=True))
+        left = asyncio.run(versions_on(engines, f"@{epoch}-", remove=True))
     assert not any(left.values()), left
     assert [r["node_id"] for r in reports] == nodes and len(set(nodes)) == 2
     assert [(r["rank"], r["world_size"]) for r in reports] == [(0, 2), (1, 2)]
@@ -123,18 +114,6 @@ def test_two_training_ranks_on_two_ray_nodes_agree_on_every_outcome(
     by_rank = {r["rank"]: {c["session"] for c in r["completions"]} for r in reports}
     assert all(len(s) == STEPS * 4 for s in by_rank.values()) and not by_rank[0] & by_rank[1]
 
-
-
-async def _epoch_states(engines: tuple, marker: str) -> dict[str, dict[str, str]]:
-    out = {}
-    for e in engines:
-        client = EngineClient(e.name, e.url, admin_key=ADMIN_KEY)
-        try:
-            versions = (await client.status()).versions
-            out[e.name] = {v.lora_name: v.state.value for v in versions if marker in v.lora_name}
-        finally:
-            await client.aclose()
-    return out
 
 
 def test_a_training_rank_node_lost_ends_the_other_ranks_at_once_and_leaves_nothing_half_published(
@@ -180,10 +159,10 @@ def test_a_training_rank_node_lost_ends_the_other_ranks_at_once_and_leaves_nothi
             assert isinstance(cause, RuntimeError), trace
             assert re.search("Connection (closed|reset) by peer", str(cause)), trace
             assert "monitored_barrier" not in trace, trace
-        states = asyncio.run(_epoch_states(engines, f"@{epoch}-"))
+        states = asyncio.run(version_states(engines, f"@{epoch}-"))
         half = {e: [n for n, s in v.items() if s in HALF_PUBLISHED] for e, v in states.items()}
         assert not any(half.values()), states
     finally:
-        left = asyncio.run(_live(engines, f"@{epoch}-", remove=True))
+        left = asyncio.run(versions_on(engines, f"@{epoch}-", remove=True))
         cluster.add(TRAIN_ROLE)
     assert not any(left.values()), left
