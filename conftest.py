@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from lora_versions_dev import prestart
 from lora_versions_dev.farm import SpareEngine
 from lora_versions_dev.fixtures import Fixtures, ensure_fixtures
 
@@ -22,6 +23,31 @@ RUNS = REPO / ".runs" / "tests"
 # lines or fails only the rids marked for it, so the tests that need them share E1 rather than
 # starting an engine each.
 E1_PROBE_LAUNCHER = REPO / "tests" / "engine_wrappers" / "sglang_with_scheduler_probes.py"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests without engines run first (in their order), the engine tests after them (in
+    theirs): meanwhile the engines those need boot in the background (:func:`prestarts`)."""
+    items[:] = [*(i for i in items if not i.get_closest_marker("engine")), *(
+        i for i in items if i.get_closest_marker("engine")
+    )]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prestarts(request: pytest.FixtureRequest) -> Iterator[prestart.Prestarts | None]:
+    """Every engine and refused-launch batch the selected tests will use, started at the session's
+    first test, a few at a time, in the order of first use (lora_versions_dev.prestart)."""
+    names = prestart.needed(item.fixturenames for item in request.session.items)
+    if not names:
+        yield None
+        return
+    fixtures, run_dir = request.getfixturevalue("fixtures"), request.getfixturevalue("run_dir")
+    starts = prestart.Prestarts(fixtures, run_dir, names)
+    try:
+        yield starts
+    finally:
+        starts.stop_untaken()
+        (run_dir / "prestart.json").write_text(json.dumps(starts.timeline, indent=2))
 
 
 @pytest.fixture(scope="session")
@@ -36,42 +62,72 @@ def run_dir() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def engine_farm(fixtures: Fixtures, run_dir: Path) -> Iterator[dict]:
-    """E0, E1 and ``stock`` (lora_versions_dev.farm), started together in parallel."""
+@prestart.prestartable("engine_farm", gib=3 * prestart.ENGINE_GIB)
+def _spawn_farm(fixtures: Fixtures, run_dir: Path) -> list:
     from lora_versions_dev.farm import farm_specs
-    from lora_versions_dev.launcher import running_engines
+    from lora_versions_dev.launcher import spawn_engine
 
     specs = farm_specs(fixtures, run_dir, e1_command_prefix=[sys.executable, str(E1_PROBE_LAUNCHER)])
-    t0 = time.monotonic()
-    with running_engines(specs) as engines:
-        timing = {e.name: round(e.started_s or 0.0, 1) for e in engines}
-        timing["all_parallel_s"] = round(time.monotonic() - t0, 1)
-        (run_dir / "engine_start.json").write_text(json.dumps(timing, indent=2))
-        print(f"\n[engines] started in parallel: {timing}")
-        yield {e.name: e for e in engines}
+    return [spawn_engine(s) for s in specs]
 
 
 @pytest.fixture(scope="session")
-def spare_engine(fixtures: Fixtures, run_dir: Path) -> Iterator[SpareEngine]:
+def engine_farm(fixtures: Fixtures, run_dir: Path, prestarts: prestart.Prestarts | None) -> Iterator[dict]:
+    """E0, E1 and ``stock`` (lora_versions_dev.farm), spawned together (at the session's start)."""
+    from lora_versions_dev.launcher import EngineStartError, stop_engines
+
+    t0 = time.monotonic()
+    engines = prestart.take(prestarts, "engine_farm", fixtures, run_dir)
+    try:
+        for e in engines:
+            e.wait_healthy(e.spec.startup_timeout_s)
+    except EngineStartError:
+        stop_engines(engines)
+        raise
+    timing = {"waited_s": round(time.monotonic() - t0, 1)}
+    (run_dir / "engine_start.json").write_text(json.dumps(timing, indent=2))
+    print(f"\n[engines] the farm serves: {timing}")
+    try:
+        yield {e.name: e for e in engines}
+    finally:
+        stop_engines(engines)
+
+
+@prestart.prestartable("spare_engine")
+def _spawn_spare(fixtures: Fixtures, run_dir: Path) -> SpareEngine:
+    return SpareEngine(fixtures, run_dir)
+
+
+@pytest.fixture(scope="session")
+def spare_engine(
+    fixtures: Fixtures, run_dir: Path, prestarts: prestart.Prestarts | None
+) -> Iterator[SpareEngine]:
     """One plugin engine that the restart tests of several modules stop, kill and start again
-    (lora_versions_dev.farm.SpareEngine): spawned at its first use, shared by the session."""
-    spare = SpareEngine(fixtures, run_dir)
+    (lora_versions_dev.farm.SpareEngine): spawned at the session's start, shared by the session."""
+    spare = prestart.take(prestarts, "spare_engine", fixtures, run_dir)
     try:
         yield spare
     finally:
         spare.stop()
 
 
-@pytest.fixture(scope="session")
-def tp2_engine(fixtures: Fixtures, run_dir: Path) -> Iterator[SpareEngine]:
-    """A TP=2 plugin engine (issue 38) with E1's scheduler probes, which the TP tests of several
-    modules share and may kill and start again (lora_versions_dev.farm.SpareEngine): spawned at
-    its first use. Its local source directory is its own (the probes' trigger files lie beside)."""
+@prestart.prestartable("tp2_engine", gib=prestart.TP2_ENGINE_GIB)
+def _spawn_tp2(fixtures: Fixtures, run_dir: Path) -> SpareEngine:
     source = run_dir / "tp2-source"
     source.mkdir(exist_ok=True)
     launcher = [sys.executable, str(E1_PROBE_LAUNCHER)]
-    spare = SpareEngine(fixtures, run_dir, "TP2", tp=2, command_prefix=launcher, source_dir=source)
+    return SpareEngine(fixtures, run_dir, "TP2", tp=2, command_prefix=launcher, source_dir=source)
+
+
+@pytest.fixture(scope="session")
+def tp2_engine(
+    fixtures: Fixtures, run_dir: Path, prestarts: prestart.Prestarts | None
+) -> Iterator[SpareEngine]:
+    """A TP=2 plugin engine (issue 38) with E1's scheduler probes, which the TP tests of several
+    modules share and may kill and start again (lora_versions_dev.farm.SpareEngine): spawned at
+    the session's start. Its local source directory is its own (the probes' trigger files lie
+    beside)."""
+    spare = prestart.take(prestarts, "tp2_engine", fixtures, run_dir)
     try:
         yield spare
     finally:

@@ -101,12 +101,23 @@ class ChaosEngines:
             port=port,
         )
 
+    def spawn(self) -> None:
+        """Start the engines and return at once (a test session boots them early); :meth:`start`
+        waits until they serve."""
+        from lora_versions_dev.launcher import spawn_engine
+
+        if not self.engines:
+            for n in COHORT:
+                self.engines[n] = spawn_engine(self.spec(n, None))
+
     def start(self) -> None:
         from lora_versions_dev.launcher import start_engines
 
         if not self.engines:
             for e in start_engines([self.spec(n, None) for n in COHORT]):
                 self.engines[e.name] = e
+        for e in self.engines.values():  # spawned, or left by an earlier campaign: serving
+            e.wait_healthy(e.spec.startup_timeout_s)
 
     def stop(self) -> None:
         from lora_versions_dev.launcher import stop_engine

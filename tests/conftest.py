@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lora_versions_dev import prestart
 from lora_versions_dev.farm import ADMIN_KEY
 from lora_versions_dev.fixtures import Fixtures
 
@@ -33,14 +34,10 @@ def snaps(fixtures: Fixtures) -> dict:
     return {name: snapshot_of(fixtures.adapter_dir(name)) for name in fixtures.adapter_names}
 
 
-@pytest.fixture(scope="module")
-def other_base_engine(fixtures: Fixtures, run_dir: Path):
-    """A plugin engine whose base model has the cohort's shape, config and tokenizer but other
-    weights (tests/trainer_tests/test_base_model_engines.py). Module-scoped, not in the farm: the
-    farm lives the whole session, and each resident engine (about 3.5 GB here) is memory the
-    module-scoped engines of other tests need on a 24 GiB host."""
+@prestart.prestartable("other_base_engine")
+def _spawn_other_base_engine(fixtures: Fixtures, run_dir: Path):
     from lora_versions_dev.fixtures import ensure_other_base
-    from lora_versions_dev.launcher import EngineSpec, running_engines
+    from lora_versions_dev.launcher import EngineSpec, spawn_engine
 
     spec = EngineSpec(
         name="EB",
@@ -48,7 +45,15 @@ def other_base_engine(fixtures: Fixtures, run_dir: Path):
         log_path=run_dir / "EB.log",
         extra_args=["--admin-api-key", ADMIN_KEY],
     )
-    with running_engines([spec]) as (engine,):
+    return spawn_engine(spec)
+
+
+@pytest.fixture(scope="module")
+def other_base_engine(fixtures: Fixtures, run_dir: Path, prestarts: prestart.Prestarts | None):
+    """A plugin engine whose base model has the cohort's shape, config and tokenizer but other
+    weights (tests/trainer_tests/test_base_model_engines.py). Module-scoped, not in the farm: it
+    is stopped when its module ends (spawned at the session's start, lora_versions_dev.prestart)."""
+    with prestart.serving(prestarts, "other_base_engine", fixtures, run_dir) as engine:
         yield engine
 
 

@@ -1,6 +1,6 @@
 """CPU development mode for SGLang 0.5.23: run real engines on machines without a GPU.
 
-Five workarounds, none of which edits SGLang's files:
+Five workarounds and one saving, none of which edits SGLang's files:
 
 1. ``SGLANG_USE_CPU_ENGINE=1`` (set by :func:`engine_env`).
 2. An import-only stand-in for ``sgl_kernel`` (``shim/sgl_kernel``) placed first on the engine's
@@ -13,6 +13,12 @@ Five workarounds, none of which edits SGLang's files:
    CPU, and ``PyNcclCommunicator`` then asks for a CUDA device), and each rank gets its own
    cores through ``SGLANG_CPU_OMP_THREADS_BIND`` (:func:`tp_env`; without it
    ``srt/utils/numa_utils.py`` ``init_threads_binding`` asserts one NUMA node per rank).
+
+6. Not a workaround, a saving: the CUDA-only kernel packages (:data:`CUDA_ONLY_PACKAGES`) are
+   hidden from the engine's processes (:func:`hide_cuda_only_packages`). SGLang imports them
+   only under ``try``/``except ImportError`` or behind ``is_cuda()``, nothing on CPU calls them,
+   and importing them was about a quarter of each engine process's import time here (every
+   engine imports SGLang in three processes; the tests start dozens).
 
 It is a development and test mode only: it activates only when ``SGLANG_EXT_CPU_DEV=1`` is set
 explicitly, logs loudly, and refuses to activate when a GPU is visible.
@@ -90,6 +96,7 @@ def activate() -> None:
         )
     neutralise_pin_memory()
     no_pynccl_by_default()
+    hide_cuda_only_packages()
     print(
         f"[lora-versions] WARNING: CPU DEVELOPMENT MODE ACTIVE in pid {os.getpid()} "
         "(sgl_kernel stand-in, pin_memory neutralised, no pynccl). Not for production.",
@@ -150,6 +157,19 @@ def neutralise_pin_memory() -> None:
 
         setattr(torch, name, make(original))
     torch._lora_versions_pin_memory_neutralised = True  # type: ignore[attr-defined]
+
+
+# flashinfer and the CUTLASS DSL it imports: GPU kernels (and their JIT), installed with SGLang.
+CUDA_ONLY_PACKAGES = ("flashinfer", "cutlass")
+
+
+def hide_cuda_only_packages() -> None:
+    """Saving 6: ``import flashinfer`` raises ModuleNotFoundError and
+    ``importlib.util.find_spec("flashinfer")`` is None in this process (Python's own way to hide
+    a module: None in ``sys.modules``), as on a host without them. A package some earlier import
+    already loaded is left as it is."""
+    for name in CUDA_ONLY_PACKAGES:
+        sys.modules.setdefault(name, None)  # type: ignore[assignment]
 
 
 PARALLEL_STATE = "sglang.srt.distributed.parallel_state"

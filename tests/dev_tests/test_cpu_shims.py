@@ -103,3 +103,22 @@ def test_each_tensor_parallel_rank_gets_its_own_cores(tp, cores, expected):
 def test_more_ranks_than_cores_is_refused():
     with pytest.raises(ValueError, match="needs at least 3 cores"):
         cpu.tp_env(3, 2)
+
+
+def test_cuda_only_kernel_packages_are_hidden_from_dev_processes_and_sglang_imports_without_them():
+    """Saving 6: flashinfer (and the CUTLASS DSL) are installed but hidden in a dev process, as on
+    a host without them: SGLang's optional imports of them fall back, and nothing imports them."""
+    code = (
+        "import importlib.util, sys\n"
+        "import sglang.srt.layers.quantization, sglang.srt.managers.scheduler\n"
+        "try:\n"
+        "    import flashinfer\n"
+        "except ModuleNotFoundError:\n"
+        "    hidden = True\n"
+        "else:\n"
+        "    hidden = False\n"
+        "print(hidden, importlib.util.find_spec('flashinfer') is None, sys.modules['cutlass'] is None)\n"
+    )
+    res = run_py(code, switch=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[-3:] == ["True", "True", "True"]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from lora_versions_dev.launcher import LORA_FLAGS, EngineSpec, running_engines
+from lora_versions_dev import prestart
+from lora_versions_dev.launcher import LORA_FLAGS, EngineSpec, spawn_engine
 
 pytestmark = pytest.mark.engine
 
@@ -32,9 +33,8 @@ def greedy(url: str, lora_path: str | None = None) -> tuple[list[int], list[floa
     return reply["output_ids"], [lp for lp, *_ in reply["meta_info"]["output_token_logprobs"]]
 
 
-def test_a_tp2_cpu_engine_generates_what_the_tp1_engine_generates_with_and_without_an_adapter(
-    fixtures, run_dir, stock_engine
-):
+@prestart.prestartable("stock_tp2_engine", gib=prestart.TP2_ENGINE_GIB)
+def _spawn_stock_tp2(fixtures, run_dir):
     spec = EngineSpec(
         name="tp2",
         model_path=fixtures.model_dir,
@@ -44,9 +44,21 @@ def test_a_tp2_cpu_engine_generates_what_the_tp1_engine_generates_with_and_witho
         extra_args=("--lora-paths", f"A={fixtures.adapter_dir('A')}"),
         tp=2,
     )
-    with running_engines([spec]) as (tp2,):
-        got = {lora: greedy(tp2.url, lora) for lora in (None, "A")}
-        log = tp2.log_path.read_text(errors="replace")
+    return spawn_engine(spec)
+
+
+@pytest.fixture(scope="module")
+def stock_tp2_engine(fixtures, run_dir, prestarts):
+    with prestart.serving(prestarts, "stock_tp2_engine", fixtures, run_dir) as engine:
+        yield engine
+
+
+def test_a_tp2_cpu_engine_generates_what_the_tp1_engine_generates_with_and_without_an_adapter(
+    stock_tp2_engine, stock_engine
+):
+    tp2 = stock_tp2_engine
+    got = {lora: greedy(tp2.url, lora) for lora in (None, "A")}
+    log = tp2.log_path.read_text(errors="replace")
     assert "TP1" in log  # a second rank really ran
     for lora, (tokens, logprobs) in got.items():
         ref_tokens, ref_logprobs = greedy(stock_engine.url, lora)  # the farm's stock engine, TP=1

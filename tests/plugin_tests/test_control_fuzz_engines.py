@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from lora_versions_dev import prestart
 from lora_versions_dev.control_fuzz import (
     ControlFuzzer,
     attach_reference_tokens,
@@ -23,13 +24,20 @@ SEEDS = (15, 1507)
 REQUESTS_PER_SEED = 300
 
 
-@pytest.fixture(scope="module")
-def booting_fuzz_engine(fixtures, run_dir):
-    """The fuzzer's engine, spawned and not yet healthy: it boots while :func:`adapters` computes
-    the reference tokens in this process (both take about half a minute here)."""
-    from lora_versions_dev.launcher import spawn_engine, stop_engine
+@prestart.prestartable("booting_fuzz_engine")
+def _spawn_fuzz_engine(fixtures, run_dir):
+    from lora_versions_dev.launcher import spawn_engine
 
-    engine = spawn_engine(fuzz_engine_spec(fixtures.model_dir, run_dir / "fuzz.log", ADMIN_KEY))
+    return spawn_engine(fuzz_engine_spec(fixtures.model_dir, run_dir / "fuzz.log", ADMIN_KEY))
+
+
+@pytest.fixture(scope="module")
+def booting_fuzz_engine(fixtures, run_dir, prestarts):
+    """The fuzzer's engine, spawned (at the session's start) and maybe not yet healthy: it boots
+    while :func:`adapters` computes the reference tokens in this process."""
+    from lora_versions_dev.launcher import stop_engine
+
+    engine = prestart.take(prestarts, "booting_fuzz_engine", fixtures, run_dir)
     try:
         yield engine
     finally:

@@ -13,22 +13,28 @@ from pathlib import Path
 import pytest
 from _engine_helpers import Published, error_code, generate, reclaim, snapshot_of, unload_log_count, versions
 
-from lora_versions_dev.launcher import EngineSpec, running_engines
+from lora_versions_dev import prestart
+from lora_versions_dev.launcher import EngineSpec, spawn_engine
 
 pytestmark = pytest.mark.engine
 
 WRAPPER = Path(__file__).parents[1] / "engine_wrappers" / "sglang_without_forged_field_guard.py"
 
 
-@pytest.fixture(scope="module")
-def unguarded_engine(fixtures, run_dir):
+@prestart.prestartable("unguarded_engine")
+def _spawn_unguarded(fixtures, run_dir):
     spec = EngineSpec(
         name="unguarded",
         model_path=fixtures.model_dir,
         log_path=run_dir / "unguarded.log",
         command_prefix=[sys.executable, str(WRAPPER)],
     )
-    with running_engines([spec]) as (engine,):
+    return spawn_engine(spec)
+
+
+@pytest.fixture(scope="module")
+def unguarded_engine(fixtures, run_dir, prestarts):
+    with prestart.serving(prestarts, "unguarded_engine", fixtures, run_dir) as engine:
         yield engine
 
 

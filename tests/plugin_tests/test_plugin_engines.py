@@ -10,7 +10,7 @@ import httpx
 import pytest
 from _engine_helpers import ADMIN
 
-from lora_versions_dev import reference
+from lora_versions_dev import prestart, reference
 from lora_versions_dev.farm import PROMPT
 from lora_versions_dev.launcher import (
     LORA_FLAGS,
@@ -223,7 +223,14 @@ SCHEDULER_ATTRIBUTE = "scheduler-attribute"
 
 
 @pytest.fixture(scope="module")
-def refused_starts(fixtures, run_dir) -> dict:
+def refused_starts(fixtures, run_dir, prestarts) -> dict:
+    """Every refused setup: (the exit code, the spec), launched at the session's start in the
+    background (lora_versions_dev.prestart)."""
+    return prestart.take(prestarts, "refused_starts", fixtures, run_dir)
+
+
+@prestart.prestartable("refused_starts")
+def _launch_refused_setups(fixtures, run_dir) -> dict:
     """Every refused setup: (the exit code, the spec). The setups that differ only in their flags,
     and the scheduler without its attribute, are launched by one process that imports SGLang once
     and forks each launch (``launcher.refused_launches``: the child runs ``sglang.launch_server``,

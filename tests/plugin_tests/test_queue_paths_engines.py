@@ -16,23 +16,29 @@ import httpx
 import pytest
 from _engine_helpers import Published, generate, in_flight, snapshot_of, wait_in_flight
 
+from lora_versions_dev import prestart
 from lora_versions_dev.farm import PROMPT
-from lora_versions_dev.launcher import EngineSpec, running_engines
+from lora_versions_dev.launcher import EngineSpec, spawn_engine
 from relax_glue.engine_client import QUEUE_FULL_MESSAGE
 
 pytestmark = pytest.mark.engine
 
 
 
-@pytest.fixture(scope="module")
-def queue_engine(fixtures, run_dir):
+@prestart.prestartable("queue_engine")
+def _spawn_queue_engine(fixtures, run_dir):
     spec = EngineSpec(
         name="queue-limited",
         model_path=fixtures.model_dir,
         log_path=run_dir / "queue-limited.log",
         extra_args=["--max-running-requests", "1", "--max-queued-requests", "1"],
     )
-    with running_engines([spec]) as (engine,):
+    return spawn_engine(spec)
+
+
+@pytest.fixture(scope="module")
+def queue_engine(fixtures, run_dir, prestarts):
+    with prestart.serving(prestarts, "queue_engine", fixtures, run_dir) as engine:
         yield engine
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from lora_versions_dev import prestart
 from lora_versions_dev.launcher import EngineSpec, refused_launches
 from sglang_ext.plugin_log import REFUSED_EXIT_CODE
 
@@ -34,8 +35,14 @@ RENAMED = {
 
 
 @pytest.fixture(scope="module")
-def renamed_starts(fixtures, run_dir) -> dict[str, tuple[int | None, EngineSpec]]:
-    """Each renamed field: (the exit code, None if it was still starting at the timeout; the spec)."""
+def renamed_starts(fixtures, run_dir, prestarts) -> dict[str, tuple[int | None, EngineSpec]]:
+    """Each renamed field: (the exit code, None if it was still starting at the timeout; the spec),
+    launched at the session's start in the background (lora_versions_dev.prestart)."""
+    return prestart.take(prestarts, "renamed_starts", fixtures, run_dir)
+
+
+@prestart.prestartable("renamed_starts")
+def _launch_renamed(fixtures, run_dir) -> dict[str, tuple[int | None, EngineSpec]]:
     specs = {
         renamed: EngineSpec(
             name=f"renamed-{renamed.replace('.', '-')}",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from lora_versions_demo.chaos import ChaosConfig, ChaosEngines, print_report, run_campaign
+from lora_versions_dev import prestart
 
 pytestmark = pytest.mark.engine
 
@@ -21,9 +22,16 @@ pytestmark = pytest.mark.engine
 SHORT_KINDS = ("drop_reply", "kill_registry", "kill_reclaim_drain")
 
 
-@pytest.fixture(scope="module")
-def chaos_engines(run_dir):
+@prestart.prestartable("chaos_engines", gib=2 * prestart.ENGINE_GIB)
+def _spawn_chaos_engines(fixtures, run_dir) -> ChaosEngines:
     pool = ChaosEngines(run_dir / "chaos-engines")
+    pool.spawn()
+    return pool
+
+
+@pytest.fixture(scope="module")
+def chaos_engines(fixtures, run_dir, prestarts):
+    pool = prestart.take(prestarts, "chaos_engines", fixtures, run_dir)
     try:
         yield pool
     finally:

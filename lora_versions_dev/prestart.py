@@ -1,0 +1,233 @@
+"""What the engine tests would wait for, started before they run (tests only).
+
+An engine takes half a minute to boot here, almost all of it importing SGLang and torch in three
+processes; a test module that starts its own engine used to wait that long in its setup while the
+rest of the machine idled. The test session now starts, at its first test, every engine (and
+every batch of refused launches) that its selected tests will use, in the order they will use
+them and a few at a time, so the boots overlap the fast tests that run first and each other.
+
+A fixture that owns such a resource declares how to start it (:func:`prestartable`, under the
+fixture's own name) and gets it with :meth:`Prestarts.take`: the started one if the session
+started it, a new one otherwise (a run of a single test starts what it needs, as before). The
+fixture keeps ownership: it waits for its engine to serve and stops it when its scope ends;
+whatever no test took is stopped when the session ends. A start that failed in the background
+fails the fixture that takes it, with the engine's own error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lora_versions_dev.fixtures import Fixtures
+
+if TYPE_CHECKING:
+    from lora_versions_dev.launcher import Engine
+
+# (fixtures, run_dir) -> the started resource: an Engine, a list of them, a SpareEngine, or the
+# value of a blocking batch (refused launches: their exit codes).
+Starter = Callable[[Fixtures, Path], Any]
+
+_STARTERS: dict[str, Starter] = {}
+_COST_GIB: dict[str, float] = {}
+
+# Resources starting at once: an engine's boot is two to three cores' worth of imports for half a
+# minute, and a storm of them would starve the tests running meanwhile (2 cores here).
+BOOTING_AT_ONCE = 2
+# The nice value a background start runs at until it serves: the tests running meanwhile keep the
+# CPU (several of them bound a stall in seconds), the boots take what is left. Measured: booted at
+# the tests' own priority, the tests without engines took 503 s instead of 190 and a 2 s stall
+# bound of test_collective_link tripped.
+BOOT_NICE = 10
+# Memory: one CPU engine of the fixture model holds about 2.9 GiB (PSS of its four processes,
+# measured here), and nothing started early may take what a test needs for its own processes
+# later: a start waits until this much stays available after it (the showcase's examples start
+# two engines, smg and a trainer of their own: about 7.5 GiB; with 8 GiB reserved, 2.0 GiB were
+# left at the online RL example's start here).
+ENGINE_GIB = 3.0
+TP2_ENGINE_GIB = 5.0  # two scheduler processes, one model each
+RESERVE_GIB = 10.0
+
+
+def prestartable(fixture_name: str, *, gib: float = ENGINE_GIB) -> Callable[[Starter], Starter]:
+    """Register how to start what the fixture ``fixture_name`` uses (a test module's decorator,
+    run when the module is collected, before the session's first test) and the memory it holds."""
+
+    def register(starter: Starter) -> Starter:
+        _STARTERS[fixture_name] = starter
+        _COST_GIB[fixture_name] = gib
+        return starter
+
+    return register
+
+
+def available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return float("inf")  # not Linux: no gate
+
+
+def needed(fixturenames_in_order: Iterable[Iterable[str]]) -> list[str]:
+    """The registered fixtures the tests use (each test's fixture closure, in run order), each
+    once, in the order of its first use."""
+    seen: dict[str, None] = {}
+    for names in fixturenames_in_order:
+        for name in names:
+            if name in _STARTERS:
+                seen.setdefault(name)
+    return list(seen)
+
+
+def _boot_in_the_background() -> None:
+    """The start threads' initializer: what they start (every process of it) inherits this
+    thread's nice value on Linux, where it is per thread."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, 0, BOOT_NICE)
+
+
+def _serve_at_normal_priority(engine: Any) -> None:
+    """An engine that serves gets the tests' priority back: its process group (the engine and
+    every process it started) to nice 0. Lowering a nice value needs privileges (CAP_SYS_NICE);
+    without them the engine keeps serving at BOOT_NICE, only slower under contention."""
+    proc = getattr(engine, "proc", None)
+    if proc is not None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PGRP, proc.pid, 0)  # launcher: each engine leads its own group
+
+
+def _settle(handle: Any) -> None:
+    """Wait until a started resource is up, so the next start does not compete with its boot; its
+    failure is left to the fixture that takes it (it waits again and raises the engine's error)."""
+    if isinstance(handle, list):
+        engines = handle
+    elif isinstance(getattr(handle, "engines", None), dict):  # a pool of them (chaos)
+        engines = list(handle.engines.values())
+    else:
+        engines = [getattr(handle, "engine", handle)]  # a SpareEngine's current one, or an Engine
+    for engine in engines:
+        wait = getattr(engine, "wait_healthy", None)
+        if wait is not None:
+            with contextlib.suppress(Exception):
+                wait(engine.spec.startup_timeout_s)
+        _serve_at_normal_priority(engine)
+
+
+def _stop(handle: Any) -> None:
+    for item in handle if isinstance(handle, list) else [handle]:
+        stop = getattr(item, "stop", None)
+        if stop is not None:
+            with contextlib.suppress(Exception):
+                stop()
+
+
+class Prestarts:
+    """The session's background starts (see the module docstring)."""
+
+    def __init__(self, fixtures: Fixtures, run_dir: Path, names: Iterable[str]) -> None:
+        self.fixtures, self.run_dir = fixtures, run_dir
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(
+            max_workers=BOOTING_AT_ONCE, thread_name_prefix="prestart", initializer=_boot_in_the_background
+        )
+        self._jobs: dict[str, Future[None]] = {}
+        self._handles: dict[str, Future[Any]] = {}
+        self._taken: set[str] = set()
+        self._urgent: dict[str, threading.Event] = {}
+        self._closing = threading.Event()
+        self._t0 = time.monotonic()
+        # per resource: when its start began and when it served, from the session's first test
+        # (the test session writes it to its run directory)
+        self.timeline: dict[str, dict[str, float]] = {}
+        self._booting_gib = 0.0  # started, not yet serving: memory MemAvailable does not show yet
+        for name in names:
+            self._handles[name] = Future()
+            self._urgent[name] = threading.Event()
+            self._jobs[name] = self._pool.submit(self._start_and_settle, name)
+
+    @property
+    def started(self) -> list[str]:
+        return list(self._jobs)
+
+    def _memory_allows(self, name: str) -> bool:
+        with self._lock:
+            booting = self._booting_gib
+        return available_gib() - booting >= _COST_GIB[name] + RESERVE_GIB
+
+    def _start_and_settle(self, name: str) -> None:
+        handle_future, cost = self._handles[name], _COST_GIB[name]
+        while not self._memory_allows(name) and not self._urgent[name].wait(0.5):
+            pass  # until the memory is there, or its test wants it now
+        if self._closing.is_set():
+            handle_future.cancel()  # the session ended before any test took it
+            return
+        with self._lock:
+            self._booting_gib += cost
+        self.timeline.setdefault(name, {})["started_s"] = round(time.monotonic() - self._t0, 1)
+        try:
+            try:
+                handle = _STARTERS[name](self.fixtures, self.run_dir)
+            except BaseException as exc:  # the fixture that takes it raises it
+                handle_future.set_exception(exc)
+                return
+            handle_future.set_result(handle)
+            _settle(handle)
+            self.timeline[name]["up_s"] = round(time.monotonic() - self._t0, 1)
+        finally:
+            with self._lock:
+                self._booting_gib -= cost
+
+    def take(self, name: str) -> Any:
+        """What the fixture ``name`` uses: started in the background, or started now if it was not
+        (not selected at the session's start, or still waiting for a free start)."""
+        with self._lock:
+            job = self._jobs.pop(name, None)  # a second take (a module set up again) starts anew
+            self._taken.add(name)
+        if job is None or job.cancel():
+            return _STARTERS[name](self.fixtures, self.run_dir)
+        self._urgent[name].set()  # waiting for memory no longer: its test is here
+        self.timeline.setdefault(name, {})["taken_s"] = round(time.monotonic() - self._t0, 1)
+        return self._handles[name].result()
+
+    def stop_untaken(self) -> None:
+        """At the session's end: nothing started for a test that never ran is left running."""
+        with self._lock:
+            jobs, self._jobs = self._jobs, {}
+        self._closing.set()
+        for name, job in jobs.items():
+            job.cancel()
+            self._urgent[name].set()  # a job still waiting for memory ends without a start
+        self._pool.shutdown(wait=True)
+        for name, future in self._handles.items():
+            if name in self._taken or not future.done() or future.cancelled():
+                continue
+            if future.exception() is None:
+                _stop(future.result())
+
+
+def take(prestarts: Prestarts | None, name: str, fixtures: Fixtures, run_dir: Path) -> Any:
+    """:meth:`Prestarts.take` when the session has prestarts, else start it now."""
+    if prestarts is None:
+        return _STARTERS[name](fixtures, run_dir)
+    return prestarts.take(name)
+
+
+@contextlib.contextmanager
+def serving(prestarts: Prestarts | None, name: str, fixtures: Fixtures, run_dir: Path) -> Iterator[Engine]:
+    """A module's own engine (one :class:`~lora_versions_dev.launcher.Engine`, registered under
+    the fixture ``name``): taken, waited for until it serves, stopped when the block ends."""
+    from lora_versions_dev.launcher import stop_engine
+
+    engine = take(prestarts, name, fixtures, run_dir)
+    try:
+        engine.wait_healthy(engine.spec.startup_timeout_s)
+        yield engine
+    finally:
+        stop_engine(engine)

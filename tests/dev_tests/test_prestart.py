@@ -1,0 +1,157 @@
+"""The session's background starts (lora_versions_dev.prestart), with stand-in resources: the order
+of first use, a take before the start, the memory gate and what is stopped at the session's end.
+The engines themselves are the engine tests' (every module-scoped engine is taken this way)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from lora_versions_dev import prestart
+
+
+class Resource:
+    def __init__(self, name: str) -> None:
+        self.name, self.stopped = name, 0
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+
+@pytest.fixture
+def register(monkeypatch):
+    """Register stand-in starters under fresh names; the registry is left as it was."""
+    monkeypatch.setattr(prestart, "_STARTERS", dict(prestart._STARTERS))
+    monkeypatch.setattr(prestart, "_COST_GIB", dict(prestart._COST_GIB))
+    monkeypatch.setattr(prestart, "available_gib", lambda: 1e6)  # not this machine's: tests set it
+    made: dict[str, list[Resource]] = {}
+
+    def add(gib: float = 1.0, gate: threading.Event | None = None, fail: bool = False) -> str:
+        name = f"r_{uuid.uuid4().hex[:8]}"
+        made[name] = []
+
+        @prestart.prestartable(name, gib=gib)
+        def start(fixtures, run_dir) -> Resource:
+            if gate is not None:
+                gate.wait(10)
+            if fail:
+                raise RuntimeError(f"{name} failed to start")
+            made[name].append(Resource(name))
+            return made[name][-1]
+
+        return name
+
+    add.made = made  # type: ignore[attr-defined]
+    return add
+
+
+def wait_for(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_needed_lists_registered_fixtures_once_in_the_order_of_first_use(register):
+    a, b = register(), register()
+    assert prestart.needed([["tmp_path", b], [a, "engines"], [b, a]]) == [b, a]
+    assert prestart.needed([["tmp_path"]]) == []
+
+
+def test_a_started_resource_is_handed_to_its_fixture_and_not_stopped_by_the_session(register):
+    a = register()
+    starts = prestart.Prestarts(None, Path("."), [a])
+    wait_for(lambda: register.made[a])
+    got = starts.take(a)
+    starts.stop_untaken()
+    assert got is register.made[a][0] and got.stopped == 0  # its fixture owns it
+    assert len(register.made[a]) == 1
+
+
+def test_a_take_before_the_start_starts_it_then_and_once(register, monkeypatch):
+    monkeypatch.setattr(prestart, "available_gib", lambda: 0.0)  # the gate holds every start
+    a = register()
+    starts = prestart.Prestarts(None, Path("."), [a])
+    got = starts.take(a)  # its test is here: it starts despite the gate
+    starts.stop_untaken()
+    assert register.made[a] == [got] and got.stopped == 0
+
+
+def test_the_memory_gate_holds_a_start_until_the_memory_is_there(register, monkeypatch):
+    free = {"gib": prestart.RESERVE_GIB + 1.0}
+    monkeypatch.setattr(prestart, "available_gib", lambda: free["gib"])
+    a = register(gib=2.0)
+    starts = prestart.Prestarts(None, Path("."), [a])
+    time.sleep(1.2)
+    assert register.made[a] == []  # 1 GiB over the reserve; it needs 2
+    free["gib"] += 1.0
+    wait_for(lambda: register.made[a])
+    starts.take(a)
+    starts.stop_untaken()
+
+
+def test_a_start_counts_its_memory_until_it_serves(register, monkeypatch):
+    monkeypatch.setattr(prestart, "available_gib", lambda: prestart.RESERVE_GIB + 3.0)
+    gate = threading.Event()
+    a, b = register(gib=2.0, gate=gate), register(gib=2.0)
+    starts = prestart.Prestarts(None, Path("."), [a, b])
+    time.sleep(1.2)
+    assert register.made[b] == []  # a is booting with 2 of the 3 GiB: b waits
+    gate.set()
+    wait_for(lambda: register.made[b])
+    starts.take(a), starts.take(b)
+    starts.stop_untaken()
+
+
+def test_the_session_stops_what_no_test_took_and_starts_nothing_more(register, monkeypatch):
+    a, b = register(), register(gib=1000.0)  # b can never pass the gate
+    starts = prestart.Prestarts(None, Path("."), [a, b])
+    wait_for(lambda: register.made[a])
+    starts.stop_untaken()
+    assert register.made[a][0].stopped == 1
+    assert register.made[b] == []  # no start at the end of the session only to stop it
+
+
+def test_a_failed_background_start_fails_the_fixture_that_takes_it(register):
+    a = register(fail=True)
+    starts = prestart.Prestarts(None, Path("."), [a])
+    with pytest.raises(RuntimeError, match="failed to start"):
+        starts.take(a)
+    starts.stop_untaken()
+
+
+def test_without_prestarts_a_fixture_starts_its_own(register):
+    a = register()
+    got = prestart.take(None, a, None, Path("."))
+    assert register.made[a] == [got]
+
+
+def test_background_starts_boot_at_a_lower_priority(register, monkeypatch):
+    """What a start thread spawns inherits its nice value (per thread on Linux), so the tests
+    running meanwhile keep the CPU; the test process itself is untouched."""
+    import os
+    import subprocess
+
+    name = f"r_{uuid.uuid4().hex[:8]}"
+    procs: list[subprocess.Popen] = []
+
+    @prestart.prestartable(name)
+    def start(fixtures, run_dir):
+        procs.append(subprocess.Popen(["sleep", "30"]))
+        return procs[-1]  # stop() is not Popen's: terminated below
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    starts = prestart.Prestarts(None, Path("."), [name])
+    proc = starts.take(name)
+    try:
+        nice = int(Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+        assert nice == max(before, prestart.BOOT_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == before
+    finally:
+        proc.kill()
+        proc.wait()
+        starts.stop_untaken()
