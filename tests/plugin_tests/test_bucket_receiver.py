@@ -576,8 +576,19 @@ async def test_a_bucket_body_exactly_at_the_cap_is_read_and_one_byte_over_is_ref
     assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE and no_parts(area)
 
 
-def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+def open_fds(*dirs: Path) -> set[tuple[str, str]]:
+    """This process's fds on files under ``dirs`` (the staging area, a test's source): only
+    those, since threads of the test session (its background engine starts) open and close fds of
+    their own meanwhile."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed since the listing
+        if any(target.startswith(str(d)) for d in dirs):
+            fds.add((fd, target))
+    return fds
 
 
 def failing_nth(real: Any, n: int, errno_: int) -> Any:
@@ -600,22 +611,22 @@ async def test_a_full_filesystem_mid_body_is_a_typed_refusal_that_leaves_no_file
     """The part is sparse and written through its fd: a full filesystem fails the write (a typed
     refusal), where a store into a mapped page of a sparse file would SIGBUS the engine."""
     manifest, spec, payload = setup(adapter(hidden=256))
-    before = open_fds()
+    before = open_fds(area.root)
     monkeypatch.setattr(staging.os, "pwrite", failing_nth(os.pwrite, 3, errno_))
     with pytest.raises(LoraVersionError) as info:
         await receive(area, manifest, spec, payload, chunk=4096)
     assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE and "no room" in info.value.message
-    assert no_parts(area) and open_fds() == before
+    assert no_parts(area) and open_fds(area.root) == before
 
 
 async def test_a_committed_or_refused_part_keeps_no_fd(area) -> None:
     manifest, spec, payload = setup(adapter())
-    before = open_fds()
+    before = open_fds(area.root)
     r = await receive(area, manifest, spec, payload)
     area.commit_part(KEY, r.part, 0)
     with pytest.raises(LoraVersionError):
         await receive(area, manifest, spec, payload, checksum="0" * 64)
-    assert open_fds() == before and no_parts(area)
+    assert open_fds(area.root) == before and no_parts(area)
 
 
 @pytest.mark.parametrize("errno_", [errno.EXDEV, errno.ENOSYS])
@@ -677,7 +688,7 @@ async def test_a_failed_copy_names_the_side_that_failed(area, tmp_path, monkeypa
     src = tmp_path / "src"
     src.mkdir()
     (src / "b0.safetensors").write_bytes(payload)
-    before = open_fds()
+    before = open_fds(area.root, tmp_path)
     eio = OSError(errno.EIO, os.strerror(errno.EIO))
     monkeypatch.setattr(staging.os, "copy_file_range", lambda *a: (_ for _ in ()).throw(eio))
     # the receiver's own two reads of the header are the first preads; the copy's come after
@@ -691,7 +702,7 @@ async def test_a_failed_copy_names_the_side_that_failed(area, tmp_path, monkeypa
     else:
         assert not isinstance(info.value, LoraVersionError), "not the sender's fault"
         assert isinstance(info.value, OSError) and info.value.errno == errno.EIO
-    assert no_parts(area) and open_fds() == before
+    assert no_parts(area) and open_fds(area.root, tmp_path) == before
 
 
 async def test_the_read_waits_while_the_write_lane_is_a_backlog_behind_and_goes_on_when_it_catches_up(
