@@ -28,9 +28,8 @@ E1_PROBE_LAUNCHER = REPO / "tests" / "engine_wrappers" / "sglang_with_scheduler_
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests without engines run first (in their order), the engine tests after them (in
     theirs): meanwhile the engines those need boot in the background (:func:`prestarts`)."""
-    items[:] = [*(i for i in items if not i.get_closest_marker("engine")), *(
-        i for i in items if i.get_closest_marker("engine")
-    )]
+    needs_engines = [i for i in items if i.get_closest_marker("engine")]
+    items[:] = [i for i in items if not i.get_closest_marker("engine")] + needs_engines
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -73,7 +72,8 @@ def _spawn_farm(fixtures: Fixtures, run_dir: Path) -> list:
 
 @pytest.fixture(scope="session")
 def engine_farm(fixtures: Fixtures, run_dir: Path, prestarts: prestart.Prestarts | None) -> Iterator[dict]:
-    """E0, E1 and ``stock`` (lora_versions_dev.farm), spawned together (at the session's start)."""
+    """E0, E1 and ``stock`` (lora_versions_dev.farm), spawned together ahead of their first use
+    (lora_versions_dev.prestart)."""
     from lora_versions_dev.launcher import EngineStartError, stop_engines
 
     t0 = time.monotonic()
@@ -103,7 +103,8 @@ def spare_engine(
     fixtures: Fixtures, run_dir: Path, prestarts: prestart.Prestarts | None
 ) -> Iterator[SpareEngine]:
     """One plugin engine that the restart tests of several modules stop, kill and start again
-    (lora_versions_dev.farm.SpareEngine): spawned at the session's start, shared by the session."""
+    (lora_versions_dev.farm.SpareEngine): spawned ahead of its first use (lora_versions_dev.prestart),
+    shared by the session."""
     spare = prestart.take(prestarts, "spare_engine", fixtures, run_dir)
     try:
         yield spare
@@ -124,9 +125,9 @@ def tp2_engine(
     fixtures: Fixtures, run_dir: Path, prestarts: prestart.Prestarts | None
 ) -> Iterator[SpareEngine]:
     """A TP=2 plugin engine (issue 38) with E1's scheduler probes, which the TP tests of several
-    modules share and may kill and start again (lora_versions_dev.farm.SpareEngine): spawned at
-    the session's start. Its local source directory is its own (the probes' trigger files lie
-    beside)."""
+    modules share and may kill and start again (lora_versions_dev.farm.SpareEngine): spawned ahead
+    of its first use (lora_versions_dev.prestart). Its local source directory is its own (the
+    probes' trigger files lie beside)."""
     spare = prestart.take(prestarts, "tp2_engine", fixtures, run_dir)
     try:
         yield spare

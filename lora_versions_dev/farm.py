@@ -74,8 +74,9 @@ def farm_specs(
 
 class SpareEngine:
     """A plugin engine beside the farm that tests may stop, SIGKILL and start again on its port
-    (the restart tests of several modules): one per session, spawned at its first use so that it
-    boots while that module's other tests run. Whoever restarts it puts the new process in
+    (the restart tests of several modules): one per session, spawned ahead of its first use (the
+    test session's lora_versions_dev.prestart), so that it boots while other tests run. Whoever
+    restarts it puts the new process in
     :attr:`engine`; :meth:`take` hands it to the next test with nothing an earlier one left."""
 
     def __init__(

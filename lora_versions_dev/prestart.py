@@ -2,9 +2,12 @@
 
 An engine takes half a minute to boot here, almost all of it importing SGLang and torch in three
 processes; a test module that starts its own engine used to wait that long in its setup while the
-rest of the machine idled. The test session now starts, at its first test, every engine (and
+rest of the machine idled. The test session now queues, at its first test, every engine (and
 every batch of refused launches) that its selected tests will use, in the order they will use
-them and a few at a time, so the boots overlap the fast tests that run first and each other.
+them; each starts when one of two start slots is free and enough memory stays available for the
+tests' own processes (:data:`RESERVE_GIB`), and boots at a lower priority (:data:`BOOT_NICE`)
+until it serves. So the boots overlap the tests without engines, which run first, and the engine
+tests' waits, instead of adding to them.
 
 A fixture that owns such a resource declares how to start it (:func:`prestartable`, under the
 fixture's own name) and gets it with :meth:`Prestarts.take`: the started one if the session

@@ -52,7 +52,7 @@ def _spawn_other_base_engine(fixtures: Fixtures, run_dir: Path):
 def other_base_engine(fixtures: Fixtures, run_dir: Path, prestarts: prestart.Prestarts | None):
     """A plugin engine whose base model has the cohort's shape, config and tokenizer but other
     weights (tests/trainer_tests/test_base_model_engines.py). Module-scoped, not in the farm: it
-    is stopped when its module ends (spawned at the session's start, lora_versions_dev.prestart)."""
+    is stopped when its module ends (spawned ahead of its first use, lora_versions_dev.prestart)."""
     with prestart.serving(prestarts, "other_base_engine", fixtures, run_dir) as engine:
         yield engine
 

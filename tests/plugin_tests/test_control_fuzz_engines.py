@@ -33,7 +33,7 @@ def _spawn_fuzz_engine(fixtures, run_dir):
 
 @pytest.fixture(scope="module")
 def booting_fuzz_engine(fixtures, run_dir, prestarts):
-    """The fuzzer's engine, spawned (at the session's start) and maybe not yet healthy: it boots
+    """The fuzzer's engine, spawned ahead of its use and maybe not yet healthy: it boots
     while :func:`adapters` computes the reference tokens in this process."""
     from lora_versions_dev.launcher import stop_engine
 

@@ -224,7 +224,7 @@ SCHEDULER_ATTRIBUTE = "scheduler-attribute"
 
 @pytest.fixture(scope="module")
 def refused_starts(fixtures, run_dir, prestarts) -> dict:
-    """Every refused setup: (the exit code, the spec), launched at the session's start in the
+    """Every refused setup: (the exit code, the spec), launched ahead of their first use, in the
     background (lora_versions_dev.prestart)."""
     return prestart.take(prestarts, "refused_starts", fixtures, run_dir)
 

@@ -37,7 +37,7 @@ RENAMED = {
 @pytest.fixture(scope="module")
 def renamed_starts(fixtures, run_dir, prestarts) -> dict[str, tuple[int | None, EngineSpec]]:
     """Each renamed field: (the exit code, None if it was still starting at the timeout; the spec),
-    launched at the session's start in the background (lora_versions_dev.prestart)."""
+    launched ahead of their first use, in the background (lora_versions_dev.prestart)."""
     return prestart.take(prestarts, "renamed_starts", fixtures, run_dir)
 
 
