@@ -74,23 +74,12 @@ def _spawn_farm(fixtures: Fixtures, run_dir: Path) -> list:
 def engine_farm(fixtures: Fixtures, run_dir: Path, prestarts: prestart.Prestarts | None) -> Iterator[dict]:
     """E0, E1 and ``stock`` (lora_versions_dev.farm), spawned together ahead of their first use
     (lora_versions_dev.prestart)."""
-    from lora_versions_dev.launcher import EngineStartError, stop_engines
-
     t0 = time.monotonic()
-    engines = prestart.take(prestarts, "engine_farm", fixtures, run_dir)
-    try:
-        for e in engines:
-            e.wait_healthy(e.spec.startup_timeout_s)
-    except EngineStartError:
-        stop_engines(engines)
-        raise
-    timing = {"waited_s": round(time.monotonic() - t0, 1)}
-    (run_dir / "engine_start.json").write_text(json.dumps(timing, indent=2))
-    print(f"\n[engines] the farm serves: {timing}")
-    try:
+    with prestart.serving(prestarts, "engine_farm", fixtures, run_dir) as engines:
+        timing = {"waited_s": round(time.monotonic() - t0, 1)}
+        (run_dir / "engine_start.json").write_text(json.dumps(timing, indent=2))
+        print(f"\n[engines] the farm serves: {timing}")
         yield {e.name: e for e in engines}
-    finally:
-        stop_engines(engines)
 
 
 @prestart.prestartable("spare_engine")

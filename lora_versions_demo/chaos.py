@@ -114,8 +114,9 @@ class ChaosEngines:
         from lora_versions_dev.launcher import start_engines
 
         if not self.engines:
-            for e in start_engines([self.spec(n, None) for n in COHORT]):
+            for e in start_engines([self.spec(n, None) for n in COHORT]):  # each waited for
                 self.engines[e.name] = e
+            return
         for e in self.engines.values():  # spawned, or left by an earlier campaign: serving
             e.wait_healthy(e.spec.startup_timeout_s)
 

@@ -155,10 +155,6 @@ class Prestarts:
             self._urgent[name] = threading.Event()
             self._jobs[name] = self._pool.submit(self._start_and_settle, name)
 
-    @property
-    def started(self) -> list[str]:
-        return list(self._jobs)
-
     def _memory_allows(self, name: str) -> bool:
         with self._lock:
             booting = self._booting_gib
@@ -223,14 +219,19 @@ def take(prestarts: Prestarts | None, name: str, fixtures: Fixtures, run_dir: Pa
 
 
 @contextlib.contextmanager
-def serving(prestarts: Prestarts | None, name: str, fixtures: Fixtures, run_dir: Path) -> Iterator[Engine]:
-    """A module's own engine (one :class:`~lora_versions_dev.launcher.Engine`, registered under
-    the fixture ``name``): taken, waited for until it serves, stopped when the block ends."""
-    from lora_versions_dev.launcher import stop_engine
+def serving(
+    prestarts: Prestarts | None, name: str, fixtures: Fixtures, run_dir: Path
+) -> Iterator[Engine | list[Engine]]:
+    """What the fixture ``name`` owns, one :class:`~lora_versions_dev.launcher.Engine` or a list
+    of them (the farm): taken, waited for until every one serves, all stopped when the block ends
+    (or when one of them fails to start)."""
+    from lora_versions_dev.launcher import stop_engines
 
-    engine = take(prestarts, name, fixtures, run_dir)
+    handle = take(prestarts, name, fixtures, run_dir)
+    engines = handle if isinstance(handle, list) else [handle]
     try:
-        engine.wait_healthy(engine.spec.startup_timeout_s)
-        yield engine
+        for engine in engines:
+            engine.wait_healthy(engine.spec.startup_timeout_s)
+        yield handle
     finally:
-        stop_engine(engine)
+        stop_engines(engines)
