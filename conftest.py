@@ -27,9 +27,15 @@ E1_PROBE_LAUNCHER = REPO / "tests" / "engine_wrappers" / "sglang_with_scheduler_
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests without engines run first (in their order), the engine tests after them (in
-    theirs): meanwhile the engines those need boot in the background (:func:`prestarts`)."""
-    needs_engines = [i for i in items if i.get_closest_marker("engine")]
-    items[:] = [i for i in items if not i.get_closest_marker("engine")] + needs_engines
+    theirs), and last the tests of the runs that the background ran meanwhile (:func:`prestarts`):
+    meanwhile the engines the engine tests need boot in the background."""
+
+    def phase(item: pytest.Item) -> int:
+        if not item.get_closest_marker("engine"):
+            return 0
+        return 2 if prestart.is_run(getattr(item, "fixturenames", ())) else 1
+
+    items.sort(key=phase)  # stable: each phase keeps its order
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,6 +53,17 @@ def prestarts(request: pytest.FixtureRequest) -> Iterator[prestart.Prestarts | N
     finally:
         starts.stop_untaken()
         (run_dir / "prestart.json").write_text(json.dumps(starts.timeline, indent=2))
+
+
+@pytest.fixture(autouse=True)
+def _room_for_engine_tests(request: pytest.FixtureRequest, prestarts: prestart.Prestarts | None) -> None:
+    """The first engine test opens the background's run lane; an engine test that may start
+    processes of its own first gets the memory they need, if a run in flight holds it."""
+    if prestarts is None or not request.node.get_closest_marker("engine"):
+        return
+    prestarts.begin_engine_tests()
+    if not prestart.is_run(request.fixturenames):
+        prestarts.wait_for_room()
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,12 @@ tests' own processes (:data:`RESERVE_GIB`), and boots at a lower priority (:data
 until it serves. So the boots overlap the tests without engines, which run first, and the engine
 tests' waits, instead of adding to them.
 
+A run that needs nothing but the machine (an example or a bench run the way the README runs it,
+with engines, a gateway and a trainer of its own) is queued the same way but in a lane of its
+own (``prestartable(..., run=True)``): one run at a time, from the first engine test on, so it
+takes the CPU the engine tests leave idle (about 40% of two cores over the engine tests, sampled
+here) instead of a slot in the sequence of tests; its test, run last, asserts on what it left.
+
 A fixture that owns such a resource declares how to start it (:func:`prestartable`, under the
 fixture's own name) and gets it with :meth:`Prestarts.take`: the started one if the session
 started it, a new one otherwise (a run of a single test starts what it needs, as before). The
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -39,6 +46,7 @@ Starter = Callable[[Fixtures, Path], Any]
 
 _STARTERS: dict[str, Starter] = {}
 _COST_GIB: dict[str, float] = {}
+_RUNS: set[str] = set()  # the registered fixtures whose resource is a whole run (the run lane)
 
 # Resources starting at once: an engine's boot is two to three cores' worth of imports for half a
 # minute, and a storm of them would starve the tests running meanwhile (2 cores here).
@@ -48,23 +56,32 @@ BOOTING_AT_ONCE = 2
 # the tests' own priority, the tests without engines took 503 s instead of 190 and a 2 s stall
 # bound of test_collective_link tripped.
 BOOT_NICE = 10
-# Memory: one CPU engine of the fixture model holds about 2.9 GiB (PSS of its four processes,
-# measured here), and nothing started early may take what a test needs for its own processes
-# later: a start waits until this much stays available after it (the showcase's examples start
-# two engines, smg and a trainer of their own: about 7.5 GiB; with 8 GiB reserved, 2.0 GiB were
-# left at the online RL example's start here).
-ENGINE_GIB = 3.0
-TP2_ENGINE_GIB = 5.0  # two scheduler processes, one model each
-RESERVE_GIB = 10.0
+# Memory, in what MemAvailable loses (the cost a start books until what it started shows there):
+# an engine of the fixture model holds about 2 to 2.9 GiB (2.9 is the PSS of its four processes),
+# a TP=2 engine about 4, a whole example run (two engines, smg, the trainer and its reference
+# model) about 4.9 at its peak (sampled every second here: the demo and the online RL example
+# each took MemAvailable from 23.0 to 18.1-18.2). A start waits until, after it, RESERVE_GIB stays
+# available for what the tests start themselves (an engine of their own, a Ray cluster of three
+# nodes, trainer processes); so does an engine test while a run is in flight
+# (:meth:`Prestarts.wait_for_room`).
+ENGINE_GIB = 2.5
+TP2_ENGINE_GIB = 4.0  # two scheduler processes, one model each
+RUN_GIB = 6.0
+RESERVE_GIB = 4.0
 
 
-def prestartable(fixture_name: str, *, gib: float = ENGINE_GIB) -> Callable[[Starter], Starter]:
+def prestartable(
+    fixture_name: str, *, gib: float = ENGINE_GIB, run: bool = False
+) -> Callable[[Starter], Starter]:
     """Register how to start what the fixture ``fixture_name`` uses (a test module's decorator,
-    run when the module is collected, before the session's first test) and the memory it holds."""
+    run when the module is collected, before the session's first test) and the memory it holds;
+    ``run``: a whole run that ends by itself (the run lane, see the module docstring)."""
 
     def register(starter: Starter) -> Starter:
         _STARTERS[fixture_name] = starter
         _COST_GIB[fixture_name] = gib
+        if run:
+            _RUNS.add(fixture_name)
         return starter
 
     return register
@@ -87,6 +104,11 @@ def needed(fixturenames_in_order: Iterable[Iterable[str]]) -> list[str]:
             if name in _STARTERS:
                 seen.setdefault(name)
     return list(seen)
+
+
+def is_run(fixturenames: Iterable[str]) -> bool:
+    """Whether a test asserts on a background run (such tests go last: their runs had the time)."""
+    return any(name in _RUNS for name in fixturenames)
 
 
 def _boot_in_the_background() -> None:
@@ -131,6 +153,18 @@ def _stop(handle: Any) -> None:
                 stop()
 
 
+_running = threading.local()  # in a start thread: the name of what it starts
+_RUN_PROCS: dict[str, subprocess.Popen] = {}
+
+
+def track(proc: subprocess.Popen) -> None:
+    """A run's process, as its starter spawns it: stopped if the session ends before its test took
+    the run (an interrupted session). Outside a start thread (a run started by its test) a no-op."""
+    name = getattr(_running, "name", None)
+    if name is not None:
+        _RUN_PROCS[name] = proc
+
+
 class Prestarts:
     """The session's background starts (see the module docstring)."""
 
@@ -140,36 +174,73 @@ class Prestarts:
         self._pool = ThreadPoolExecutor(
             max_workers=BOOTING_AT_ONCE, thread_name_prefix="prestart", initializer=_boot_in_the_background
         )
+        self._run_lane = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="prestart-run", initializer=_boot_in_the_background
+        )
         self._jobs: dict[str, Future[None]] = {}
         self._handles: dict[str, Future[Any]] = {}
         self._taken: set[str] = set()
         self._urgent: dict[str, threading.Event] = {}
         self._closing = threading.Event()
+        self._engine_tests = threading.Event()
         self._t0 = time.monotonic()
         # per resource: when its start began and when it served, from the session's first test
         # (the test session writes it to its run directory)
         self.timeline: dict[str, dict[str, float]] = {}
-        self._booting_gib = 0.0  # started, not yet serving: memory MemAvailable does not show yet
+        # started and not yet serving (a run: not yet ended): its cost and MemAvailable when it
+        # started, so the memory it will still take counts before MemAvailable shows it
+        self._growing: dict[str, tuple[float, float]] = {}
         for name in names:
             self._handles[name] = Future()
             self._urgent[name] = threading.Event()
-            self._jobs[name] = self._pool.submit(self._start_and_settle, name)
+            lane = self._run_lane if name in _RUNS else self._pool
+            self._jobs[name] = lane.submit(self._start_and_settle, name)
 
-    def _memory_allows(self, name: str) -> bool:
+    def begin_engine_tests(self) -> None:
+        """The tests without engines are done: the run lane may start (they keep the CPU till then)."""
+        self._engine_tests.set()
+
+    def _still_to_take_gib(self, available: float) -> float:
         with self._lock:
-            booting = self._booting_gib
-        return available_gib() - booting >= _COST_GIB[name] + RESERVE_GIB
+            growing = list(self._growing.values())
+        return sum(max(0.0, cost - max(0.0, at_start - available)) for cost, at_start in growing)
+
+    def _free_gib(self) -> float:
+        """Available memory, less what the starts in flight will still take."""
+        available = available_gib()
+        return available - self._still_to_take_gib(available)
+
+    def _run_in_flight(self) -> bool:
+        with self._lock:
+            return any(name in _RUNS for name in self._growing)
+
+    def _may_start(self, name: str) -> bool:
+        free, cost = self._free_gib(), _COST_GIB[name]
+        if free >= cost + RESERVE_GIB:
+            return True
+        # its test is here: it starts unless memory is short and a run in flight will free it
+        return self._urgent[name].is_set() and not (free < cost and self._run_in_flight())
+
+    def wait_for_room(self, gib: float = RESERVE_GIB, poll_s: float = 0.5) -> None:
+        """Before a test that may start processes of its own: while a run in flight leaves less
+        than ``gib``, wait for it to end (a run ends by itself; nothing resident is waited for)."""
+        while self._run_in_flight() and self._free_gib() < gib:
+            time.sleep(poll_s)
 
     def _start_and_settle(self, name: str) -> None:
-        handle_future, cost = self._handles[name], _COST_GIB[name]
-        while not self._memory_allows(name) and not self._urgent[name].wait(0.5):
-            pass  # until the memory is there, or its test wants it now
+        handle_future, cost, urgent = self._handles[name], _COST_GIB[name], self._urgent[name]
+        if name in _RUNS:
+            while not self._engine_tests.wait(0.5) and not urgent.is_set() and not self._closing.is_set():
+                pass  # the tests without engines keep the CPU
+        while not self._closing.is_set() and not self._may_start(name):
+            urgent.wait(0.5)  # until the memory is there, or its test wants it now
         if self._closing.is_set():
             handle_future.cancel()  # the session ended before any test took it
             return
         with self._lock:
-            self._booting_gib += cost
+            self._growing[name] = (cost, available_gib())
         self.timeline.setdefault(name, {})["started_s"] = round(time.monotonic() - self._t0, 1)
+        _running.name = name
         try:
             try:
                 handle = _STARTERS[name](self.fixtures, self.run_dir)
@@ -180,8 +251,9 @@ class Prestarts:
             _settle(handle)
             self.timeline[name]["up_s"] = round(time.monotonic() - self._t0, 1)
         finally:
+            _running.name = None
             with self._lock:
-                self._booting_gib -= cost
+                self._growing.pop(name, None)
 
     def take(self, name: str) -> Any:
         """What the fixture ``name`` uses: started in the background, or started now if it was not
@@ -196,14 +268,19 @@ class Prestarts:
         return self._handles[name].result()
 
     def stop_untaken(self) -> None:
-        """At the session's end: nothing started for a test that never ran is left running."""
+        """At the session's end: nothing started for a test that never ran is left running (a run
+        in flight is stopped as a CI cancel would: SIGTERM, and it stops what it started)."""
         with self._lock:
             jobs, self._jobs = self._jobs, {}
         self._closing.set()
         for name, job in jobs.items():
             job.cancel()
             self._urgent[name].set()  # a job still waiting for memory ends without a start
+            proc = _RUN_PROCS.pop(name, None)
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
         self._pool.shutdown(wait=True)
+        self._run_lane.shutdown(wait=True)
         for name, future in self._handles.items():
             if name in self._taken or not future.done() or future.cancelled():
                 continue

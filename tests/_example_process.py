@@ -1,6 +1,7 @@
 """Run an example or a bench the way a user does (a process from the repository root), and on a
 timeout stop it as a CI cancel would: SIGTERM, which both unwind like Ctrl-C, stopping the
-engines and the gateway they started."""
+engines and the gateway they started. Run in the background (lora_versions_dev.prestart's run
+lane), the process is tracked so that a session that ends first stops it the same way."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from lora_versions_dev import prestart
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_to_the_end(
@@ -22,6 +25,7 @@ def run_to_the_end(
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         text=True,
     )
+    prestart.track(proc)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -6,6 +6,9 @@ true. So the test pins the exact set of checks, by stable name and step, that RE
 main job shows" promises, and re-derives the key figures from what the run left behind: the
 engines' own logs (one physical unload of A per engine, no pause / flush endpoint ever served)
 and an independent HF transformers + PEFT reference of every turn.
+
+The demo runs in the background while the engine tests run (lora_versions_dev.prestart's run
+lane); the test, among the last, asserts on what it left.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _example_process import run_to_the_end
+
+from lora_versions_dev import prestart
 
 pytestmark = pytest.mark.engine
 
@@ -61,13 +67,20 @@ EXPECTED_CHECKS: dict[str, int] = {
 COHORT = ("E0", "E1")
 
 
-def test_the_demo_runs_the_whole_lifecycle_through_the_gateway(tmp_path: Path) -> None:
-    p = subprocess.run(
-        [sys.executable, "-m", "lora_versions_dev.cli", "demo", "--json", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+@prestart.prestartable("demo_run", gib=prestart.RUN_GIB, run=True)
+def _run_demo(fixtures, run_dir: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    out = run_dir / "demo"
+    cmd = [sys.executable, "-m", "lora_versions_dev.cli", "demo", "--json", "--out", str(out)]
+    return out, run_to_the_end(cmd, 840)
+
+
+@pytest.fixture(scope="module")
+def demo_run(fixtures, run_dir: Path, prestarts) -> tuple[Path, subprocess.CompletedProcess]:
+    return prestart.take(prestarts, "demo_run", fixtures, run_dir)
+
+
+def test_the_demo_runs_the_whole_lifecycle_through_the_gateway(demo_run) -> None:
+    out, p = demo_run
     assert p.stdout.strip(), p.stderr[-3000:]
     report = json.loads(p.stdout)
     names = [c["name"] for c in report["checks"]]
@@ -82,7 +95,7 @@ def test_the_demo_runs_the_whole_lifecycle_through_the_gateway(tmp_path: Path) -
     assert "gateway smg 1.13.0" in p.stderr and "--disable-retries" in p.stderr
     gateway = next(s["gateway"] for s in report["steps"] if "gateway" in s)
     assert gateway["cache_hit_rate_later_turns"] >= 0.5
-    assert (tmp_path / "demo.json").exists() and (tmp_path / "gateway.log").exists()
+    assert (out / "demo.json").exists() and (out / "gateway.log").exists()
 
     logs = {e: Path(report["engines"][e]["log"]).read_text(errors="replace") for e in COHORT}
     assert_staged_and_bound(checks)

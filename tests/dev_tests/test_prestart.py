@@ -1,5 +1,6 @@
 """The session's background starts (lora_versions_dev.prestart), with stand-in resources: the order
-of first use, a take before the start, the memory gate and what is stopped at the session's end.
+of first use, a take before the start, the memory gate and what is stopped at the session's end,
+the run lane (one run at a time, once the engine tests begin) and the room a test waits for.
 The engines themselves are the engine tests' (every module-scoped engine is taken this way)."""
 
 from __future__ import annotations
@@ -27,14 +28,17 @@ def register(monkeypatch):
     """Register stand-in starters under fresh names; the registry is left as it was."""
     monkeypatch.setattr(prestart, "_STARTERS", dict(prestart._STARTERS))
     monkeypatch.setattr(prestart, "_COST_GIB", dict(prestart._COST_GIB))
+    monkeypatch.setattr(prestart, "_RUNS", set(prestart._RUNS))
     monkeypatch.setattr(prestart, "available_gib", lambda: 1e6)  # not this machine's: tests set it
     made: dict[str, list[Resource]] = {}
 
-    def add(gib: float = 1.0, gate: threading.Event | None = None, fail: bool = False) -> str:
+    def add(
+        gib: float = 1.0, gate: threading.Event | None = None, fail: bool = False, run: bool = False
+    ) -> str:
         name = f"r_{uuid.uuid4().hex[:8]}"
         made[name] = []
 
-        @prestart.prestartable(name, gib=gib)
+        @prestart.prestartable(name, gib=gib, run=run)
         def start(fixtures, run_dir) -> Resource:
             if gate is not None:
                 gate.wait(10)
@@ -155,3 +159,103 @@ def test_background_starts_boot_at_a_lower_priority(register, monkeypatch):
         proc.kill()
         proc.wait()
         starts.stop_untaken()
+
+
+def test_a_start_books_only_the_memory_it_has_not_taken_yet(register, monkeypatch):
+    free = {"gib": 20.0}
+    monkeypatch.setattr(prestart, "available_gib", lambda: free["gib"])
+    gate = threading.Event()
+    a = register(gib=6.0, gate=gate)
+    starts = prestart.Prestarts(None, Path("."), [a])
+    wait_for(lambda: starts._still_to_take_gib(free["gib"]) == 6.0)
+    free["gib"] = 16.0  # it has taken 4 of its 6
+    assert starts._free_gib() == 14.0
+    free["gib"] = 12.0  # more than it booked: nothing left to take, never a negative booking
+    assert starts._free_gib() == 12.0
+    gate.set()
+    starts.take(a)
+    starts.stop_untaken()
+
+
+def test_a_run_starts_once_the_engine_tests_begin_and_runs_alone(register):
+    first, second = threading.Event(), threading.Event()
+    a, b = register(run=True, gate=first), register(run=True, gate=second)
+    starts = prestart.Prestarts(None, Path("."), [a, b])
+    time.sleep(0.7)
+    assert "started_s" not in starts.timeline.get(a, {})  # the tests without engines keep the CPU
+    starts.begin_engine_tests()
+    wait_for(lambda: "started_s" in starts.timeline.get(a, {}))
+    time.sleep(0.3)
+    assert b not in starts.timeline  # one run at a time
+    first.set()
+    wait_for(lambda: "started_s" in starts.timeline.get(b, {}))
+    second.set()
+    assert starts.take(a) is register.made[a][0] and starts.take(b) is register.made[b][0]
+    starts.stop_untaken()
+
+
+def test_an_engine_test_waits_for_room_only_while_a_run_holds_it(register, monkeypatch):
+    free = {"gib": 3.0}  # under the reserve
+    monkeypatch.setattr(prestart, "available_gib", lambda: free["gib"])
+    ends = threading.Event()
+    starts = prestart.Prestarts(None, Path("."), [])
+    starts.wait_for_room(poll_s=0.01)  # no run in flight: nothing a wait would free
+    run = register(run=True, gate=ends, gib=0.5)
+    starts = prestart.Prestarts(None, Path("."), [run])
+    starts.begin_engine_tests()
+    starts._urgent[run].set()  # past the gate despite the memory, as its test would
+    wait_for(lambda: "started_s" in starts.timeline.get(run, {}))
+    waited = threading.Thread(target=starts.wait_for_room, kwargs={"poll_s": 0.01})
+    waited.start()
+    time.sleep(0.3)
+    assert waited.is_alive()  # the run holds the memory the test may need
+    ends.set()  # the run ends by itself
+    waited.join(5)
+    assert not waited.is_alive()
+    starts.take(run)
+    starts.stop_untaken()
+
+
+def test_a_start_its_test_wants_waits_for_a_run_in_flight_when_memory_is_short(register, monkeypatch):
+    free = {"gib": 4.0}
+    monkeypatch.setattr(prestart, "available_gib", lambda: free["gib"])
+    ends = threading.Event()
+    run, engine = register(run=True, gate=ends, gib=0.5), register(gib=3.8)
+    starts = prestart.Prestarts(None, Path("."), [run, engine])
+    starts.begin_engine_tests()
+    starts._urgent[run].set()
+    wait_for(lambda: "started_s" in starts.timeline.get(run, {}))
+    took = threading.Thread(target=starts.take, args=(engine,))
+    took.start()
+    time.sleep(0.7)
+    assert register.made[engine] == []  # 4 less the run's 0.5 < 3.8: it waits for the run
+    ends.set()
+    took.join(5)
+    assert register.made[engine] and not took.is_alive()
+    starts.take(run)
+    starts.stop_untaken()
+
+
+def test_the_session_end_stops_a_run_no_test_took(register):
+    import subprocess
+
+    name = f"r_{uuid.uuid4().hex[:8]}"
+    procs: list[subprocess.Popen] = []
+
+    @prestart.prestartable(name, run=True)
+    def start(fixtures, run_dir):
+        procs.append(subprocess.Popen(["sleep", "60"]))
+        prestart.track(procs[-1])
+        return procs[-1].wait()
+
+    starts = prestart.Prestarts(None, Path("."), [name])
+    starts.begin_engine_tests()
+    wait_for(lambda: procs)
+    t0 = time.monotonic()
+    starts.stop_untaken()
+    assert procs[0].poll() is not None and time.monotonic() - t0 < 10  # SIGTERM, not its end
+
+
+def test_the_tests_of_runs_go_last(register):
+    a, b = register(run=True), register()
+    assert prestart.is_run(["tmp_path", a]) and not prestart.is_run(["tmp_path", b])

@@ -1,15 +1,20 @@
 """The online RL example, short form, run as the README runs it (``python -m examples.online_rl``
 with ``--json``): two CPU engines of its own behind the real smg gateway, a few updates. The
-reward must rise above the base model's by a margin, and every invariant must hold."""
+reward must rise above the base model's by a margin, and every invariant must hold. It runs in
+the background while the engine tests run (lora_versions_dev.prestart's run lane); the test,
+among the last, asserts on what it left."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from _example_process import run_to_the_end
+
+from lora_versions_dev import prestart
 
 pytestmark = pytest.mark.engine
 
@@ -26,22 +31,21 @@ MARGIN = 0.3
 UNTIL_REWARD = 0.5
 
 
-def test_online_rl_short_form_learns_and_holds_its_invariants(tmp_path: Path) -> None:
-    p = run_to_the_end(
-        [
-            sys.executable,
-            "-m",
-            "examples.online_rl",
-            "--steps",
-            str(STEPS),
-            "--until-reward",
-            str(UNTIL_REWARD),
-            "--json",
-            "--out",
-            str(tmp_path),
-        ],
-        TIMEOUT_S,
-    )
+@prestart.prestartable("online_rl_run", gib=prestart.RUN_GIB, run=True)
+def _run_online_rl(fixtures, run_dir: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    out = run_dir / "online_rl"
+    cmd = [sys.executable, "-m", "examples.online_rl", "--steps", str(STEPS)]
+    cmd += ["--until-reward", str(UNTIL_REWARD), "--json", "--out", str(out)]
+    return out, run_to_the_end(cmd, TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def online_rl_run(fixtures, run_dir: Path, prestarts) -> tuple[Path, subprocess.CompletedProcess]:
+    return prestart.take(prestarts, "online_rl_run", fixtures, run_dir)
+
+
+def test_online_rl_short_form_learns_and_holds_its_invariants(online_rl_run) -> None:
+    out, p = online_rl_run
     assert p.stdout.strip(), p.stderr[-3000:]
     report = json.loads(p.stdout)
     failed = [i for i in report["invariants"] if not i["ok"]]
@@ -53,4 +57,4 @@ def test_online_rl_short_form_learns_and_holds_its_invariants(tmp_path: Path) ->
     # the serving mismatch: same weights on both sides, fp32 -> the log-probs agree to ~1e-6
     assert s["mismatch_fresh_max"] is not None and s["mismatch_fresh_max"] < 1e-3, s
     assert s["reclaims"] >= s["updates"] - s["skipped"] - 1  # every replaced version was reclaimed
-    assert (tmp_path / "report.json").exists() and (tmp_path / "online_rl.png").stat().st_size > 10_000
+    assert (out / "report.json").exists() and (out / "online_rl.png").stat().st_size > 10_000

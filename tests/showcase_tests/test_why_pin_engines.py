@@ -3,16 +3,21 @@ cell (pinned or per-turn rollout x no correction, truncated importance ratio ove
 log-probabilities or over the labelled version's, TRL's clipped surrogate), one seed, two
 updates, on two CPU engines of its own behind smg. The study's figures come from real runs:
 pinned episodes never span versions (the engine's attestation says so), per-turn episodes do,
-every run holds the showcase's invariants, the plot is written."""
+every run holds the showcase's invariants, the plot is written. It runs in the background while
+the engine tests run (lora_versions_dev.prestart's run lane); the test, among the last, asserts on
+what it left."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from _example_process import run_to_the_end
+
+from lora_versions_dev import prestart
 
 pytestmark = pytest.mark.engine
 
@@ -20,24 +25,25 @@ TIMEOUT_S = 600
 CELLS = {f"{r}/{c}" for r in ("pinned", "per-turn") for c in ("tis", "trl", "none", "tis-label")}
 
 
-def test_the_why_pin_short_form_runs_every_cell_and_only_per_turn_episodes_span_versions(
-    tmp_path: Path,
-) -> None:
-    cmd = [
-        sys.executable,
-        "bench/why_pin.py",
-        "--short",
-        "--out",
-        str(tmp_path),
-        "--run-dir",
-        str(tmp_path / "run"),
-    ]
-    p = run_to_the_end(cmd, TIMEOUT_S, merge_stderr=True)
+@prestart.prestartable("why_pin_run", gib=prestart.RUN_GIB, run=True)
+def _run_why_pin(fixtures, run_dir: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    out = run_dir / "why_pin"
+    cmd = [sys.executable, "bench/why_pin.py", "--short", "--out", str(out), "--run-dir", str(out / "run")]
+    return out, run_to_the_end(cmd, TIMEOUT_S, merge_stderr=True)
+
+
+@pytest.fixture(scope="module")
+def why_pin_run(fixtures, run_dir: Path, prestarts) -> tuple[Path, subprocess.CompletedProcess]:
+    return prestart.take(prestarts, "why_pin_run", fixtures, run_dir)
+
+
+def test_the_why_pin_short_form_runs_every_cell_and_only_per_turn_episodes_span_versions(why_pin_run) -> None:
+    results, p = why_pin_run
     out = p.stdout
     assert p.returncode == 0, out[-4000:]
-    doc = json.loads((tmp_path / "why_pin.json").read_text())
+    doc = json.loads((results / "why_pin.json").read_text())
     assert doc["ok"] and set(doc["cells"]) == CELLS, out[-3000:]
-    assert (tmp_path / "why_pin.png").stat().st_size > 10_000
+    assert (results / "why_pin.png").stat().st_size > 10_000
     for run in doc["runs"]:
         s = run["summary"]
         assert run["ok"], run["failed_invariants"]
