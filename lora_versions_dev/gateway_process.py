@@ -99,6 +99,9 @@ class GatewayProcess:
                 self.proc.wait(timeout=grace_s)
 
 
+SHUTDOWN_GRACE_S = 1
+
+
 def start_gateway(
     worker_urls: Sequence[str],
     log_path: Path,
@@ -115,7 +118,11 @@ def start_gateway(
         executable=smg_executable(),
         retries=retries,
         metrics_port=free_port(),
-        extra_args=extra_args,
+        # smg waits out much of its shutdown grace (180 s by default) after SIGTERM even with
+        # nothing in flight, so every stop here was GatewayProcess.stop's 5 s and then SIGKILL;
+        # with 1 s it exits in 0.7 s (measured, smg 1.13.0). Ours is stopped only once its
+        # cohort's sessions are done.
+        extra_args=["--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_S), *extra_args],
     )
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
