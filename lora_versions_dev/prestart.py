@@ -233,7 +233,9 @@ class Prestarts:
             while not self._engine_tests.wait(0.5) and not urgent.is_set() and not self._closing.is_set():
                 pass  # the tests without engines keep the CPU
         while not self._closing.is_set() and not self._may_start(name):
-            urgent.wait(0.5)  # until the memory is there, or its test wants it now
+            # until the memory is there, or its test wants it now (then until a run in flight
+            # that holds the memory it needs has ended)
+            (self._closing if urgent.is_set() else urgent).wait(0.5)
         if self._closing.is_set():
             handle_future.cancel()  # the session ended before any test took it
             return
