@@ -44,6 +44,7 @@ def test_the_why_pin_short_form_runs_every_cell_and_only_per_turn_episodes_span_
     doc = json.loads((results / "why_pin.json").read_text())
     assert doc["ok"] and set(doc["cells"]) == CELLS, out[-3000:]
     assert (results / "why_pin.png").stat().st_size > 10_000
+    switched = 0
     for run in doc["runs"]:
         s = run["summary"]
         assert run["ok"], run["failed_invariants"]
@@ -54,5 +55,11 @@ def test_the_why_pin_short_form_runs_every_cell_and_only_per_turn_episodes_span_
             assert s["assumed_gap_mean"] < 1e-3, s  # the serving mismatch, nothing more
         else:
             # the study's episodes span a publication about 60% of the time (short runs here)
-            assert s["multi_version_share"] > 0.1 and s["switched_tokens"] > 0, s
-            assert s["switched_gap_mean"] > 1e-2, s  # another version's log-probabilities
+            assert s["multi_version_share"] > 0.1, s
+            switched += s["switched_tokens"]
+            if s["switched_tokens"]:
+                assert s["switched_gap_mean"] > 1e-2, s  # another version's log-probabilities
+    # Whether an episode that spanned versions is among a cell's two trained batches of 32 is
+    # timing: a CI run once had per-turn/none span in 36% of its episodes, none of them trained
+    # (the other per-turn cells: 68 to 84 switched tokens). Over the four cells, some must be.
+    assert switched > 0, [r["summary"] for r in doc["runs"]]
