@@ -63,7 +63,8 @@ def _room_for_engine_tests(request: pytest.FixtureRequest, prestarts: prestart.P
         return
     prestarts.begin_engine_tests()
     if not prestart.is_run(request.fixturenames):
-        prestarts.wait_for_room()
+        room = request.node.get_closest_marker("room")
+        prestarts.wait_for_room(room.kwargs["gib"] if room else prestart.ROOM_GIB)
 
 
 @pytest.fixture(scope="session")

@@ -195,7 +195,7 @@ def test_a_run_starts_once_the_engine_tests_begin_and_runs_alone(register):
 
 
 def test_an_engine_test_waits_for_room_only_while_a_run_holds_it(register, monkeypatch):
-    free = {"gib": 3.0}  # under the reserve
+    free = {"gib": prestart.ROOM_GIB}  # with the run's booking, under the room a test needs
     monkeypatch.setattr(prestart, "available_gib", lambda: free["gib"])
     ends = threading.Event()
     starts = prestart.Prestarts(None, Path("."), [])

@@ -18,7 +18,8 @@ from lora_versions_dev.farm import ADMIN_KEY
 from relax_glue.sessions import SessionManager
 from relax_glue.store import DurableRegistry
 
-pytestmark = pytest.mark.engine
+# a CPU engine of its own (the engine command)
+pytestmark = [pytest.mark.engine, pytest.mark.room(gib=4.0)]
 
 
 def cli(*args: str, cohort: list[str] | None = None) -> tuple[int, Any, str]:

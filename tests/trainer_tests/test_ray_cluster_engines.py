@@ -58,7 +58,8 @@ from relax_glue.placement import (
 from relax_glue.publisher import PublishOutcome
 from relax_glue.registry_types import VersionKey, VersionState
 
-pytestmark = pytest.mark.engine
+# a Ray cluster of three nodes and its workers
+pytestmark = [pytest.mark.engine, pytest.mark.room(gib=3.5)]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

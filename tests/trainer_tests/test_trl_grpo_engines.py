@@ -41,7 +41,8 @@ from examples.trl_grpo.train import TrainSpec, launch  # noqa: E402
 from lora_versions_dev.farm import ADMIN_KEY  # noqa: E402
 from lora_versions_dev.gateway_process import running_gateway  # noqa: E402
 
-pytestmark = pytest.mark.engine
+# two training processes with torch and the model, a gateway
+pytestmark = [pytest.mark.engine, pytest.mark.room(gib=4.0)]
 
 STEPS = 3
 TIMEOUT_S = 420.0  # inside pytest's 900 s: the launcher then stops every rank itself

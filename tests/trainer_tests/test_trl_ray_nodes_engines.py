@@ -37,7 +37,8 @@ from lora_versions_dev.gateway_process import running_gateway  # noqa: E402
 from lora_versions_dev.ray_cluster import LocalRayCluster  # noqa: E402
 from relax_glue.actor import RegistryUnavailable  # noqa: E402
 
-pytestmark = pytest.mark.engine
+# Ray nodes and two training processes
+pytestmark = [pytest.mark.engine, pytest.mark.room(gib=4.0)]
 
 STEPS = 2
 TIMEOUT_S = 420.0
