@@ -14,15 +14,12 @@ lane); the test, among the last, asserts on what it left.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _example_process import run_to_the_end
-
-from lora_versions_dev import prestart
+from _example_process import background_run
 
 pytestmark = pytest.mark.engine
 
@@ -67,16 +64,11 @@ EXPECTED_CHECKS: dict[str, int] = {
 COHORT = ("E0", "E1")
 
 
-@prestart.prestartable("demo_run", gib=prestart.RUN_GIB, run=True)
-def _run_demo(fixtures, run_dir: Path) -> tuple[Path, subprocess.CompletedProcess]:
-    out = run_dir / "demo"
-    cmd = [sys.executable, "-m", "lora_versions_dev.cli", "demo", "--json", "--out", str(out)]
-    return out, run_to_the_end(cmd, 840)
+def _command(out: Path) -> list[str]:
+    return [sys.executable, "-m", "lora_versions_dev.cli", "demo", "--json", "--out", str(out)]
 
 
-@pytest.fixture(scope="module")
-def demo_run(fixtures, run_dir: Path, prestarts) -> tuple[Path, subprocess.CompletedProcess]:
-    return prestart.take(prestarts, "demo_run", fixtures, run_dir)
+demo_run = background_run("demo_run", _command, 840)
 
 
 def test_the_demo_runs_the_whole_lifecycle_through_the_gateway(demo_run) -> None:

@@ -7,14 +7,11 @@ among the last, asserts on what it left."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _example_process import run_to_the_end
-
-from lora_versions_dev import prestart
+from _example_process import background_run
 
 pytestmark = pytest.mark.engine
 
@@ -31,17 +28,12 @@ MARGIN = 0.3
 UNTIL_REWARD = 0.5
 
 
-@prestart.prestartable("online_rl_run", gib=prestart.RUN_GIB, run=True)
-def _run_online_rl(fixtures, run_dir: Path) -> tuple[Path, subprocess.CompletedProcess]:
-    out = run_dir / "online_rl"
+def _command(out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "examples.online_rl", "--steps", str(STEPS)]
-    cmd += ["--until-reward", str(UNTIL_REWARD), "--json", "--out", str(out)]
-    return out, run_to_the_end(cmd, TIMEOUT_S)
+    return [*cmd, "--until-reward", str(UNTIL_REWARD), "--json", "--out", str(out)]
 
 
-@pytest.fixture(scope="module")
-def online_rl_run(fixtures, run_dir: Path, prestarts) -> tuple[Path, subprocess.CompletedProcess]:
-    return prestart.take(prestarts, "online_rl_run", fixtures, run_dir)
+online_rl_run = background_run("online_rl_run", _command, TIMEOUT_S)
 
 
 def test_online_rl_short_form_learns_and_holds_its_invariants(online_rl_run) -> None:

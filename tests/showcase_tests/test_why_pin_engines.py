@@ -10,14 +10,11 @@ what it left."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _example_process import run_to_the_end
-
-from lora_versions_dev import prestart
+from _example_process import background_run
 
 pytestmark = pytest.mark.engine
 
@@ -25,16 +22,11 @@ TIMEOUT_S = 600
 CELLS = {f"{r}/{c}" for r in ("pinned", "per-turn") for c in ("tis", "trl", "none", "tis-label")}
 
 
-@prestart.prestartable("why_pin_run", gib=prestart.RUN_GIB, run=True)
-def _run_why_pin(fixtures, run_dir: Path) -> tuple[Path, subprocess.CompletedProcess]:
-    out = run_dir / "why_pin"
-    cmd = [sys.executable, "bench/why_pin.py", "--short", "--out", str(out), "--run-dir", str(out / "run")]
-    return out, run_to_the_end(cmd, TIMEOUT_S, merge_stderr=True)
+def _command(out: Path) -> list[str]:
+    return [sys.executable, "bench/why_pin.py", "--short", "--out", str(out), "--run-dir", str(out / "run")]
 
 
-@pytest.fixture(scope="module")
-def why_pin_run(fixtures, run_dir: Path, prestarts) -> tuple[Path, subprocess.CompletedProcess]:
-    return prestart.take(prestarts, "why_pin_run", fixtures, run_dir)
+why_pin_run = background_run("why_pin_run", _command, TIMEOUT_S, merge_stderr=True)
 
 
 def test_the_why_pin_short_form_runs_every_cell_and_only_per_turn_episodes_span_versions(why_pin_run) -> None:
