@@ -256,11 +256,22 @@ class ClientTimeouts:
     generate: float | None = 600.0
 
 
+# SGLang's HTTP server closes a connection idle for this long (uvicorn's ``timeout_keep_alive``,
+# ``SGLANG_TIMEOUT_KEEP_ALIVE`` in sglang/srt/environ.py, 0.5.23).
+ENGINE_KEEP_ALIVE_S = 5.0
+
+
 @dataclasses.dataclass(frozen=True)
 class PoolLimits:
+    """``keepalive_expiry`` stays under the engine's :data:`ENGINE_KEEP_ALIVE_S`: a request sent
+    on a pooled connection in the instant the engine closes it for idling fails with "Server
+    disconnected without sending a response", an unknown outcome for an engine that is healthy
+    (a CI run: a bucket sent 5.0 s after its ``begin``, on the connection ``begin`` used). An
+    engine started with a shorter ``SGLANG_TIMEOUT_KEEP_ALIVE`` needs a shorter expiry here."""
+
     control_connections: int = 8
     generation_connections: int = 256
-    keepalive_expiry: float = 30.0
+    keepalive_expiry: float = ENGINE_KEEP_ALIVE_S - 1.0
 
 
 # ------------------------------------------------------------------------------------- audit

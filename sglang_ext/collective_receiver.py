@@ -75,6 +75,14 @@ def _die_with_parent() -> None:
         os._exit(EXIT_FAILED)
 
 
+def _yield_to_decode() -> None:
+    """Every thread of this process at :data:`BACKGROUND_NICE` (Linux nice is per thread: gloo's
+    worker threads, started by the join, run the receives)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError, ValueError):
+            os.setpriority(os.PRIO_PROCESS, int(tid), BACKGROUND_NICE)
+
+
 class Receiver:
     def __init__(self, events_fd: int) -> None:
         self.events_fd = events_fd
@@ -102,6 +110,11 @@ class Receiver:
             self.group = open_group(cmd.init_method, RECEIVER_RANK, cmd.group_id, cmd.timeout_s, cmd.backend)
         except Exception as exc:
             self.fail(f"rendezvous failed: {type(exc).__name__}: {exc}")
+        # Only now does the receiver yield to the engine's decode (sglang_ext.bucket_receiver):
+        # the torch import and the join are short, once per group, and bounded by the trainer's
+        # rendezvous deadline, which a receiver at background priority on a busy machine missed
+        # (a CI run: 30 and 50 s to join beside two booting engines); the receives are long.
+        _yield_to_decode()
         self.emit(Connected())
 
     def expect(self, cmd: Expect) -> None:
@@ -177,8 +190,6 @@ class Receiver:
 
 def main() -> None:
     _die_with_parent()
-    with contextlib.suppress(OSError):
-        os.nice(BACKGROUND_NICE)  # the engine's decode goes first (sglang_ext.bucket_receiver)
     events_fd = os.dup(1)
     os.dup2(2, 1)  # anything printed by a library goes to the log, never into the event stream
     sys.stdout = sys.stderr

@@ -29,6 +29,7 @@ from lora_contract.collective_group import (
 )
 from lora_contract.errors import ErrorCode, LoraVersionError
 from relax_glue.collective_sender import CollectiveSender
+from sglang_ext.bucket_receiver import BACKGROUND_NICE
 from sglang_ext.collective_link import SETTLE_STALL_S, CollectiveLink, ExpectedBucket, LinkState
 
 TAG = token_tag("attempt-1")
@@ -37,12 +38,16 @@ TAG = token_tag("attempt-1")
 class Trainer:
     """Rank 0: hosts the store, joins on a thread while the link's receiver joins."""
 
-    def __init__(self, timeout_s: float = 10.0) -> None:
+    def __init__(self, timeout_s: float = 10.0, *, join_now: bool = True) -> None:
         self.store = host_store("127.0.0.1", 0, timeout_s)
         self.group_id = uuid.uuid4().hex
         self.init_method = f"tcp://127.0.0.1:{self.store.port}"
         self.group: Any = None
         self._joiner = threading.Thread(target=self._join, args=(timeout_s,), daemon=True)
+        if join_now:
+            self.join_now()
+
+    def join_now(self) -> None:
         self._joiner.start()
 
     def _join(self, timeout_s: float) -> None:
@@ -90,6 +95,42 @@ def gone(pid: int) -> bool:
             return f.read().split()[2] == "Z"
     except (ProcessLookupError, FileNotFoundError):
         return True
+
+
+def thread_nices(pid: int) -> dict[int, int]:
+    """The nice value of each thread of process ``pid`` (field 19 of its tasks' stat)."""
+    nices = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/stat") as f:
+            nices[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+    return nices
+
+
+def mapped(pid: int, library: str) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return library in f.read()
+
+
+async def test_the_receiver_joins_at_the_engines_priority_and_receives_behind_its_decode() -> None:
+    """The torch import and the join are short and bounded by the trainer's rendezvous deadline:
+    at background priority, beside two booting engines, a receiver took 30 and 50 s to join
+    (CI) and the trainer gave up. Once joined, every thread of the receiver (gloo's workers run
+    the receives) yields to the engine's decode."""
+    link = CollectiveLink(timeout_s=30.0)
+    trainer = Trainer(30.0, join_now=False)  # the receiver waits in the rendezvous for rank 0
+    connecting = asyncio.ensure_future(link.connect(trainer.group_id, trainer.init_method, "gloo"))
+    await _until(lambda: link._proc is not None)
+    pid = receiver_pid(link)
+    await eventually(lambda: mapped(pid, "libtorch_cpu"), timeout=60.0, poll_s=0.05)
+    await asyncio.sleep(0.5)  # in open_group now, waiting for the trainer
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert set(thread_nices(pid).values()) == {own}, thread_nices(pid)
+    trainer.join_now()
+    await connecting
+    trainer.joined()
+    nices = thread_nices(pid)
+    assert len(nices) > 1 and set(nices.values()) == {BACKGROUND_NICE}, nices
+    await link.close()
 
 
 async def test_buckets_land_after_their_header_and_the_group_goes_idle(tmp_path: Path) -> None:

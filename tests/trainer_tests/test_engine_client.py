@@ -22,6 +22,7 @@ from lora_contract.errors import ErrorCode, LoraVersionError
 from lora_versions_dev.fault_injection import FaultInjectingClient, FaultKind
 from relax_glue.engine_client import (
     BODY_SLICE_BYTES,
+    ENGINE_KEEP_ALIVE_S,
     FORBIDDEN_PATHS,
     AuditLog,
     ClientTimeouts,
@@ -457,6 +458,16 @@ async def test_generation_and_control_use_separate_pools() -> None:
             assert (await first)["text"] == "done"
         finally:
             await client.aclose()
+
+
+def test_a_pooled_connection_is_let_go_before_the_engine_closes_it_for_idling() -> None:
+    """A request sent on a pooled connection just as SGLang's server closes it for idling fails
+    with no reply, an unknown outcome on a healthy engine: the pool must drop a connection first
+    (seen in CI: a bucket sent 5.0 s after its begin, on begin's connection)."""
+    from sglang.srt.environ import envs  # the pinned engine's own default, not our copy of it
+
+    assert envs.SGLANG_TIMEOUT_KEEP_ALIVE.get() == ENGINE_KEEP_ALIVE_S
+    assert PoolLimits().keepalive_expiry <= ENGINE_KEEP_ALIVE_S - 1.0  # a second for timer slack
 
 
 async def test_a_generation_whose_connection_drops_is_not_resent() -> None:
