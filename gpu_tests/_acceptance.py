@@ -127,8 +127,8 @@ def spread(runs: Sequence[Sequence[float]]) -> float:
 
 def derive_epsilon(spreads: Sequence[float], factor: float, floor: float) -> float:
     """RFC 7.2's tolerance, from the baselines' own measured instability: ``factor`` times the
-    largest spread, never below ``floor``. On CPU fp32 the spread measured here is up to 1.7e-6
-    (a cold answer against a cached one), so epsilon is a few 1e-6."""
+    largest spread, never below ``floor`` (the profile's: what two processes are known to differ
+    by, which a pre-run on one engine may understate; CPU fp32 1e-5)."""
     return max(floor, factor * max(spreads, default=0.0))
 
 

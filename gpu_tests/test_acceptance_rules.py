@@ -23,7 +23,7 @@ from lora_versions_dev.device_profile import cpu_profile
 def test_epsilon_is_the_largest_measured_spread_times_the_factor_never_below_the_floor() -> None:
     assert spread([[-1.0, -2.0], [-1.0, -2.0]]) == 0.0
     assert spread([[-1.0, -2.0], [-1.5, -2.0], [-1.2, -1.9]]) == pytest.approx(0.5)
-    assert derive_epsilon([0.0, 0.0], 2.0, 0.0) == 0.0  # CPU fp32: bit-equal
+    assert derive_epsilon([0.0, 0.0], 2.0, 0.0) == 0.0  # no spread and no floor: bit-equality
     assert derive_epsilon([0.001, 0.004], 2.0, 0.001) == pytest.approx(0.008)
     assert derive_epsilon([0.0], 2.0, 0.001) == 0.001
 

@@ -39,7 +39,8 @@ def test_cpu_profile_starts_managed_and_clean_baseline_engines() -> None:
     assert env[PLUGIN_SWITCH_ENV] == "1"
     base_cmd = build_command(base, 2)
     assert flag(base_cmd, "--lora-paths") == "A=/a" and PLUGIN_SWITCH_ENV not in build_env(base)
-    assert p.epsilon_floor == 0.0 and p.collective_backend == "gloo"
+    # above every cross-process delta measured on CPU (4.1e-6), far below the A/B separation (1.1)
+    assert 4.1e-6 < p.epsilon_floor < 1e-3 and p.collective_backend == "gloo"
     assert all(r < p.max_lora_rank for r in p.adapter_ranks.values()), p.adapter_ranks
 
 
