@@ -28,11 +28,15 @@ E1_PROBE_LAUNCHER = REPO / "tests" / "engine_wrappers" / "sglang_with_scheduler_
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests without engines run first (in their order), the engine tests after them (in
     theirs), and last the tests of the runs that the background ran meanwhile (:func:`prestarts`):
-    meanwhile the engines the engine tests need boot in the background."""
+    meanwhile the engines the engine tests need boot in the background. A test without engines
+    that declares the room it needs (``@pytest.mark.room``) runs before all others, while the
+    background starts have not yet taken the memory down to their reserve (a fresh clone's
+    generation of the GPU fixtures peaks at 4.8 GiB: run last among the tests without engines,
+    it took a CI's MemAvailable down to 1.75 GiB)."""
 
     def phase(item: pytest.Item) -> int:
         if not item.get_closest_marker("engine"):
-            return 0
+            return -1 if item.get_closest_marker("room") else 0
         return 2 if prestart.is_run(getattr(item, "fixturenames", ())) else 1
 
     items.sort(key=phase)  # stable: each phase keeps its order

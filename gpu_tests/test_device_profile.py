@@ -84,6 +84,7 @@ def test_detect_profile_follows_the_device_and_refuses_what_it_cannot_run() -> N
             detect_profile({"ACCEPTANCE_DEVICE": "cuda"})
 
 
+@pytest.mark.room(gib=5.0)  # generating the fixtures peaks at 4.8 GiB (peak RSS, a fresh clone)
 def test_gpu_fixtures_are_generated_bf16_admitted_and_computable_without_a_gpu() -> None:
     """The GPU profile's model and adapters, generated here exactly as on a GPU host; the
     plugin's begin-time check admits the adapters for that geometry, and HF + PEFT runs them

@@ -5,6 +5,7 @@ The engines themselves are the engine tests' (every module-scoped engine is take
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
 import uuid
@@ -262,3 +263,33 @@ def test_the_session_end_stops_a_run_no_test_took(register):
 def test_the_tests_of_runs_go_last(register):
     a, b = register(run=True), register()
     assert prestart.is_run(["tmp_path", a]) and not prestart.is_run(["tmp_path", b])
+
+
+class _Item:
+    """What the session's ordering hook reads of a collected test."""
+
+    def __init__(self, name: str, markers: tuple[str, ...] = (), fixturenames: tuple[str, ...] = ()) -> None:
+        self.name, self.markers, self.fixturenames = name, markers, list(fixturenames)
+
+    def get_closest_marker(self, marker: str) -> object | None:
+        return object() if marker in self.markers else None
+
+
+def test_the_session_order_is_room_declaring_tests_without_engines_then_the_rest_then_engines_then_runs(
+    register,
+):
+    spec = importlib.util.spec_from_file_location("root_conftest", Path(__file__).parents[2] / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    root = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root)
+    run = register(run=True)
+    items = [
+        _Item("engine", ("engine",)),
+        _Item("of_a_run", ("engine",), (run,)),
+        _Item("plain"),
+        _Item("engine_with_room", ("engine", "room")),
+        _Item("heavy", ("room",)),
+        _Item("plain_2"),
+    ]
+    root.pytest_collection_modifyitems(items)
+    assert [i.name for i in items] == ["heavy", "plain", "plain_2", "engine", "engine_with_room", "of_a_run"]
