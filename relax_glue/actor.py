@@ -744,6 +744,12 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
+    async def aclose(self) -> None:
+        """:meth:`close`, and the lease reaper's end awaited: nothing of this client runs after."""
+        self.close()
+        if self._reaper is not None:
+            await asyncio.gather(self._reaper, return_exceptions=True)  # its end (cancelled), never raised
+
     @property
     def is_publisher(self) -> bool:
         """Whether this client carries a publisher token (whether it is right, the registry says)."""

@@ -613,7 +613,10 @@ class SessionManager:
         lease_ttl_s: float | None = DEFAULT_LEASE_TTL_S,
         heartbeat_s: float | None = None,
     ) -> None:
-        # A registry object is wrapped in an in-process client; a client passed in keeps its own retries.
+        # A registry object is wrapped in an in-process client, which this manager then owns (and
+        # stops with it: its lease reaper runs from the first lease granted); a client passed in
+        # keeps its own retries and stays its caller's to close.
+        self._owns_registry = not isinstance(registry, AsyncRegistryClient)
         self.registry = AsyncRegistryClient.of(registry, retries=registry_retries)
         self.engines: dict[str, EngineAPI] = dict(engines)
         if gateway is not None and router is not None:
@@ -782,12 +785,17 @@ class SessionManager:
                 await self._keep_alive()
 
     async def aclose(self) -> None:
-        """Stop the heartbeat (sessions stay as they are; close them first if you mean to)."""
+        """Stop the heartbeat, and the registry client this manager made from a registry object
+        (sessions stay as they are; close them first if you mean to). That client's lease reaper
+        outlived the manager in CI: it met the registry's closed store and died with an error
+        nobody read."""
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
             self._heartbeat = None
+        if self._owns_registry:
+            await self.registry.aclose()
 
     def get(self, key: SessionKey) -> Session | None:
         return self._sessions.get(key)

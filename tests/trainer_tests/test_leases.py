@@ -322,3 +322,27 @@ async def test_the_default_heartbeat_is_a_third_of_the_ttl_and_keeps_an_idle_ses
         await asyncio.gather(reaper, return_exceptions=True)
         await mgr.aclose()
         await cluster.aclose()
+
+
+async def test_a_manager_given_the_registry_itself_stops_its_own_clients_lease_reaper_on_close() -> None:
+    """A manager given a registry object makes its own in-process client, which reaps leases from
+    the first one granted through it: closing the manager stops that reaper. (Seen in CI: the
+    reaper outlived its manager, met the registry's closed store and died with an error nobody
+    read.) A client passed in stays its caller's: the manager leaves its reaper running."""
+    reg, cluster, _pub, client, mgr = await _world(ttl=0.3, heartbeat=0.05)
+    try:
+        own = SessionManager(reg, cluster.clients, lease_ttl_s=0.3, heartbeat_s=0.05)
+        s = await own.open("own")
+        await s.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        assert own.registry is not client and own.registry.reaping
+        given = await mgr.open("given")
+        await given.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        assert client.reaping
+        await own.aclose()
+        assert not own.registry.reaping  # stopped, and its end awaited
+        await mgr.aclose()
+        assert client.reaping  # the caller's client: the caller closes it
+    finally:
+        await client.aclose()
+        assert not client.reaping
+        await cluster.aclose()
