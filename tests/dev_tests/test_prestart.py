@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _procs import nice_of
 
 from lora_versions_dev import prestart
 
@@ -153,8 +154,7 @@ def test_background_starts_boot_at_a_lower_priority(register, monkeypatch):
     starts = prestart.Prestarts(None, Path("."), [name])
     proc = starts.take(name)
     try:
-        nice = int(Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
-        assert nice == max(before, prestart.BOOT_NICE)
+        assert nice_of(proc.pid) == max(before, prestart.BOOT_NICE)
         assert os.getpriority(os.PRIO_PROCESS, 0) == before
     finally:
         proc.kill()

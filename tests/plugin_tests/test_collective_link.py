@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from _eventually import eventually
+from _procs import thread_nices
 
 from lora_contract.collective_group import (
     PIECE_BYTES,
@@ -95,15 +96,6 @@ def gone(pid: int) -> bool:
             return f.read().split()[2] == "Z"
     except (ProcessLookupError, FileNotFoundError):
         return True
-
-
-def thread_nices(pid: int) -> dict[int, int]:
-    """The nice value of each thread of process ``pid`` (field 19 of its tasks' stat)."""
-    nices = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/stat") as f:
-            nices[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
-    return nices
 
 
 def mapped(pid: int, library: str) -> bool:
