@@ -447,23 +447,47 @@ async def test_a_transfer_that_stops_landing_is_given_up_within_the_stall_bound(
     await link.close()
 
 
-async def test_settle_gives_up_on_a_bucket_past_the_receivers_deadline(tmp_path: Path) -> None:
+def a_trainer_slow_between_pieces(monkeypatch: pytest.MonkeyPatch, gap_s: float) -> None:
+    """The real sender, each piece after the first one ``gap_s`` late (a trainer busy between
+    its pieces): the bytes land steadily, and a bucket of n pieces cannot land in less than
+    (n - 1) x ``gap_s``, whatever the machine's load (load only makes it later)."""
+    from relax_glue import collective_sender
+
+    real = collective_sender.broadcast_pieces
+
+    def paced(group: Any, tensor: Any, piece_bytes: int, landed: Any = None) -> None:
+        def after_each_piece(so_far: int) -> None:
+            if landed is not None:
+                landed(so_far)
+            time.sleep(gap_s)
+
+        real(group, tensor, piece_bytes, after_each_piece)
+
+    monkeypatch.setattr(collective_sender, "broadcast_pieces", paced)
+
+
+async def test_settle_gives_up_on_a_bucket_past_the_receivers_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Bytes that keep landing, but too slowly for the receiver's per-bucket deadline (the
     plugin's timeout, here 2 s): the settle does not wait past it whatever the progress, and the
-    group breaks."""
+    group breaks. The slowness is the sender's (24 pieces, 0.25 s apart: at least 5.75 s), not a
+    starved receiver's: a starver that lapses under load gives the receiver more time, and in
+    CI it landed the whole bucket within the deadline."""
+    a_trainer_slow_between_pieces(monkeypatch, gap_s=0.25)
     sender, link = await paired()
+    sender.piece_bytes = 1 << 20
     link.timeout_s = 2.0  # the bucket's deadline, once joined (a loaded machine's rendezvous takes longer)
-    data = os.urandom(96 << 20)
+    data = os.urandom(24 << 20)
     path = part_file(tmp_path, "p0", 16 + len(data))
     link.expect("job-1", TAG, [ExpectedBucket(0, len(data), path, 16)])
-    with Starved(receiver_pid(link), stop_s=0.3):
-        sending = asyncio.ensure_future(sender.send("attempt-1", 0, payload_of(data)))
-        await _until(lambda: first_bytes_landed(path, data))
-        t0 = time.monotonic()
-        await link.settle("job-1", stall_s=30.0)
-        settled_s = time.monotonic() - t0
-        assert not link.arrived("job-1", 0)
-        link.drop("job-1")
+    sending = asyncio.ensure_future(sender.send("attempt-1", 0, payload_of(data)))
+    await _until(lambda: first_bytes_landed(path, data))
+    t0 = time.monotonic()
+    await link.settle("job-1", stall_s=30.0)
+    settled_s = time.monotonic() - t0
+    assert not link.arrived("job-1", 0)
+    link.drop("job-1")
     assert settled_s < 4.0, settled_s  # the bucket's 2 s deadline, not the 30 s stall bound
     assert link.state is LinkState.BROKEN and "within 2 s" in str(link.reason), link.reason
     with contextlib.suppress(LoraVersionError):
