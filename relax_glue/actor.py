@@ -47,9 +47,9 @@ import asyncio
 import contextlib
 import hashlib
 import inspect
+import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -69,6 +69,8 @@ from relax_glue.store import DurableRegistry, StoreError, StoreMissingError
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
+
+logger = logging.getLogger(__name__)
 
 # How often the registry's host ends the leases that ran out, by default: the actor's reaper
 # thread and an in-process client's reaper task. A second is small against any lease TTL worth
@@ -167,6 +169,27 @@ def _unwrap(envelope: Envelope) -> Any:
     raise LoraVersionError.from_parts(code, message, details)
 
 
+class _ReaperErrors:
+    """What a lease reaper says of its failed ticks: the error once, while it repeats. The
+    reaper goes on whatever failed: one that died of an error would leave every lease it reaps
+    unexpired for good (a dead worker's sessions holding their versions), and nobody would read
+    why."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._said = ""
+
+    def failed(self, exc: Exception) -> None:
+        if repr(exc) != self._said:
+            logger.warning(
+                "lease reaper: expire_leases failed, trying again every %gs: %r", self.interval_s, exc
+            )
+        self._said = repr(exc)
+
+    def cleared(self) -> None:
+        self._said = ""
+
+
 class RegistryActor:
     """Actor body (wrapped by ``ray.remote`` lazily). Holds a durable or in-memory registry."""
 
@@ -209,6 +232,7 @@ class RegistryActor:
             except StoreMissingError as exc:
                 self._refusal = LoraVersionError(ErrorCode.REGISTRY_STATE_LOST, str(exc), db_path=db_path)
         self.reaped = 0  # sessions closed by lease expiry in this process
+        self._reaper_stop = threading.Event()
         if lease_reaper_s is not None and self._refusal is None:
             threading.Thread(
                 target=self._reap_forever, args=(float(lease_reaper_s),), name="lease-reaper", daemon=True
@@ -235,12 +259,23 @@ class RegistryActor:
 
     def _reap_forever(self, interval_s: float) -> None:
         """Close every session whose lease ran out, by the actor's own clock, every
-        ``interval_s``; restarted with the actor (Ray re-runs ``__init__``)."""
-        while True:
-            time.sleep(interval_s)
-            envelope = self.call("expire_leases", {})
+        ``interval_s``; restarted with the actor (Ray re-runs ``__init__``). A tick that fails
+        (a store error) is logged and the next one runs."""
+        errors = _ReaperErrors(interval_s)
+        while not self._reaper_stop.wait(interval_s):
+            try:
+                envelope = self.call("expire_leases", {})
+            except Exception as exc:
+                errors.failed(exc)
+                continue
+            errors.cleared()
             if envelope[0] == "ok":
                 self.reaped += len(envelope[1])
+
+    def stop_reaping(self) -> None:
+        """End the reaper thread at its next tick (a body used in process; under Ray it ends
+        with the actor's process)."""
+        self._reaper_stop.set()
 
     def describe(self) -> dict[str, Any]:
         where = {
@@ -770,10 +805,18 @@ class AsyncRegistryClient(_Describe, AsyncRegistryOps):
         """The in-process counterpart of the actor's ``lease_reaper_s`` thread: one
         ``expire_leases`` (stamped with this host's clock) every ``interval_s`` until cancelled
         (run it as a task). Give it only to an in-process registry: the actor reaps on its own.
-        An unreachable registry is asked again at the next tick; nothing is closed on a guess."""
+        An unreachable registry is asked again at the next tick; nothing is closed on a guess.
+        Any other error of a tick is logged (once while it repeats) and the next tick runs: a
+        reaper that died of it would leave every lease of this client unexpired for good."""
+        errors = _ReaperErrors(interval_s)
         while True:
-            with contextlib.suppress(RegistryUnavailable):
+            try:
                 await self.expire_leases()
+                errors.cleared()
+            except RegistryUnavailable:
+                pass
+            except Exception as exc:
+                errors.failed(exc)
             await asyncio.sleep(interval_s)
 
     def _is_transient(self, exc: BaseException) -> bool:

@@ -304,44 +304,43 @@ async def paired(timeout_s: float = 30.0) -> tuple[CollectiveSender, CollectiveL
     return sender, link
 
 
-class Starved:
-    """The receiver process starved of CPU, as on a loaded machine: it runs ``run_s`` out of
-    every ``run_s + stop_s`` (SIGSTOP/SIGCONT), so its bytes land slowly but steadily, until
-    :meth:`freeze` stops it for good (nothing lands any more) or the ``with`` block ends."""
+def a_trainer_slow_between_pieces(monkeypatch: pytest.MonkeyPatch, gap_s: float) -> None:
+    """The real sender, each piece after the first one ``gap_s`` late (a trainer busy between
+    its pieces): the bytes land steadily, and a bucket of n pieces cannot land in less than
+    (n - 1) x ``gap_s``, whatever the machine's load (load only makes it later)."""
+    from relax_glue import collective_sender
 
-    def __init__(self, pid: int, run_s: float = 0.004, stop_s: float = 0.15) -> None:
-        self.pid, self.run_s, self.stop_s = pid, run_s, stop_s
-        self._done = threading.Event()
-        self._frozen = False
-        self._thread = threading.Thread(target=self._cycle, daemon=True)
+    real = collective_sender.broadcast_pieces
+
+    def paced(group: Any, tensor: Any, piece_bytes: int, landed: Any = None) -> None:
+        def after_each_piece(so_far: int) -> None:
+            if landed is not None:
+                landed(so_far)
+            if so_far < tensor.numel():
+                time.sleep(gap_s)
+
+        real(group, tensor, piece_bytes, after_each_piece)
+
+    monkeypatch.setattr(collective_sender, "broadcast_pieces", paced)
+
+
+class Frozen:
+    """The receiver process stopped (SIGSTOP) for the ``with`` block: nothing of it moves, its
+    posted receives stay pending; SIGCONT at the end if it is still there."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
 
     def _signal(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, sig)
 
-    def _cycle(self) -> None:
-        while not self._done.is_set():
-            self._signal(signal.SIGSTOP)
-            if self._done.wait(self.stop_s):
-                break
-            self._signal(signal.SIGCONT)
-            time.sleep(self.run_s)
-
-    def freeze(self) -> None:
-        self._frozen = True
-        self._done.set()
-        self._thread.join(5)
+    def __enter__(self) -> Frozen:
         self._signal(signal.SIGSTOP)
-
-    def __enter__(self) -> Starved:
-        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join(5)
-        if not self._frozen:
-            self._signal(signal.SIGCONT)
+        self._signal(signal.SIGCONT)
 
 
 async def the_next_transfer_works(sender: CollectiveSender, link: CollectiveLink, tmp_path: Path) -> None:
@@ -354,25 +353,28 @@ async def the_next_transfer_works(sender: CollectiveSender, link: CollectiveLink
 
 
 async def test_a_cleanup_waits_for_the_last_bucket_landing_slowly_but_steadily_and_keeps_the_group(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A cleanup right after the trainer's last broadcast, its bytes still landing, slowly (the
-    receiver starved of CPU, as under load average 5-6 on 2 cores) but steadily, for longer than
-    any fixed bound (here longer than the stall bound itself): the settle waits as long as the
-    receiver reports bytes landing, the drop breaks nothing, and the same group carries the next
-    transfer. (Seen in the bench: the old 1 s settle ran out and the drop killed a healthy group.)"""
+    """A cleanup right after the trainer's last broadcast, its bytes still landing, slowly but
+    steadily (24 pieces 0.25 s apart), for longer than any fixed bound (here longer than the
+    stall bound itself): the settle waits as long as the receiver reports bytes landing, the
+    drop breaks nothing, and the same group carries the next transfer. (Seen in the bench: the
+    old 1 s settle ran out and the drop killed a healthy group.) The slowness is the sender's:
+    a receiver starved by a SIGSTOP/SIGCONT thread ran free whenever that thread lapsed under
+    load, and landed its bucket faster than the bound."""
+    a_trainer_slow_between_pieces(monkeypatch, gap_s=0.25)
     sender, link = await paired()
-    data = os.urandom(96 << 20)  # a starved receiver drains at most its socket buffers per slice
+    sender.piece_bytes = 1 << 20
+    data = os.urandom(24 << 20)
     path = part_file(tmp_path, "p0", 16 + len(data))
     link.expect("job-1", TAG, [ExpectedBucket(0, len(data), path, 16)])
-    with Starved(receiver_pid(link), stop_s=0.3):
-        sending = asyncio.ensure_future(sender.send("attempt-1", 0, payload_of(data)))
-        await _until(lambda: first_bytes_landed(path, data))
-        assert not link.arrived("job-1", 0)
-        t0 = time.monotonic()
-        await link.settle("job-1")
-        settled_s = time.monotonic() - t0
-        link.drop("job-1")
+    sending = asyncio.ensure_future(sender.send("attempt-1", 0, payload_of(data)))
+    await _until(lambda: first_bytes_landed(path, data))
+    assert not link.arrived("job-1", 0)
+    t0 = time.monotonic()
+    await link.settle("job-1")
+    settled_s = time.monotonic() - t0
+    link.drop("job-1")
     assert link.state is LinkState.CONNECTED, link.reason
     assert settled_s > SETTLE_STALL_S, f"landed in {settled_s:.2f} s: not slower than the stall bound"
     await asyncio.wait_for(sending, 30)
@@ -417,27 +419,31 @@ def first_bytes_landed(path: Path, data: bytes, offset: int = 16) -> bool:
         return f.read(64) == data[:64]
 
 
-async def test_a_transfer_that_stops_landing_is_given_up_within_the_stall_bound(tmp_path: Path) -> None:
-    """Bytes that stop landing in the middle of a bucket (the receiver frozen: nothing moves any
-    more): the settle gives up once it heard nothing of them for the stall bound, long before
-    the receiver's own deadline, and the drop that follows breaks the group and says why."""
+async def test_a_transfer_that_stops_landing_is_given_up_within_the_stall_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bytes that stop landing in the middle of a bucket (the receiver frozen once its first
+    bytes landed, a bucket that needs at least 3.75 s: nothing moves any more): the settle gives
+    up once it heard nothing of them for the stall bound, long before the receiver's own
+    deadline, and the drop that follows breaks the group and says why."""
+    a_trainer_slow_between_pieces(monkeypatch, gap_s=0.25)
     sender, link = await paired(timeout_s=8.0)
-    data = os.urandom(48 << 20)
+    sender.piece_bytes = 1 << 20
+    data = os.urandom(16 << 20)
     path = part_file(tmp_path, "p0", 16 + len(data))
     link.expect("job-1", TAG, [ExpectedBucket(0, len(data), path, 16)])
     pid = receiver_pid(link)
     broke: list[str] = []
     link.on_break(broke.append)
-    with Starved(pid) as starved:
-        sending = asyncio.ensure_future(sender.send("attempt-1", 0, payload_of(data)))
-        await _until(lambda: first_bytes_landed(path, data))
-        starved.freeze()
+    sending = asyncio.ensure_future(sender.send("attempt-1", 0, payload_of(data)))
+    await _until(lambda: first_bytes_landed(path, data))
+    with Frozen(pid):
         t0 = time.monotonic()
         await link.settle("job-1", stall_s=1.0)
         settled_s = time.monotonic() - t0
+        assert not link.arrived("job-1", 0)  # it was really still pending
+        link.drop("job-1")
     assert 1.0 <= settled_s < 3.0, settled_s  # the stall bound, not the 8 s deadline
-    assert not link.arrived("job-1", 0)  # it was really still pending
-    link.drop("job-1")
     assert link.state is LinkState.BROKEN
     assert broke and "dropped before it ended" in broke[0] and "nothing of it landed for 1 s" in broke[0]
     await _until(lambda: gone(pid))
@@ -445,25 +451,6 @@ async def test_a_transfer_that_stops_landing_is_given_up_within_the_stall_bound(
         await asyncio.wait_for(sending, 30)  # the sender's side ends by its own deadline
     assert err.value.code is ErrorCode.TRANSFER_FAILED
     await link.close()
-
-
-def a_trainer_slow_between_pieces(monkeypatch: pytest.MonkeyPatch, gap_s: float) -> None:
-    """The real sender, each piece after the first one ``gap_s`` late (a trainer busy between
-    its pieces): the bytes land steadily, and a bucket of n pieces cannot land in less than
-    (n - 1) x ``gap_s``, whatever the machine's load (load only makes it later)."""
-    from relax_glue import collective_sender
-
-    real = collective_sender.broadcast_pieces
-
-    def paced(group: Any, tensor: Any, piece_bytes: int, landed: Any = None) -> None:
-        def after_each_piece(so_far: int) -> None:
-            if landed is not None:
-                landed(so_far)
-            time.sleep(gap_s)
-
-        real(group, tensor, piece_bytes, after_each_piece)
-
-    monkeypatch.setattr(collective_sender, "broadcast_pieces", paced)
 
 
 async def test_settle_gives_up_on_a_bucket_past_the_receivers_deadline(

@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+from _eventually import eventually
 from _fake_engine import make_cluster, make_snapshot
 from _rg_helpers import ENGINES, EPOCH, Publisher, new_registry, refused, sk, vk
 
 from lora_contract.errors import ErrorCode
-from relax_glue.actor import AsyncRegistryClient
+from relax_glue.actor import AsyncRegistryClient, RegistryActor
 from relax_glue.cohort import open_publisher
 from relax_glue.registry_types import LeaseView, SessionState, VersionState, loads
 from relax_glue.sessions import SessionManager, SessionPhase
@@ -346,3 +347,62 @@ async def test_a_manager_given_the_registry_itself_stops_its_own_clients_lease_r
         await client.aclose()
         assert not client.reaping
         await cluster.aclose()
+
+
+async def test_a_lease_reaper_goes_on_after_an_unexpected_error_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reaper tick that fails with an error the client does not expect (not the registry
+    unreachable: a bug, a store error) is logged and the next tick runs: before, the reaper's
+    task died of it silently and no lease of that client expired again (a dead worker's
+    sessions held their versions for good)."""
+    reg, cluster, _pub, _client, _mgr = await _world(ttl=0.3, heartbeat=0.05)
+    client = AsyncRegistryClient.in_process(reg, retries=0, lease_reaper_s=0.02)
+    real_call, planted = client._acall, []
+
+    async def the_first_reap_fails(op: str, kwargs: dict) -> object:
+        if op == "expire_leases" and not planted:
+            planted.append(op)
+            raise RuntimeError("planted: one reaper tick fails")
+        return await real_call(op, kwargs)
+
+    client._acall = the_first_reap_fails
+    try:
+        with caplog.at_level("WARNING", logger="relax_glue.actor"):
+            dead_mgr = SessionManager(client, cluster.clients, lease_ttl_s=0.3, heartbeat_s=0.05)
+            dead = await dead_mgr.open("dead")
+            await dead.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+            await dead_mgr.aclose()  # the worker "dies"
+            await eventually(lambda: reg.session(dead.key).expired, timeout=5.0, poll_s=0.02)
+        assert planted and client.reaping
+        assert any("planted: one reaper tick fails" in r.getMessage() for r in caplog.records)
+    finally:
+        await client.aclose()
+        await _mgr.aclose()
+        await cluster.aclose()
+
+
+async def test_the_registry_actors_reaper_thread_goes_on_after_a_failed_tick(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The actor's own reaper (a thread of its body, run here without Ray) outlives a tick whose
+    registry call raised (a store error): logged, and the ticks go on. Before, the thread died
+    of it and the actor never expired a lease again."""
+    actor = RegistryActor(EPOCH, ENGINES, 2, None, "NORMAL", lease_reaper_s=0.02)
+    reg = actor._registry
+    assert reg is not None
+    real, ticks = reg.expire_leases, []
+
+    def one_tick_fails(**kwargs: object) -> object:
+        ticks.append(kwargs)
+        if len(ticks) == 2:
+            raise RuntimeError("planted: the store failed one tick")
+        return real(**kwargs)
+
+    with caplog.at_level("WARNING", logger="relax_glue.actor"):
+        reg.expire_leases = one_tick_fails  # type: ignore[method-assign]
+        try:
+            await eventually(lambda: len(ticks) >= 5, timeout=5.0, poll_s=0.02, what="more ticks")
+        finally:
+            actor.stop_reaping()
+    assert any("planted: the store failed one tick" in r.getMessage() for r in caplog.records)
