@@ -198,11 +198,15 @@ def test_renewals_write_nothing_to_disk(tmp_path: Path) -> None:
 def test_an_expiry_is_journaled_as_its_decision_and_a_restart_gives_live_leases_a_fresh_ttl(
     tmp_path: Path,
 ) -> None:
+    """The live lease's TTL is 30 s, so no delay of this loaded machine (three fsynced commits
+    before the first expiry) ends it by accident (it had 0.3 s, and a slow disk could have ended
+    it with the dead one); its deadlines are then checked at stated times, not by sleeping."""
     path = tmp_path / "reg.db"
+    ttl = 30.0
     with DurableRegistry.open(path, EPOCH, ENGINES, 2) as d:
         _bound(d, "gone", lease=None)
         d.grant_lease("dead", 0.05)
-        d.grant_lease("live", 0.3)
+        old_deadline = d.grant_lease("live", ttl).expires_at
         d.bind_first(sk("d"), "dead")
         d.bind_first(sk("l"), "live")
         time.sleep(0.06)
@@ -211,14 +215,14 @@ def test_an_expiry_is_journaled_as_its_decision_and_a_restart_gives_live_leases_
     ops = _journal(path)
     assert [loads(args) for op, args in ops if op == "end_leases"] == [{"lease_ids": ["dead"]}]
     assert "expire_leases" not in {op for op, _ in ops}  # the decision, never the clock
-    time.sleep(0.35)  # the live lease's old deadline has passed while the registry was down
     opened = time.time()
     with DurableRegistry.open(path, EPOCH, ENGINES, 2) as d:
         assert d.dump() == before and d.session(sk("d")).expired  # the same decisions
-        assert d.expire_leases() == ()  # a fresh TTL from the restart: not expired early
-        assert d.lease("live").expires_at >= opened + 0.3
-        time.sleep(0.31)
-        assert d.expire_leases() == (sk("l"),)  # but one TTL later, unrenewed, it ends
+        fresh = d.lease("live").expires_at
+        assert fresh >= opened + ttl > old_deadline  # a fresh TTL from the restart
+        assert d.expire_leases(now=old_deadline + 0.01) == ()  # its old deadline no longer ends it
+        assert d.expire_leases(now=fresh - 0.01) == ()
+        assert d.expire_leases(now=fresh) == (sk("l"),)  # but one TTL after the restart, unrenewed, it ends
 
 
 # ------------------------------------------------------------------------------ session layer
@@ -240,7 +244,9 @@ async def test_the_heartbeat_keeps_an_idle_session_alive_and_a_dead_worker_loses
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level("WARNING", logger="relax_glue.actor")
-    reg, cluster, pub, client, mgr = await _world(ttl=0.3, heartbeat=0.05)
+    # the live worker's TTL is 1 s, so a renewal up to 0.95 s late (a stalled event loop) still
+    # lands; the dead worker's is 0.3 s, and it idles for well over that
+    reg, cluster, pub, client, mgr = await _world(ttl=1.0, heartbeat=0.05)
     reaper = asyncio.ensure_future(client.reap_leases_forever(0.02))  # the host stamps its clock
     try:
         live = await mgr.open("live")
@@ -252,7 +258,7 @@ async def test_the_heartbeat_keeps_an_idle_session_alive_and_a_dead_worker_loses
         await dead_mgr.aclose()
         assert (await pub.publish(make_snapshot(seed=2), "B")).ok  # A retired, held by both
         assert reg.version(vk("A")).session_refs == 2
-        await asyncio.sleep(1.0)  # > 3 TTLs idle: the live one is renewed by its heartbeat
+        await asyncio.sleep(1.5)  # > 1 TTL idle (5 of the dead one's): the heartbeat renews the live one
         assert reg.session(live.key).state is SessionState.OPEN
         assert reg.session(dead.key).expired and reg.version(vk("A")).session_refs == 1
         out = await live.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
@@ -312,16 +318,19 @@ async def test_an_in_process_client_reaps_the_leases_granted_through_it_with_no_
 async def test_the_default_heartbeat_is_a_third_of_the_ttl_and_keeps_an_idle_session() -> None:
     """No heartbeat given (as the README's quickstart does): the manager renews every TTL / 3,
     so a session idle for several TTLs is never expired while its worker lives."""
-    reg, cluster, _pub, client, mgr = await _world(ttl=0.3, heartbeat=None)
-    assert mgr.heartbeat_s == pytest.approx(0.1)
+    # a TTL of 1.2 s: a renewal 0.4 s late still lands (the event loop of a loaded machine can
+    # stall that long; with 0.3 s, 0.2 s was enough to let the 0.02 s reaper end a live lease)
+    reg, cluster, _pub, client, mgr = await _world(ttl=1.2, heartbeat=None)
+    assert mgr.heartbeat_s == pytest.approx(0.4)
     reaper = asyncio.ensure_future(client.reap_leases_forever(0.02))
     try:
         s = await mgr.open("idle")
         await s.generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
-        before = mgr.renewals
-        await asyncio.sleep(1.0)  # more than 3 TTLs without a turn
+        before, t0 = mgr.renewals, time.monotonic()
+        await asyncio.sleep(2.0)  # more than a TTL without a turn
         assert reg.session(s.key).state is SessionState.OPEN
-        assert 6 <= mgr.renewals - before <= 14  # about one renewal per 0.1 s
+        renewals, idle_s = mgr.renewals - before, time.monotonic() - t0
+        assert 3 <= renewals <= idle_s / 0.4 + 1, (renewals, idle_s)  # about one renewal per 0.4 s
     finally:
         reaper.cancel()
         await asyncio.gather(reaper, return_exceptions=True)

@@ -11,7 +11,6 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 from _publish_results import result
 
 from lora_contract.errors import ErrorCode
@@ -70,7 +69,9 @@ async def test_capacity_held_is_reclaimed_waited_for_then_a_counted_skip_after_t
     o = await v.publish_step(None, 5, required=False)
     assert (o.kind, o.code) == (OutcomeKind.SKIPPED, "CAPACITY_ERROR")
     assert o.capacity_refusals == pub.published >= 2 and pub.reclaims >= 2  # reclaimed, retried
-    assert o.seconds == pytest.approx(0.3, abs=0.1)  # the whole reclaim wait, no longer
+    # the whole reclaim wait, no longer: a second wait would make it 0.6 s (the upper bound leaves
+    # a late wake-up of a loaded machine its room)
+    assert 0.25 <= o.seconds < 0.55, o.seconds
     assert steps.last_published == 4 and outcome_of(steps.publications[-1]) == o
 
 
@@ -85,7 +86,7 @@ async def test_the_settling_before_the_first_attempt_counts_as_waited() -> None:
     pub.resolve = slow_resolve  # type: ignore[method-assign]
     v, _ = publishing(pub, last=4, reclaim_wait_s=0.5)
     o = await v.publish_step(None, 5, required=False)
-    assert o.kind is OutcomeKind.SKIPPED and o.seconds == pytest.approx(0.5, abs=0.1)
+    assert o.kind is OutcomeKind.SKIPPED and 0.45 <= o.seconds < 0.75, o.seconds  # not 0.3 + 0.5
 
 
 async def test_a_slot_freed_by_a_reclaim_is_used_by_the_retry() -> None:
@@ -113,5 +114,5 @@ async def test_the_first_version_waits_the_forced_bound_and_then_fails_typed() -
     o = await v.publish_step(None, 0, required=True)
     # never skipped (nothing to roll out on without it): the forced bound, then a typed failure
     assert (o.kind, o.code) == (OutcomeKind.FAILED, "CAPACITY_ERROR")
-    assert o.attempts >= 2 and o.seconds == pytest.approx(0.5, abs=0.1)
+    assert o.attempts >= 2 and 0.45 <= o.seconds < 0.9, o.seconds  # the bound once, not twice
     assert steps.last_published == -1
