@@ -34,6 +34,17 @@ from pathlib import Path
 SWITCH_ENV = "SGLANG_EXT_CPU_DEV"
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
 
+# The static memory fraction of a CPU engine. SGLang (0.5.23, KVCacheConfigurator.
+# _profile_available_bytes) refuses to start when the memory available after the weights load is
+# under pre x (1 - fraction), pre being what was available at its baseline: on CPU that is the
+# whole machine's MemAvailable, so whatever a NEIGHBOUR takes in that second counts as this
+# engine's own. At 0.1, an engine booting beside another one on a machine with 4.5 GiB available
+# failed ("Loaded weights leave no GPU memory for the KV cache", seen in CI; bench/
+# cpu_engine_memory_race.py reproduces it). At 0.5 a neighbour may take half of it. The fraction
+# costs no memory here: --max-total-tokens caps the KV pool (4096 tokens whatever the fraction).
+CPU_MEM_FRACTION_STATIC = 0.5
+CPU_MAX_TOTAL_TOKENS = 4096
+
 # Flags every CPU engine needs (workaround 4 plus the settings cpu-engine.md found necessary).
 ENGINE_FLAGS: tuple[str, ...] = (
     "--device",
@@ -43,9 +54,9 @@ ENGINE_FLAGS: tuple[str, ...] = (
     "--lora-backend",
     "torch_native",
     "--mem-fraction-static",
-    "0.1",
+    str(CPU_MEM_FRACTION_STATIC),
     "--max-total-tokens",
-    "4096",
+    str(CPU_MAX_TOTAL_TOKENS),
 )
 
 
