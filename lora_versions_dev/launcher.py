@@ -318,20 +318,64 @@ def start_engine(spec: EngineSpec) -> Engine:
     return engine
 
 
+def shared_gpus(specs: Sequence[EngineSpec]) -> list[list[int]]:
+    """The specs (by index) that share a GPU, in groups, each in its given order: engines on CUDA
+    whose ``CUDA_VISIBLE_DEVICES`` overlap. Every other spec is a group of its own. SGLang sizes an
+    engine's KV pool from the device's free memory at its baseline and after its weights load,
+    and refuses to start when the second is under baseline x (1 - mem_fraction_static): a
+    neighbour on the same GPU loading its weights and pool in between counts as this engine's
+    own. On CPU the fraction is set wide enough instead (cpu.CPU_MEM_FRACTION_STATIC): the pool is
+    capped by --max-total-tokens there, so the engines may boot together."""
+    groups: list[list[int]] = []
+    devices: list[set[str]] = []
+    for i, spec in enumerate(specs):
+        mine = _gpus_of(spec)
+        overlapping = [g for g, ds in enumerate(devices) if mine and ds and ("*" in ds | mine or ds & mine)]
+        merged = [i]
+        for g in reversed(overlapping):
+            merged = groups.pop(g) + merged
+            mine |= devices.pop(g)
+        groups.append(sorted(merged))
+        devices.append(mine)
+    return groups
+
+
+def _gpus_of(spec: EngineSpec) -> set[str]:
+    """The GPUs an engine may use: none on CPU; ``{"*"}`` (every one) when nothing narrows them."""
+    if spec.cpu_dev:
+        return set()
+    visible = spec.env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return {d.strip() for d in visible.split(",") if d.strip()} if visible else {"*"}
+
+
+def _start_one_after_another(specs: Sequence[EngineSpec]) -> list[Engine]:
+    started: list[Engine] = []
+    try:
+        for spec in specs:
+            started.append(start_engine(spec))
+    except BaseException:
+        stop_engines(started)
+        raise
+    return started
+
+
 def start_engines(specs: Sequence[EngineSpec]) -> list[Engine]:
-    """Start several engines in parallel; all or nothing."""
-    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
-        futures = [pool.submit(start_engine, s) for s in specs]
-        engines, errors = [], []
-        for f in futures:
+    """Start several engines in parallel, but those that share a GPU one after another
+    (:func:`shared_gpus`); all or nothing. Returned in the order of ``specs``."""
+    groups = shared_gpus(specs)
+    with ThreadPoolExecutor(max_workers=max(1, len(groups))) as pool:
+        futures = [pool.submit(_start_one_after_another, [specs[i] for i in g]) for g in groups]
+        started: dict[int, Engine] = {}
+        errors = []
+        for group, f in zip(groups, futures, strict=True):
             try:
-                engines.append(f.result())
+                started.update(zip(group, f.result(), strict=True))
             except Exception as e:
                 errors.append(e)
     if errors:
-        stop_engines(engines)
+        stop_engines(list(started.values()))
         raise errors[0]
-    return engines
+    return [started[i] for i in range(len(specs))]
 
 
 def stop_engine(engine: Engine) -> int | None:
