@@ -62,8 +62,9 @@ def take(proc: subprocess.Popen[str], nbytes: int) -> None:
     proc.stdin.flush()
 
 
-def one_start(fraction: float, leave_gib: float, take_gib: float, log: Path) -> dict[str, Any]:
-    fixtures = ensure_fixtures()
+def one_start(
+    fraction: float, leave_gib: float, take_gib: float, model_dir: Path, log: Path
+) -> dict[str, Any]:
     rest, neighbour = holder(), holder()
     try:
         take(rest, int(psutil.virtual_memory().available - leave_gib * GiB))
@@ -71,7 +72,7 @@ def one_start(fraction: float, leave_gib: float, take_gib: float, log: Path) -> 
         available = psutil.virtual_memory().available / GiB
         spec = EngineSpec(
             name="race",
-            model_path=fixtures.model_dir,
+            model_path=model_dir,
             log_path=log,
             plugin=False,
             extra_args=["--mem-fraction-static", str(fraction)],
@@ -123,12 +124,13 @@ def main() -> int:
     if psutil.virtual_memory().available / GiB < args.leave_gib + 1:
         print(f"needs {args.leave_gib + 1:g} GiB available", file=sys.stderr)
         return 2
+    model_dir = ensure_fixtures().model_dir
     rows = []
     with tempfile.TemporaryDirectory(prefix="memrace-") as tmp:
         for fraction in (float(f) for f in args.fractions.split(",")):
             for rep in range(args.reps):
                 log = Path(tmp) / f"e-{fraction}-{rep}.log"
-                row = one_start(fraction, args.leave_gib, args.take_gib, log)
+                row = one_start(fraction, args.leave_gib, args.take_gib, model_dir, log)
                 rows.append(row)
                 print(
                     f"fraction {row['fraction']:<5} available {row['available_gib_at_launch']:>5} GiB, "

@@ -29,6 +29,7 @@ from lora_contract.collective_group import (
     token_tag,
 )
 from lora_contract.errors import ErrorCode, LoraVersionError
+from relax_glue import collective_sender
 from relax_glue.collective_sender import CollectiveSender
 from sglang_ext.bucket_receiver import BACKGROUND_NICE
 from sglang_ext.collective_link import SETTLE_STALL_S, CollectiveLink, ExpectedBucket, LinkState
@@ -308,8 +309,6 @@ def a_trainer_slow_between_pieces(monkeypatch: pytest.MonkeyPatch, gap_s: float)
     """The real sender, each piece after the first one ``gap_s`` late (a trainer busy between
     its pieces): the bytes land steadily, and a bucket of n pieces cannot land in less than
     (n - 1) x ``gap_s``, whatever the machine's load (load only makes it later)."""
-    from relax_glue import collective_sender
-
     real = collective_sender.broadcast_pieces
 
     def paced(group: Any, tensor: Any, piece_bytes: int, landed: Any = None) -> None:
